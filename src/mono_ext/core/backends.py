@@ -1,0 +1,67 @@
+"""Kernel backends as the core sees them: a name, where its code lives, whether it can run here.
+
+A backend names provenance (``triton``, ``flydsl``, ``reference``); which
+devices it runs on is what its ``probe`` answers. The core imports nothing of
+a backend until it is picked: ``target`` is a lazy ``module:attr`` string.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["KernelBackend", "BackendError", "select_backend", "load_target", "AUTO"]
+
+AUTO = "auto"
+
+
+class BackendError(RuntimeError):
+    """A named backend is unknown or cannot run on this machine."""
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    description: str
+    target: str  # "module:attr" of the object that builds K1/K2 for a BuildKey
+    probe: Callable[[], tuple[bool, str]]  # (usable here, why not / on what)
+    auto_priority: int = 0  # auto picks the usable backend with the highest; <= 0: never auto
+    testing_only: bool = False
+
+
+def load_target(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise BackendError(f"backend target {target!r} is not 'module:attr'")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def select_backend(name: str, backends: Mapping[str, KernelBackend]) -> KernelBackend:
+    """The backend to use for ``name`` (or ``auto``), or a BackendError saying why none.
+
+    An explicitly named backend that cannot run here is an error, never a quiet
+    switch to another one: the user asked for it by name.
+    """
+    if name == AUTO:
+        tried = []
+        for b in sorted(backends.values(), key=lambda b: -b.auto_priority):
+            if b.auto_priority <= 0:
+                continue
+            ok, why = b.probe()
+            if ok:
+                return b
+            tried.append(f"{b.name}: {why}")
+        raise BackendError("no kernel backend can run here (" + "; ".join(tried or ["none"]) + ")")
+    if name not in backends:
+        raise BackendError(
+            f"unknown kernel backend {name!r}; choose from {', '.join([AUTO, *sorted(backends)])}"
+        )
+    ok, why = backends[name].probe()
+    if not ok:
+        raise BackendError(f"kernel backend {name!r} cannot run here: {why}")
+    return backends[name]

@@ -1,0 +1,138 @@
+"""The model-spec contract every supported model family implements.
+
+A spec decides, from views only, whether mono_ext may serve a deployment
+(three refusal stages) and, once per step on the host, whether that step runs
+the fused launches (``plan``). It knows nothing of engines or kernel backends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+from .refusal import Refusal
+from .views import CacheView, ConfigView, ModelView, StepView
+
+__all__ = ["BuildKey", "Step", "Deployment", "ModelSpec", "DEFAULT_WIDTHS"]
+
+DEFAULT_WIDTHS: tuple[int, ...] = tuple(range(1, 17))
+
+
+@dataclass(frozen=True)
+class BuildKey:
+    """Everything a compiled K1/K2 pair depends on, besides kernel sources.
+
+    ``layouts`` holds engine layout tags (conv-state layout, qkvz packing, ...),
+    sorted so equal deployments give equal keys.
+    """
+
+    spec: str
+    backend: str
+    width: int
+    dtype: str
+    tp_size: int
+    layouts: tuple[tuple[str, str], ...] = ()
+
+    def digest(self, salt: str = "") -> str:
+        """A stable short hash; ``salt`` is where a backend mixes in its sources."""
+        blob = json.dumps(asdict(self), sort_keys=True) + salt
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def label(self) -> str:
+        lay = ",".join(f"{k}={v}" for k, v in self.layouts)
+        return f"{self.spec}/{self.backend}/w{self.width}/{self.dtype}/tp{self.tp_size}" + (
+            f"/{lay}" if lay else ""
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    """A decision to run the fused launches for one step."""
+
+    width: int  # rows, each a single decode token
+    key: BuildKey
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Facts fixed once a deployment's config is accepted; plan() reads only these."""
+
+    backend: str
+    dtype: str
+    tp_size: int
+    widths: tuple[int, ...]
+    layouts: Mapping[str, str] = field(default_factory=dict)
+
+
+class ModelSpec(ABC):
+    """One model family. Subclasses set the class attributes and the refusals.
+
+    ``NUMERICS`` maps ``<launch>.<output>.<metric>`` (metric: ``cosine`` is a
+    lower bound; ``rel_l2`` and ``max_abs`` are upper bounds) to thresholds.
+    """
+
+    name: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]]
+    NUMERICS: ClassVar[Mapping[str, float]]
+    widths: ClassVar[tuple[int, ...]] = DEFAULT_WIDTHS
+
+    def __init__(self) -> None:
+        self.deployment: Deployment | None = None
+
+    # -- which deployments ---------------------------------------------------
+    def serves(self, cfg: ConfigView) -> bool:
+        """True when the config names one of this spec's architectures."""
+        return any(a in self.architectures for a in cfg.architectures)
+
+    @abstractmethod
+    def refuse_config(self, cfg: ConfigView) -> Refusal:
+        """Every reason this config cannot be served (before weights load)."""
+
+    @abstractmethod
+    def refuse_model(self, model: ModelView) -> Refusal:
+        """Every reason the loaded modules cannot be read in place."""
+
+    @abstractmethod
+    def refuse_caches(self, caches: CacheView) -> Refusal:
+        """Every reason the bound caches cannot be read/written in place."""
+
+    # -- per step --------------------------------------------------------------
+    def deploy(self, deployment: Deployment) -> None:
+        unknown = set(deployment.widths) - set(self.widths)
+        if unknown:
+            raise ValueError(f"{self.name}: widths {sorted(unknown)} are not served by this spec")
+        self.deployment = deployment
+
+    def build_key(self, width: int) -> BuildKey:
+        d = self._deployed()
+        return BuildKey(
+            spec=self.name,
+            backend=d.backend,
+            width=width,
+            dtype=d.dtype,
+            tp_size=d.tp_size,
+            layouts=tuple(sorted(d.layouts.items())),
+        )
+
+    def build_keys(self) -> list[BuildKey]:
+        """Every key this deployment compiles at start-up (one per served width)."""
+        return [self.build_key(w) for w in self._deployed().widths]
+
+    def plan(self, step: StepView) -> Step | None:
+        """The fused launches for a pure decode step of a served width, else None.
+
+        Pure host facts only, so capture and replay of a graph agree.
+        """
+        d = self._deployed()
+        if step.mode != "decode" or step.tokens_per_row != 1 or step.rows not in d.widths:
+            return None
+        return Step(width=step.rows, key=self.build_key(step.rows))
+
+    def _deployed(self) -> Deployment:
+        if self.deployment is None:
+            raise RuntimeError(f"{self.name}: plan() before deploy(); accept the config first")
+        return self.deployment

@@ -1,0 +1,290 @@
+"""The Qwen3-Next / Qwen3.5-MoE spec: what K1/K2 can serve, checked from views.
+
+Every limit below is a limit of the kernels (tile sizes, the router's top-k
+width, the all-reduce's TP sizes) or of reading the engine's tensors in place.
+A refusal names the setting and, where it is not obvious, the wrong answer a
+quiet fallback would give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from ...core.refusal import Refusal, Stage
+from ...core.spec import ModelSpec
+from ...core.views import FEATURES, CacheView, ConfigView, ModelView
+from .dims import Dims
+
+__all__ = ["Qwen3NextSpec", "LIMITS"]
+
+#: Kernel limits (named so a refusal and a test can both point at them).
+LIMITS: dict[str, Any] = {
+    "tp_sizes": (1, 2, 4, 8),
+    "max_experts": 512,
+    "max_top_k": 10,
+    "head_dims": (16, 32, 64, 128, 256),  # GDN Dk/Dv and attention head_dim: power-of-two tiles
+    "conv_kernel": 4,
+    "dtypes": ("bfloat16",),
+    "state_dtypes": ("float32", "bfloat16"),
+    "conv_layouts": ("vllm", "sglang"),
+    "kv_layouts": ("vllm", "sglang"),
+    "hidden_multiple": 16,
+}
+
+_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+_PACKING = {"qwen3_next": "interleaved", "qwen3_5_moe": "contiguous"}
+_ROPE_TYPES = ("default", None)
+_UNQUANTIZED = ("none", "unquantized", "UnquantizedLinearMethod", "UnquantizedFusedMoEMethod")
+
+
+def _pow2_dim(name: str, value: int) -> str | None:
+    if value not in LIMITS["head_dims"]:
+        return (
+            f"{name}={value}: kernels tile head dims of {', '.join(map(str, LIMITS['head_dims']))}"
+        )
+    return None
+
+
+def _divides(what: str, total: int, tp: int) -> str | None:
+    if total % tp:
+        return f"{what}={total} is not divisible by TP {tp}"
+    return None
+
+
+class Qwen3NextSpec(ModelSpec):
+    name: ClassVar[str] = "qwen3_next"
+    architectures: ClassVar[tuple[str, ...]] = _ARCHS
+    # Thresholds against the fp32 reference (issue text of K1/K2); the residual
+    # is an add in fp32 rounded once to bf16, so 2^-8 relative bounds it.
+    NUMERICS: ClassVar[Mapping[str, float]] = {
+        "k1.out.cosine": 0.999,
+        "k1.out.rel_l2": 1e-2,
+        "k1.conv_state.cosine": 0.999,
+        "k1.conv_state.rel_l2": 1e-2,
+        "k1.ssm_state.cosine": 0.999,
+        "k1.ssm_state.rel_l2": 1e-2,
+        "k1.q.cosine": 0.999,
+        "k1.q.rel_l2": 1e-2,
+        "k1.k.cosine": 0.999,
+        "k1.k.rel_l2": 1e-2,
+        "k1.v.cosine": 0.999,
+        "k1.v.rel_l2": 1e-2,
+        "k2.hidden.cosine": 0.999,
+        "k2.hidden.rel_l2": 1e-2,
+        "k2.residual.rel_l2": 2**-8,
+    }
+
+    # -- stage 1: config -------------------------------------------------------
+    def refuse_config(self, cfg: ConfigView) -> Refusal:
+        reasons: list[str] = []
+        hf = cfg.hf_config
+        archs = cfg.architectures
+        if not any(a in _ARCHS for a in archs):
+            reasons.append(f"architecture {list(archs)} is not one of {list(_ARCHS)}")
+            return Refusal.of(Stage.CONFIG, reasons)  # nothing below means anything then
+        try:
+            d = Dims.from_config(hf, tp=cfg.tp_size)
+        except (KeyError, TypeError, ValueError) as exc:
+            reasons.append(f"config is missing or has a malformed field: {exc}")
+            return Refusal.of(Stage.CONFIG, reasons)
+        tp = cfg.tp_size
+        # deployment
+        if tp not in LIMITS["tp_sizes"]:
+            reasons.append(
+                f"TP {tp} is not supported (in-kernel all-reduce is built for TP 1/2/4/8)"
+            )
+        if cfg.dtype not in LIMITS["dtypes"]:
+            reasons.append(f"dtype {cfg.dtype} is not served (kernels read bf16 weights)")
+        if cfg.quantization is not None:
+            reasons.append(f"quantization {cfg.quantization!r} is not read in place yet")
+        for feat in sorted(cfg.features):
+            reasons.append(f"{feat} is on: {FEATURES[feat]}")
+        # activation, norms, router
+        if hf.get("hidden_act", "silu") != "silu":
+            reasons.append(f"hidden_act={hf.get('hidden_act')!r}: kernels fuse SiLU only")
+        if not d.norm_topk:
+            reasons.append(
+                "norm_topk_prob=false: the router kernel renormalises the top-k weights, "
+                "so un-normalised routing would be scaled wrongly"
+            )
+        if hf.get("attention_bias", False):
+            reasons.append("attention_bias=true: the attention front adds no bias")
+        # shapes
+        if d.hidden % LIMITS["hidden_multiple"]:
+            reasons.append(
+                f"hidden_size={d.hidden} is not a multiple of {LIMITS['hidden_multiple']}"
+            )
+        for name, value in (
+            ("linear_key_head_dim", d.dk),
+            ("linear_value_head_dim", d.dv),
+            ("head_dim", d.head_dim),
+        ):
+            if (why := _pow2_dim(name, value)) is not None:
+                reasons.append(why)
+        if d.hv % d.hk:
+            reasons.append(
+                f"linear_num_value_heads={d.hv} is not a multiple of linear_num_key_heads={d.hk}"
+            )
+        if d.conv_k != LIMITS["conv_kernel"]:
+            reasons.append(f"linear_conv_kernel_dim={d.conv_k}: kernels are built for 4")
+        if d.rotary_dim % 2 or d.rotary_dim > d.head_dim:
+            reasons.append(f"rotary dim {d.rotary_dim} of head_dim {d.head_dim} is not even")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type not in _ROPE_TYPES:
+            reasons.append(f"rope type {rope_type!r} is not computed by the attention front")
+        if d.hq % d.hkv:
+            reasons.append(f"num_attention_heads={d.hq} is not a multiple of num_key_value_heads")
+        # MoE
+        if d.experts < 1 or d.experts > LIMITS["max_experts"]:
+            reasons.append(
+                f"num_experts={d.experts}: kernels route over 1..{LIMITS['max_experts']}"
+            )
+        if not 1 <= d.top_k <= min(LIMITS["max_top_k"], max(d.experts, 1)):
+            reasons.append(
+                f"num_experts_per_tok={d.top_k}: kernels pick 1..{LIMITS['max_top_k']} experts"
+            )
+        if d.shared_inter <= 0:
+            reasons.append("no shared expert: K2 always adds the gated shared expert")
+        if d.family == "qwen3_next" and (
+            hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers")
+        ):
+            reasons.append(
+                "dense-MLP layers (decoder_sparse_step != 1 or mlp_only_layers): K2 serves MoE "
+                "layers only"
+            )
+        # TP divisibility
+        if tp in LIMITS["tp_sizes"]:
+            for what, total in (
+                ("linear_num_key_heads", d.hk),
+                ("linear_num_value_heads", d.hv),
+                ("num_attention_heads", d.hq),
+                ("moe_intermediate_size", d.moe_inter),
+                ("shared_expert_intermediate_size", d.shared_inter),
+            ):
+                if (why := _divides(what, total, tp)) is not None:
+                    reasons.append(why)
+            if d.hkv % tp and tp % d.hkv:
+                reasons.append(
+                    f"num_key_value_heads={d.hkv} neither divides nor is divided by TP {tp}"
+                )
+        return Refusal.of(Stage.CONFIG, reasons)
+
+    # -- stage 2: model --------------------------------------------------------
+    def __init__(self) -> None:
+        super().__init__()
+        self.dims: Dims | None = None
+
+    def accept_config(self, cfg: ConfigView) -> Refusal:
+        """refuse_config, and remember the dims later stages check against."""
+        refusal = self.refuse_config(cfg)
+        if not refusal:
+            self.dims = Dims.from_config(cfg.hf_config, tp=cfg.tp_size)
+        return refusal
+
+    def _need_dims(self) -> Dims:
+        if self.dims is None:
+            raise RuntimeError("qwen3_next: model/cache refusals need an accepted config first")
+        return self.dims
+
+    def refuse_model(self, model: ModelView) -> Refusal:
+        d = self._need_dims()
+        reasons: list[str] = []
+        if len(model.layers) != d.num_layers:
+            reasons.append(
+                f"model has {len(model.layers)} decoder layers, config says {d.num_layers}"
+            )
+        packing = _PACKING[d.family]
+        for layer in model.layers:
+            where = f"layer {layer.index}"
+            if layer.index < len(d.kinds) and layer.kind != d.kinds[layer.index]:
+                reasons.append(f"{where} is {layer.kind}, config says {d.kinds[layer.index]}")
+                continue
+            try:
+                expected = d.planes(layer.kind)
+            except ValueError as exc:
+                reasons.append(f"{where}: {exc}")
+                continue
+            for name, shape in expected.items():
+                plane = layer.planes.get(name)
+                if plane is None:
+                    reasons.append(f"{where}: no {name} plane")
+                    continue
+                if tuple(plane.shape) != shape:
+                    reasons.append(f"{where}: {name} is {tuple(plane.shape)}, expected {shape}")
+                if plane.quant not in _UNQUANTIZED:
+                    reasons.append(f"{where}: {name} uses quant method {plane.quant!r}")
+                elif name not in ("A_log",) and plane.dtype != "bfloat16":
+                    reasons.append(f"{where}: {name} is {plane.dtype}, kernels read bfloat16")
+                if not plane.contiguous:
+                    reasons.append(f"{where}: {name} is not contiguous (kernels stride it densely)")
+            extra = sorted(set(layer.planes) - set(expected))
+            if extra:
+                reasons.append(f"{where}: planes the kernels would ignore: {extra}")
+            if layer.kind == "linear_attention":
+                got = layer.facts.get("qkvz_packing")
+                if got != packing:
+                    reasons.append(f"{where}: in_proj_qkvz packing {got!r}, expected {packing!r}")
+            if layer.facts.get("fused_shared_expert"):
+                reasons.append(
+                    f"{where}: shared expert fused into the experts as an extra slot: "
+                    "needs --disable-shared-experts-fusion"
+                )
+        return Refusal.of(Stage.MODEL, reasons)
+
+    # -- stage 3: caches -------------------------------------------------------
+    def refuse_caches(self, caches: CacheView) -> Refusal:
+        d = self._need_dims()
+        reasons: list[str] = []
+        if caches.num_slots < 1:
+            reasons.append("no state slots bound")
+        for layer in caches.layers:
+            where = f"layer {layer.index}"
+            t = layer.tensors
+            if layer.kind == "linear_attention":
+                conv, ssm = t.get("conv_state"), t.get("ssm_state")
+                if conv is None or ssm is None:
+                    reasons.append(f"{where}: GDN layer without conv_state and ssm_state")
+                    continue
+                if conv.layout not in LIMITS["conv_layouts"]:
+                    reasons.append(f"{where}: conv_state layout {conv.layout!r} is unknown")
+                else:
+                    tail = (
+                        (d.conv_k - 1, d.conv_dim_r)
+                        if conv.layout == "vllm"
+                        else (d.conv_dim_r, d.conv_k - 1)
+                    )
+                    if tuple(conv.shape[1:]) != tail:
+                        reasons.append(
+                            f"{where}: conv_state {tuple(conv.shape)} does not end in {tail} "
+                            f"({conv.layout} layout)"
+                        )
+                if conv.dtype != "bfloat16":
+                    reasons.append(f"{where}: conv_state is {conv.dtype}, kernels keep it bf16")
+                if tuple(ssm.shape[1:]) != (d.hv_r, d.dv, d.dk):
+                    reasons.append(
+                        f"{where}: ssm_state {tuple(ssm.shape)} does not end in "
+                        f"{(d.hv_r, d.dv, d.dk)} (slots, Hv, Dv, Dk)"
+                    )
+                if ssm.dtype not in LIMITS["state_dtypes"]:
+                    reasons.append(f"{where}: ssm_state dtype {ssm.dtype} is not float32/bfloat16")
+                for name, tv in (("conv_state", conv), ("ssm_state", ssm)):
+                    if not tv.contiguous:
+                        reasons.append(f"{where}: {name} slots are not dense")
+                    if tv.shape and tv.shape[0] < caches.num_slots:
+                        reasons.append(f"{where}: {name} has {tv.shape[0]} slots, fewer than bound")
+            elif layer.kind == "full_attention":
+                kv = t.get("kv_cache")
+                if kv is None:
+                    reasons.append(f"{where}: attention layer without kv_cache")
+                    continue
+                if kv.layout not in LIMITS["kv_layouts"]:
+                    reasons.append(f"{where}: kv_cache layout {kv.layout!r} is unknown")
+                if kv.dtype != "bfloat16":
+                    reasons.append(f"{where}: kv_cache is {kv.dtype} (fp8 KV is not written yet)")
+                if not kv.shape or kv.shape[-1] != d.head_dim:
+                    reasons.append(f"{where}: kv_cache {tuple(kv.shape)} does not end in head_dim")
+            else:
+                reasons.append(f"{where}: unknown layer kind {layer.kind!r}")
+        return Refusal.of(Stage.CACHES, reasons)
