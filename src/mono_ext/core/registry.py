@@ -78,7 +78,11 @@ def build_registry(entry_points: list[md.EntryPoint] | None = None) -> Registry:
         except ValueError as exc:
             raise PluginError(f"mono_ext plugin {origin} registered twice: {exc}") from exc
         origin_of[id(plugin)] = origin
-    pm.check_pending()  # a hookimpl with no matching spec is a plugin bug: say so now
+    try:
+        pm.check_pending()  # a hookimpl with no matching spec is a plugin bug: say so now
+    except pluggy.PluginValidationError as exc:
+        origin = origin_of.get(id(exc.plugin), str(exc.plugin))
+        raise PluginError(f"mono_ext plugin {origin}: {exc}") from exc
 
     reg = Registry()
     for impl in pm.hook.mono_ext_model_specs.get_hookimpls():
