@@ -1,0 +1,75 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mono_ext.cli import EXIT_REFUSED, EXIT_USAGE, main
+from mono_ext.models.qwen3_next.configs import get_preset
+
+
+def test_explain_preset_prints_plan_for_every_width(capsys):
+    assert main(["explain", "qwen3-next-80b-a3b", "--tp", "4", "--backend", "triton"]) == 0
+    out = capsys.readouterr().out
+    assert "mono_ext on: qwen3_next" in out
+    for w in range(1, 17):
+        assert f"qwen3_next/triton/w{w}/bfloat16/tp4/" in out
+
+
+def test_explain_config_dir_lists_every_reason(tmp_path, capsys):
+    cfg = get_preset("qwen3-next-tiny")
+    cfg.update(hidden_act="relu", num_experts_per_tok=12)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc = main(["explain", str(tmp_path), "--tp", "8", "--feature", "lora"])
+    out = capsys.readouterr().out
+    assert rc == EXIT_REFUSED
+    assert out.startswith("mono_ext off: [config]")
+    for needle in ("lora is on", "hidden_act='relu'", "num_experts_per_tok=12", "TP 8"):
+        assert needle in out
+
+
+def test_explain_wrapped_multimodal_config(tmp_path, capsys):
+    wrapped = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": get_preset("qwen3.5-moe-tiny"),
+    }
+    (tmp_path / "config.json").write_text(json.dumps(wrapped))
+    assert main(["explain", str(tmp_path / "config.json")]) == 0
+    assert "Qwen3_5MoeForConditionalGeneration" in capsys.readouterr().out
+
+
+def test_explain_unsupported_model_is_a_refusal_not_an_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert main(["explain", str(tmp_path)]) == EXIT_REFUSED
+    assert "no registered spec serves ['LlamaForCausalLM']" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["explain", "no-such-thing"], "neither a config.json"),
+        (["explain", "qwen3-next-tiny", "--tp", "0"], "--tp must be >= 1"),
+    ],
+)
+def test_user_mistakes_are_one_line_exit_2(argv, needle, capsys):
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("mono-ext: ") and needle in err and err.count("\n") == 1
+
+
+def test_bad_json_and_bad_env_through_the_console_script(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    exe = [sys.executable, "-m", "mono_ext.cli"]
+    r = subprocess.run([*exe, "explain", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == EXIT_USAGE and "is not valid JSON" in r.stderr
+    assert "Traceback" not in r.stderr
+    env = {"MONO_EXT_DEADLINE_S": "soon", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([*exe, "doctor"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "settings: INVALID: MONO_EXT_DEADLINE_S='soon'" in r.stdout
+
+
+def test_doctor_lists_specs_and_backends(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_next" in out and "reference    usable" in out and "triton" in out
