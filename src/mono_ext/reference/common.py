@@ -1,0 +1,157 @@
+"""Shared fp32 building blocks and the model dimensions the reference works from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mono_ext.models.qwen3_next.configs import family, rope_params
+
+__all__ = [
+    "ModelDims",
+    "f32",
+    "gemma_rms_norm",
+    "add_gemma_rms_norm",
+    "gated_rms_norm",
+    "l2_normalize",
+    "bf16_ulp",
+    "rel_l2",
+]
+
+# FLA's l2norm and vLLM's packed decode kernel use x / sqrt(sum(x^2) + 1e-6)
+# (vllm/third_party/flash_linear_attention/ops/fused_recurrent.py, 0.26.0).
+L2NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Text-model sizes K1/K2 need, read from an HF-style config (TP = 1)."""
+
+    hidden: int
+    rms_norm_eps: float
+    # Gated DeltaNet
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    # gated full attention
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    # MLP / MoE
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    moe_intermediate: int
+    shared_intermediate: int
+    intermediate: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def ratio(self) -> int:
+        """r = Hv / Hk: value heads per key head."""
+        return self.num_v_heads // self.num_k_heads
+
+    @property
+    def qkvz_dim(self) -> int:
+        return 2 * self.key_dim + 2 * self.value_dim
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ModelDims:
+        """From a config dict (flat text config or a wrapper with ``text_config``) or an
+        HF config object."""
+        if not isinstance(cfg, dict):
+            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            cfg = text.to_dict()
+        if "text_config" in cfg and "hidden_size" not in cfg:
+            cfg = cfg["text_config"]
+        theta, factor = rope_params(cfg)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        # Qwen3.5-MoE has no norm_topk_prob key: its router always renormalises.
+        norm_topk = True if family(cfg) == "qwen3_5_moe" else cfg.get("norm_topk_prob", True)
+        if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        return cls(
+            hidden=cfg["hidden_size"],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_k_heads=cfg["linear_num_key_heads"],
+            num_v_heads=cfg["linear_num_value_heads"],
+            head_k_dim=cfg["linear_key_head_dim"],
+            head_v_dim=cfg["linear_value_head_dim"],
+            conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * factor),
+            rope_theta=theta,
+            num_experts=cfg.get("num_experts", 0),
+            top_k=cfg.get("num_experts_per_tok", 0),
+            norm_topk_prob=bool(norm_topk),
+            moe_intermediate=cfg.get("moe_intermediate_size", 0),
+            shared_intermediate=cfg.get("shared_expert_intermediate_size", 0),
+            intermediate=cfg.get("intermediate_size") or 0,
+        )
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def gemma_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * (1 + w)`` over the last dim, fp32."""
+    x = f32(x)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + f32(w))
+
+
+def add_gemma_rms_norm(
+    hidden: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused add + norm: returns (norm(s), s) with s = hidden (+ residual)."""
+    s = f32(hidden) if residual is None else f32(hidden) + f32(residual)
+    return gemma_rms_norm(s, w, eps), s
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm (norm before gate, plain weight): ``w * rmsnorm(x) * silu(z)``."""
+    x = f32(x)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return f32(w) * y * F.silu(f32(z))
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    x = f32(x)
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |x| (8 significant bits): 2^(floor(log2|x|) - 7).
+
+    Zero maps to the smallest normal bf16 spacing so a 0-vs-0 comparison counts as a tie.
+    """
+    x = f32(x).abs()
+    _, e = torch.frexp(x)  # x = m * 2^e, m in [0.5, 1)
+    ulp = torch.ldexp(torch.ones_like(x), e - 8)
+    return torch.where(x > 0, ulp, torch.full_like(x, 2.0**-133))
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / max(||b||, tiny) in fp64 (b is the reference)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

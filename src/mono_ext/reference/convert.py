@@ -1,0 +1,159 @@
+"""HF checkpoint / module tensors -> the engine layouts the reference (and K1/K2) read.
+
+Mirrors what vLLM 0.26 holds after ``load_weights`` at TP = 1 (unquantised):
+
+==========================  =====================================================
+engine key                  HF source (names relative to ``model.layers.{i}.``)
+==========================  =====================================================
+input_layernorm             input_layernorm.weight
+post_attention_layernorm    post_attention_layernorm.weight
+in_proj_qkvz                Qwen3-Next: linear_attn.in_proj_qkvz.weight (interleaved);
+                            Qwen3.5: cat(in_proj_qkv, in_proj_z) (contiguous)
+in_proj_ba                  Qwen3-Next: linear_attn.in_proj_ba.weight (interleaved);
+                            Qwen3.5: cat(in_proj_b, in_proj_a) (contiguous)
+conv1d                      linear_attn.conv1d.weight [C, 1, K] (kept 3-D, like vLLM)
+A_log, dt_bias, norm        linear_attn.A_log, .dt_bias, .norm.weight
+out_proj                    linear_attn.out_proj.weight
+qkv_proj                    cat(self_attn.q_proj, k_proj, v_proj)
+q_norm, k_norm, o_proj      self_attn.q_norm.weight, k_norm.weight, o_proj.weight
+router                      mlp.gate.weight
+w13                         mlp.experts.gate_up_proj, or stack of
+                            cat(experts.{e}.gate_proj, experts.{e}.up_proj)
+w2                          mlp.experts.down_proj, or stack of experts.{e}.down_proj
+shared_gate_up              cat(mlp.shared_expert.gate_proj, up_proj)
+shared_down                 mlp.shared_expert.down_proj.weight
+shared_expert_gate          mlp.shared_expert_gate.weight
+gate_up, down               dense MLP: cat(mlp.gate_proj, mlp.up_proj), mlp.down_proj
+==========================  =====================================================
+
+A ``packing`` different from the source's repacks in_proj_qkvz / in_proj_ba.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .common import ModelDims
+from .gdn import pack_ba, pack_qkvz, repack_ba, repack_qkvz
+
+__all__ = [
+    "layer_weights_from_state_dict",
+    "layer_weights_from_hf",
+    "gdn_state_from_hf",
+    "conv_state_to_layout",
+]
+
+
+def _get(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return sd[name]
+    except KeyError:
+        raise KeyError(f"missing tensor {name!r}") from None
+
+
+def _experts(sd: Mapping[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
+    if "mlp.experts.gate_up_proj" in sd:
+        return {"w13": sd["mlp.experts.gate_up_proj"], "w2": sd["mlp.experts.down_proj"]}
+    w13, w2 = [], []
+    for e in range(dims.num_experts):
+        p = f"mlp.experts.{e}."
+        w13.append(torch.cat([_get(sd, p + "gate_proj.weight"), _get(sd, p + "up_proj.weight")]))
+        w2.append(_get(sd, p + "down_proj.weight"))
+    return {"w13": torch.stack(w13), "w2": torch.stack(w2)}
+
+
+def layer_weights_from_state_dict(
+    sd: Mapping[str, torch.Tensor],
+    dims: ModelDims,
+    *,
+    packing: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Engine-layout dict for one decoder layer from its HF tensors (names relative to the
+    layer, e.g. ``linear_attn.A_log``). ``packing`` None keeps the source's packing
+    (interleaved for Qwen3-Next, contiguous for Qwen3.5). Tensors keep their dtype."""
+    w: dict[str, torch.Tensor] = {
+        "input_layernorm": _get(sd, "input_layernorm.weight"),
+        "post_attention_layernorm": _get(sd, "post_attention_layernorm.weight"),
+    }
+    if "linear_attn.A_log" in sd:
+        la = "linear_attn."
+        if la + "in_proj_qkvz.weight" in sd:
+            src = "interleaved"
+            qkvz, ba = sd[la + "in_proj_qkvz.weight"], _get(sd, la + "in_proj_ba.weight")
+        else:
+            src = "contiguous"
+            qkv = _get(sd, la + "in_proj_qkv.weight")
+            q, k, v = torch.split(qkv, [dims.key_dim, dims.key_dim, dims.value_dim])
+            qkvz = pack_qkvz(q, k, v, _get(sd, la + "in_proj_z.weight"), dims, src)
+            ba = pack_ba(
+                _get(sd, la + "in_proj_b.weight"), _get(sd, la + "in_proj_a.weight"), dims, src
+            )
+        dst = packing or src
+        if dst != src:
+            qkvz, ba = repack_qkvz(qkvz, dims, src, dst), repack_ba(ba, dims, src, dst)
+        w.update(
+            in_proj_qkvz=qkvz,
+            in_proj_ba=ba,
+            conv1d=_get(sd, la + "conv1d.weight"),
+            A_log=_get(sd, la + "A_log"),
+            dt_bias=_get(sd, la + "dt_bias"),
+            norm=_get(sd, la + "norm.weight"),
+            out_proj=_get(sd, la + "out_proj.weight"),
+        )
+    else:
+        sa = "self_attn."
+        w["qkv_proj"] = torch.cat(
+            [_get(sd, sa + p + "_proj.weight") for p in ("q", "k", "v")], dim=0
+        )
+        w.update(
+            q_norm=_get(sd, sa + "q_norm.weight"),
+            k_norm=_get(sd, sa + "k_norm.weight"),
+            o_proj=_get(sd, sa + "o_proj.weight"),
+        )
+    if "mlp.gate.weight" in sd:
+        w["router"] = sd["mlp.gate.weight"]
+        w.update(_experts(sd, dims))
+        if "mlp.shared_expert.gate_proj.weight" in sd:
+            se = "mlp.shared_expert."
+            w["shared_gate_up"] = torch.cat(
+                [sd[se + "gate_proj.weight"], _get(sd, se + "up_proj.weight")], dim=0
+            )
+            w["shared_down"] = _get(sd, se + "down_proj.weight")
+            w["shared_expert_gate"] = _get(sd, "mlp.shared_expert_gate.weight")
+    else:
+        w["gate_up"] = torch.cat(
+            [_get(sd, "mlp.gate_proj.weight"), _get(sd, "mlp.up_proj.weight")], dim=0
+        )
+        w["down"] = _get(sd, "mlp.down_proj.weight")
+    return w
+
+
+def layer_weights_from_hf(
+    layer: torch.nn.Module, dims: ModelDims, *, packing: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Same as ``layer_weights_from_state_dict`` for an HF decoder-layer module (detached)."""
+    sd = {k: v.detach() for k, v in layer.state_dict().items()}
+    return layer_weights_from_state_dict(sd, dims, packing=packing)
+
+
+def conv_state_to_layout(state_cd: torch.Tensor, conv_layout: str) -> torch.Tensor:
+    """[n, conv_dim, K-1] -> the engine layout (vLLM: [n, K-1, conv_dim]; SGLang: as is)."""
+    return state_cd.transpose(-1, -2) if conv_layout == "vllm" else state_cd
+
+
+def gdn_state_from_hf(
+    conv_hf: torch.Tensor, recurrent_hf: torch.Tensor, dims: ModelDims, conv_layout: str = "vllm"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF cache tensors -> engine layouts.
+
+    HF keeps the last K conv inputs ([B, conv_dim, K]); the engines keep the last K-1 (the
+    oldest one no longer reaches the kernel). HF's recurrent state is [B, Hv, Dk, Dv]; the
+    engines' is [B, Hv, Dv, Dk]. Returned tensors are new (contiguous) copies.
+    """
+    conv = conv_hf[..., -(dims.conv_kernel - 1) :]
+    return (
+        conv_state_to_layout(conv, conv_layout).contiguous(),
+        recurrent_hf.transpose(-1, -2).contiguous(),
+    )
