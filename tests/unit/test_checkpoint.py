@@ -40,7 +40,8 @@ def _hf_shapes(model):
 )
 def test_table_matches_hf_state_dict(name, arch):
     cfg = checkpoint_config(name, arch=arch)
-    assert param_shapes(name, arch=arch) == _hf_shapes(_hf_model_on_meta(cfg))
+    table = param_shapes(name, arch=arch, expert_layout="fused")
+    assert table == _hf_shapes(_hf_model_on_meta(cfg))
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-35b-a3b"])
@@ -48,7 +49,7 @@ def test_table_matches_hf_for_real_shapes_cut_to_two_layers(name):
     # meta device: shapes only, nothing allocated
     n = 4 if name.startswith("qwen3.5") else 2  # the 35B cut keeps one attention layer too
     cfg = checkpoint_config(name, num_layers=n)
-    table = param_shapes(name, num_layers=n)
+    table = param_shapes(name, num_layers=n, expert_layout="fused")
     assert table == _hf_shapes(_hf_model_on_meta(cfg))
     assert cfg["architectures"] == (
         ["Qwen3NextForCausalLM"]
@@ -66,11 +67,11 @@ def _load(path, arch):
 @pytest.mark.parametrize(
     "name,arch,layout",
     [
-        ("qwen3-next-tiny", "Qwen3NextForCausalLM", "fused"),
-        ("qwen3-next-tiny-b", "Qwen3NextForCausalLM", "per_expert"),
-        ("qwen3-next-tiny-dense-mlp", "Qwen3NextForCausalLM", "fused"),
-        ("qwen3.5-moe-tiny", "Qwen3_5MoeForConditionalGeneration", "fused"),
-        ("qwen3.5-moe-tiny-b", "Qwen3_5MoeForCausalLM", "fused"),
+        ("qwen3-next-tiny", "Qwen3NextForCausalLM", "auto"),
+        ("qwen3-next-tiny-b", "Qwen3NextForCausalLM", "fused"),
+        ("qwen3-next-tiny-dense-mlp", "Qwen3NextForCausalLM", "per_expert"),
+        ("qwen3.5-moe-tiny", "Qwen3_5MoeForConditionalGeneration", "auto"),
+        ("qwen3.5-moe-tiny-b", "Qwen3_5MoeForCausalLM", "per_expert"),
     ],
 )
 def test_checkpoint_loads_with_no_missing_or_unexpected_keys(tmp_path, name, arch, layout):
@@ -90,9 +91,18 @@ def test_checkpoint_loads_with_no_missing_or_unexpected_keys(tmp_path, name, arc
     a_log = next(k for k in on_disk if k.endswith("A_log"))
     assert on_disk[a_log].dtype == torch.float32
     assert float(on_disk[a_log].min()) >= 0 and float(on_disk[a_log].max()) <= 2.78
-    if layout == "fused":
-        gu = next(k for k in on_disk if k.endswith("mlp.experts.gate_up_proj"))
+    # routed experts land in HF's fused gate_up_proj whichever layout the file has
+    gu = next(k for k in sd if k.endswith("mlp.experts.gate_up_proj"))
+    if gu in on_disk:
         assert torch.equal(sd[gu].bfloat16(), on_disk[gu])
+    else:
+        pre = gu[: -len("experts.gate_up_proj")]
+        e1 = torch.cat(
+            [on_disk[f"{pre}experts.1.gate_proj.weight"], on_disk[f"{pre}experts.1.up_proj.weight"]]
+        )
+        assert torch.equal(sd[gu][1].bfloat16(), e1)
+    auto_per_expert = layout == "per_expert" or (layout == "auto" and "next" in name)
+    assert (gu not in on_disk) == auto_per_expert
 
 
 def test_sharded_checkpoint_and_determinism(tmp_path):

@@ -15,11 +15,16 @@ Architectures written:
   no missing keys. ``arch="Qwen3_5MoeForCausalLM"`` writes a flat text-only checkpoint
   (``model.layers.``), which transformers loads but vLLM 0.26 does not serve.
 
-Routed experts default to the fused HF layout (``mlp.experts.gate_up_proj`` [E, 2I, H],
-``mlp.experts.down_proj`` [E, H, I]); vLLM 0.26's FusedMoE.load_weights reads 3-D fused
-expert tensors as well as per-expert ones. ``expert_layout="per_expert"`` writes the
-published Qwen3-Next layout (``mlp.experts.{e}.gate_proj.weight`` ...), which transformers
-fuses on load through its qwen2_moe conversion mapping.
+Routed experts (``expert_layout``):
+
+- ``"fused"``: the names of HF's own ``state_dict()`` (``mlp.experts.gate_up_proj``
+  [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]); the published Qwen3.5 layout. vLLM 0.26's
+  FusedMoE.load_weights reads 3-D fused tensors; SGLang 0.5.17's Qwen3.5 loader does too,
+  but its Qwen3-Next loader only maps per-expert names (a fused tensor raises KeyError).
+- ``"per_expert"``: ``mlp.experts.{e}.gate_proj.weight`` etc., the published Qwen3-Next
+  layout; transformers fuses them on load (its qwen2_moe conversion mapping).
+- ``"auto"`` (default): the published layout of the family, which transformers, vLLM 0.26
+  and SGLang 0.5.17 all load: per_expert for Qwen3-Next, fused for Qwen3.5.
 """
 
 from __future__ import annotations
@@ -149,6 +154,8 @@ def _layer_shapes(
     t: dict[str, Any], i: int, kind: str, expert_layout: str
 ) -> dict[str, tuple[int, ...]]:
     h = t["hidden_size"]
+    if expert_layout == "auto":
+        expert_layout = "per_expert" if family(t) == "qwen3_next" else "fused"
     s: dict[str, tuple[int, ...]] = {}
     if kind == "linear_attention":
         hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
@@ -195,9 +202,7 @@ def _layer_shapes(
                 s[f"mlp.experts.{j}.up_proj.weight"] = (inter, h)
                 s[f"mlp.experts.{j}.down_proj.weight"] = (h, inter)
         else:
-            raise ValueError(
-                f"expert_layout must be 'fused' or 'per_expert', got {expert_layout!r}"
-            )
+            raise ValueError(f"expert_layout must be auto, fused or per_expert: {expert_layout!r}")
         if si > 0:
             s["mlp.shared_expert.gate_proj.weight"] = (si, h)
             s["mlp.shared_expert.up_proj.weight"] = (si, h)
@@ -217,7 +222,7 @@ def param_shapes(
     *,
     num_layers: int | None = None,
     arch: str | None = None,
-    expert_layout: str = "fused",
+    expert_layout: str = "auto",
     vision_config: dict[str, Any] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Ordered name -> shape table of the checkpoint (HF parameter names)."""
@@ -298,7 +303,7 @@ def make_checkpoint(
     dtype: str = "bfloat16",
     num_layers: int | None = None,
     arch: str | None = None,
-    expert_layout: str = "fused",
+    expert_layout: str = "auto",
     vision_config: dict[str, Any] | None = None,
     max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
 ) -> Path:
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--arch", default=None)
-    p.add_argument("--expert-layout", default="fused", choices=["fused", "per_expert"])
+    p.add_argument("--expert-layout", default="auto", choices=["auto", "fused", "per_expert"])
     a = p.parse_args(argv)
     path = make_checkpoint(
         a.out_dir,
