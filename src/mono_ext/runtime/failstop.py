@@ -1,0 +1,267 @@
+"""FailStop: the host side of bounded waits.
+
+After each step's launches the host enqueues a copy of the rank's health block into pinned
+memory (non-blocking) and looks at copies that have landed (``event.query()``, never a
+sync). Under CUDA graphs the copy is enqueued after the replay and read one step late.
+Every ``MONO_EXT_AGREE_EVERY`` steps the TP ranks exchange health summaries over the CPU
+group and, if any rank saw a wait give up, *all* ranks raise :class:`FailStopError`
+together, naming every wait. Between a local failure and that agreement, :meth:`release`
+answers False for the failed step and every later one, so no tokens from a failed step
+are returned; the sticky failed word makes those steps' launches return at once. After a
+failure there is no fallback: every later call raises.
+
+State machine (per rank)::
+
+    OK --local record seen--> SUSPECT --agreement--> FAILED (raise on every rank)
+    OK --agreement, a peer failed---------------------> FAILED
+    world size 1: a local record goes straight to FAILED (nobody to agree with)
+
+torch is imported lazily (CUDA source, distributed agreement), so the state machine runs on
+a CPU-only box with a fake health source.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from mono_ext.runtime.health import HEALTH_WORDS, HealthSummary, decode_health
+
+__all__ = [
+    "CudaHealthSource",
+    "FailStop",
+    "FailStopError",
+    "HealthSource",
+    "VirtualFailStop",
+    "agree_health",
+]
+
+OK, SUSPECT, FAILED = "ok", "suspect", "failed"
+NameOf = Callable[[int, int], str]
+
+
+class FailStopError(RuntimeError):
+    """A device-side wait gave up; the engine must stop (no tokens, no fallback)."""
+
+    def __init__(self, summaries: Sequence[HealthSummary], step: int | None, name_of=None):
+        self.summaries = tuple(summaries)
+        self.step = step
+        bad = [s for s in self.summaries if not s.ok]
+        where = f" at step {step}" if step is not None else ""
+        body = "\n".join(s.describe(name_of) for s in bad) or "a peer rank left the agreement"
+        super().__init__(
+            f"mono_ext FailStop{where}: {len(bad)} rank(s) report device waits that gave up "
+            f"(MONO_EXT_DEADLINE_S). The engine stops: no tokens from a failed step are "
+            f"returned and there is no fallback after a failure.\n{body}"
+        )
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        return tuple(s.rank for s in self.summaries if not s.ok)
+
+
+class HealthSource(Protocol):
+    def submit(self, step: int) -> None:
+        """Enqueue a non-blocking copy of the health block, tagged with ``step``."""
+
+    def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
+        """Copies that have landed, oldest first. With ``until_step``, also wait for the copy
+        of that step (the caller knows the device got past it)."""
+
+
+class CudaHealthSource:
+    """Pinned ring of health-block copies, each with an event; polling never blocks."""
+
+    def __init__(self, health: Any, depth: int = 8):
+        import torch
+
+        if health.numel() != HEALTH_WORDS or health.dtype != torch.int32:
+            raise ValueError(f"health block must be int32 [{HEALTH_WORDS}], got {health.shape}")
+        self.health = health
+        self._slots = [
+            torch.empty(HEALTH_WORDS, dtype=torch.int32, pin_memory=True) for _ in range(depth)
+        ]
+        self._free = collections.deque(range(depth))
+        self._pending: collections.deque = collections.deque()  # (step, slot, event)
+
+    def submit(self, step: int) -> None:
+        import torch
+
+        if not self._free:
+            # The host ran `depth` steps ahead of the device: wait for the oldest copy rather
+            # than drop it (a dropped copy could hide the step that failed).
+            self._pending[0][2].synchronize()
+            self._reap()
+        slot = self._free.popleft()
+        self._slots[slot].copy_(self.health, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((step, slot, event))
+
+    def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
+        if until_step is not None:
+            for step, _, event in self._pending:
+                if step == until_step:
+                    event.synchronize()
+        return self._reap()
+
+    def _reap(self) -> list[tuple[int, Sequence[int]]]:
+        out = []
+        while self._pending and self._pending[0][2].query():
+            step, slot, _ = self._pending.popleft()
+            out.append((step, self._slots[slot].tolist()))
+            self._free.append(slot)
+        return out
+
+
+def agree_health(summary: HealthSummary, group: Any = None) -> list[HealthSummary]:
+    """All-gather health summaries over a CPU (gloo) group; a no-op at world size 1."""
+    if group is None:
+        return [summary]
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [summary]
+    out: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(out, summary, group=group)
+    except Exception as e:  # a rank that already stopped breaks the collective
+        raise FailStopError([summary], summary.step) from e
+    return out
+
+
+class FailStop:
+    """One rank's FailStop. Call :meth:`after_launch` once per step, after the step's
+    launches (after the graph replay), and :meth:`release` before returning its tokens."""
+
+    def __init__(
+        self,
+        source: HealthSource,
+        rank: int = 0,
+        group: Any = None,
+        agree_every: int | None = None,
+        name_of: NameOf | None = None,
+    ):
+        if agree_every is None:
+            from mono_ext.core.settings import load_settings
+
+            agree_every = load_settings().agree_every
+        if agree_every < 1:
+            raise ValueError(f"agree_every must be >= 1, got {agree_every}")
+        self.source = source
+        self.rank = rank
+        self.group = group
+        self.agree_every = agree_every
+        self.name_of = name_of
+        self.world = 1
+        if group is not None:
+            import torch.distributed as dist
+
+            self.world = dist.get_world_size(group)
+        self.state = OK
+        self.error: FailStopError | None = None
+        self.first_failed_step: int | None = None
+        self.last_seen_step: int | None = None
+        self._local = HealthSummary(rank=rank, failed_waits=0)
+        self._launches = 0
+
+    # -- per step ---------------------------------------------------------------------------
+    def after_launch(self, step: int) -> None:
+        self._raise_if_failed()
+        self.source.submit(step)
+        self._launches += 1
+        self.poll()
+        if self._launches % self.agree_every == 0:
+            self.agree(step)
+
+    def poll(self, until_step: int | None = None) -> str:
+        """Read every health copy that has landed (never blocks unless ``until_step``)."""
+        for step, words in self.source.ready(until_step):
+            self.last_seen_step = step
+            summary = decode_health(words, self.rank, step)
+            if not summary.ok and self.first_failed_step is None:
+                self.first_failed_step = step
+                self._local = summary
+                self.state = SUSPECT
+        if self.state == SUSPECT and self.world == 1:
+            self.conclude([self._local], self.first_failed_step)
+        return self.state
+
+    def release(self, step: int) -> bool:
+        """May the tokens of ``step`` be returned? False for a failed step and all after it.
+
+        Reads that step's health copy; it was enqueued right after the step's launches, before
+        sampling, so once the engine holds the tokens on the host it has landed.
+        """
+        self._raise_if_failed()
+        self.poll(until_step=step)
+        return self.first_failed_step is None or step < self.first_failed_step
+
+    # -- agreement --------------------------------------------------------------------------
+    def local_summary(self) -> HealthSummary:
+        return self._local
+
+    def agree(self, step: int | None = None) -> None:
+        """Collective over the TP group: every rank raises if any rank failed."""
+        self.conclude(agree_health(self._local, self.group), step)
+
+    def conclude(self, summaries: Sequence[HealthSummary], step: int | None) -> None:
+        if all(s.ok for s in summaries):
+            return
+        self.state = FAILED
+        self.error = FailStopError(summaries, step, self.name_of)
+        raise self.error
+
+    def _raise_if_failed(self) -> None:
+        if self.state == FAILED:
+            raise self.error  # sticky: no fallback after a failure
+
+
+class VirtualFailStop:
+    """FailStop for virtual TP: ``world`` ranks in one process agree in-process.
+
+    On a failure every rank's FailStop concludes FAILED (each would raise on its own); one
+    :class:`FailStopError` naming every failed wait is raised to the caller.
+    """
+
+    def __init__(
+        self, sources: Sequence[HealthSource], agree_every: int | None = None, name_of=None
+    ):
+        self.ranks = [
+            FailStop(src, rank=r, agree_every=agree_every, name_of=name_of)
+            for r, src in enumerate(sources)
+        ]
+        for fs in self.ranks:
+            fs.world = len(self.ranks)  # agreement happens here, not per rank
+        self.raised: list[int] = []
+
+    @property
+    def agree_every(self) -> int:
+        return self.ranks[0].agree_every
+
+    def after_launch(self, step: int) -> None:
+        for fs in self.ranks:
+            fs._raise_if_failed()
+            fs.source.submit(step)
+            fs._launches += 1
+            fs.poll()
+        if self.ranks[0]._launches % self.agree_every == 0:
+            self.agree(step)
+
+    def release(self, step: int) -> bool:
+        return all([fs.release(step) for fs in self.ranks])
+
+    def agree(self, step: int | None = None) -> None:
+        summaries = [fs.local_summary() for fs in self.ranks]
+        self.raised = []
+        error = None
+        for fs in self.ranks:
+            try:
+                fs.conclude(summaries, step)
+            except FailStopError as e:
+                self.raised.append(fs.rank)
+                error = e
+        if error is not None:
+            raise error
