@@ -1,7 +1,7 @@
 """Entry-point plugin (group ``mono_ext``) registering the ``triton`` backend (NVIDIA sm_90)."""
 
-from ...core.backends import KernelBackend
-from ...core.hookspecs import hookimpl
+from ..core.backends import KernelBackend
+from ..core.hookspecs import hookimpl
 
 # Flipped to True by the change that lands the K1/K2 launches (issues 4 and 5);
 # until then the probe says so instead of letting a deployment pick it.
