@@ -37,7 +37,7 @@ def test_real_80b_shapes_are_derived_not_hard_coded():
     assert d.kinds.count("full_attention") == 12 and d.kinds.count("linear_attention") == 36
     gdn, attn = d.planes("linear_attention"), d.planes("full_attention")
     assert gdn["in_proj_qkvz"] == ((2 * 16 * 128 + 2 * 32 * 128) // 2, 2048)
-    assert gdn["conv1d"] == (8192 // 2, 4) and gdn["out_proj"] == (2048, 16 * 128)
+    assert gdn["conv1d"] == (8192 // 2, 1, 4) and gdn["out_proj"] == (2048, 16 * 128)
     assert attn["qkv_proj"] == (2 * 8 * 256 + 2 * 1 * 256, 2048)  # kv heads 2 -> 1 per rank
     assert gdn["w13"] == (512, 512, 2048) and gdn["w2"] == (512, 2048, 256)
     assert d.rotary_dim == 64

@@ -7,15 +7,18 @@ serves both engines and the CLI (which builds a ConfigView from a config.json).
 Plane and cache names are the engine-neutral names below, not the engines'
 attribute paths; shapes are those *this rank* holds (TP-sharded).
 
-GDN layer planes      attention layer planes   MoE planes (every layer)
--------------------   ----------------------   ------------------------
-input_norm   (H,)     input_norm  (H,)         post_norm         (H,)
-in_proj_qkvz (P, H)   qkv_proj    (Q, H)       router            (E, H)
-in_proj_ba   (2Hv, H) q_norm      (D,)         w13               (E, 2I, H)
-conv1d       (C, K)   k_norm      (D,)         w2                (E, H, I)
-A_log        (Hv,)    o_proj      (H, Hq*D)    shared_gate_up    (2Is, H)
-dt_bias      (Hv,)                             shared_down       (H, Is)
-gdn_norm     (Dv,)                             shared_expert_gate (1, H)
+Plane names are the reference's weight keys (mono_ext.reference.convert), so a
+bound layer's tensors and its view share one naming:
+
+GDN layer planes          attention layer planes    MoE planes (every layer)
+-----------------------   -----------------------   -------------------------------
+input_layernorm (H,)      input_layernorm (H,)      post_attention_layernorm (H,)
+in_proj_qkvz (P, H)       qkv_proj (Q, H)           router (E, H)
+in_proj_ba   (2Hv, H)     q_norm   (D,)             w13    (E, 2I, H)
+conv1d       (C, 1, K)     k_norm   (D,)             w2     (E, H, I)
+A_log        (Hv,)        o_proj   (H, Hq*D)        shared_gate_up (2Is, H)
+dt_bias      (Hv,)                                  shared_down    (H, Is)
+norm         (Dv,)  gated RMSNorm weight            shared_expert_gate (1, H)
 out_proj     (H, Hv*Dv)
 """
 

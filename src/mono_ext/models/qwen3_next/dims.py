@@ -124,8 +124,8 @@ class Dims:
         """Expected per-rank shape of every plane a layer of ``kind`` holds."""
         h = self.hidden
         common = {
-            "input_norm": (h,),
-            "post_norm": (h,),
+            "input_layernorm": (h,),
+            "post_attention_layernorm": (h,),
             "router": (self.experts, h),
             "w13": (self.experts, 2 * self.moe_inter_r, h),
             "w2": (self.experts, h, self.moe_inter_r),
@@ -139,10 +139,10 @@ class Dims:
                 **common,
                 "in_proj_qkvz": (qkvz, h),
                 "in_proj_ba": (2 * self.hv_r, h),
-                "conv1d": (self.conv_dim_r, self.conv_k),
+                "conv1d": (self.conv_dim_r, 1, self.conv_k),  # engines keep nn.Conv1d's [C, 1, K]
                 "A_log": (self.hv_r,),
                 "dt_bias": (self.hv_r,),
-                "gdn_norm": (self.dv,),
+                "norm": (self.dv,),
                 "out_proj": (h, self.hv_r * self.dv),
             }
         if kind == "full_attention":
