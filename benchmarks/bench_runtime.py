@@ -9,7 +9,9 @@ the full bounded wait (deadline + sticky-word checks); one-way latency = in-kern
 ``steps`` steps captured into one graph (each rank's stream: bump epoch, launch; ranks
 synchronise only through the all-reduce itself, as real TP ranks do); time per step = replay
 time / steps (median of several replays). "per layer" captures one epoch bump and
-``steps`` all-reduces with layer ids 0..steps-1, the K2 pattern within a step.
+``steps`` all-reduces with layer ids 0..steps-1, the K2 pattern within a step. "in-kernel"
+runs 500 all-reduces inside one persistent launch per rank (no launch gaps, the cost K2 pays
+per all-reduce), timed with %globaltimer on rank 0's CTA 0.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ import triton  # noqa: E402
 import triton.language as tl
 
 from mono_ext.kernels.triton.allreduce import VirtualTPAllReduce
-from mono_ext.kernels.triton.primitives import global_timer_ns, mailbox_get, mailbox_put
+from mono_ext.kernels.triton.primitives import (
+    allreduce_bf16_oneshot,
+    global_timer_ns,
+    mailbox_get,
+    mailbox_put,
+    step_seq,
+)
 from mono_ext.runtime.health import decode_health
 from mono_ext.runtime.peers import RankState
 
@@ -52,6 +60,102 @@ def _pingpong_kernel(mbox_ptr, t_ptr, rounds, ctrl_ptr, health_ptr, BLOCK: tl.co
             mailbox_put(pong, offs, vals + 1, mask, tag, False)
     t1 = global_timer_ns()
     tl.store(t_ptr + pid, t1 - t0)
+
+
+@triton.jit(do_not_specialize=["iters"])
+def _ar_loop_kernel(
+    x_ptr,
+    out_ptr,
+    n_words,
+    peers_ptr,
+    region_off,
+    region_id,
+    ctrl_ptr,
+    health_ptr,
+    t_ptr,
+    iters,
+    RANKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # `iters` all-reduces inside one launch (the K2 case: no launch gaps). Reusing one region
+    # is safe here: every rank maps chunk c to CTA c, so a CTA reaches use k+2 of a parity
+    # only after every peer's CTA c has pushed use k+1, i.e. finished reading use k.
+    t0 = global_timer_ns()
+    for it in range(iters):
+        seq = step_seq(ctrl_ptr, it, iters)
+        allreduce_bf16_oneshot(
+            x_ptr,
+            out_ptr,
+            n_words,
+            peers_ptr,
+            region_off,
+            region_id,
+            seq,
+            ctrl_ptr,
+            health_ptr,
+            RANKS,
+            BLOCK,
+            False,
+        )
+    t1 = global_timer_ns()
+    if tl.program_id(0) == 0:
+        tl.store(t_ptr, t1 - t0)
+
+
+def bench_allreduce_in_kernel(hidden, grid, block, iters=500, reps=5):
+    """Per all-reduce time inside one persistent launch (rank 0, CTA 0, %globaltimer)."""
+    v = VirtualTPAllReduce(8, hidden, grid=grid, deadline_s=5.0, block=block)
+    t = torch.zeros(8, 2, dtype=torch.int64, device="cuda")  # 16-byte rows: one alignment
+    lay = v.ar.layout
+
+    def launch(r: int, n: int) -> None:
+        s = v.peers.ranks[r]
+        s.bump_epoch()
+        _ar_loop_kernel[(grid,)](
+            v.xs[r].view(torch.int32),
+            v.outs[r].view(torch.int32),
+            hidden // 2,
+            v.peers.table,
+            lay.offsets["ar"],
+            lay.region_id("ar"),
+            s.ctrl,
+            s.health,
+            t[r:],
+            n,
+            RANKS=8,
+            BLOCK=block,
+        )
+
+    # compile and load before any rank spins (warmup compiles without launching)
+    scratch = RankState.create(0, "cuda", deadline_s=1.0)
+    compiled = _ar_loop_kernel.warmup(
+        v.xs[0].view(torch.int32),
+        v.outs[0].view(torch.int32),
+        hidden // 2,
+        v.peers.table,
+        lay.offsets["ar"],
+        lay.region_id("ar"),
+        scratch.ctrl,
+        scratch.health,
+        t[0],
+        1,
+        RANKS=8,
+        BLOCK=block,
+        grid=(grid,),
+    )
+    compiled._init_handles()
+    samples = []
+    for rep in range(reps + 1):
+        v.xs.normal_()
+        v.outs.fill_(float("nan"))
+        v.peers.run(lambda r: launch(r, iters))
+        torch.cuda.synchronize()
+        if rep:
+            samples.append(t[0, 0].item() / iters / 1e3)
+    exp, _ = v.expected()
+    ok = all(torch.equal(v.outs[r], exp) for r in range(8))
+    ok = ok and all(decode_health(s.health.cpu().tolist(), s.rank).ok for s in v.peers.ranks)
+    return statistics.median(samples), min(samples), ok
 
 
 def bench_handoff(block: int, rounds: int = 5000, reps: int = 5) -> float:
@@ -129,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(
                     (kind, size, grid, f"{med:.2f}", f"{best:.2f}", "ok" if ok else "WRONG")
                 )
+            med, best, ok = bench_allreduce_in_kernel(hidden, grid, block)
+            kind = "allreduce tp8 in-kernel"
+            rows.append((kind, size, grid, f"{med:.2f}", f"{best:.2f}", "ok" if ok else "WRONG"))
     print(f"device: {name}")
     print(f"{'what':<26} {'size':<26} {'grid':>4} {'median us':>10} {'best us':>8} check")
     for r in rows:

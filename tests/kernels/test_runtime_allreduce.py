@@ -43,7 +43,7 @@ def _assert_reduced(outs: torch.Tensor, exp_bf16: torch.Tensor, exp_fp32: torch.
 def test_virtual_tp_allreduce_eager(world, hidden):
     v = VirtualTPAllReduce(world, hidden, grid=8, deadline_s=5.0)
     for _ in range(5):
-        v.xs.copy_(torch.randn_like(v.xs, dtype=torch.float32).mul_(3))
+        v.xs.copy_(torch.randn(v.xs.shape, device="cuda").mul_(3))
         v.outs.fill_(POISON)
         v.step()
         torch.cuda.synchronize()
@@ -64,7 +64,7 @@ def test_virtual_tp_allreduce_graph_replay_matches_eager(world):
     v.peers.register_graph(graph)
     eager_out = torch.empty_like(v.outs)
     for i in range(200):
-        v.xs.copy_(torch.randn_like(v.xs, dtype=torch.float32))
+        v.xs.copy_(torch.randn(v.xs.shape, device="cuda"))
         v.outs.fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
@@ -91,6 +91,9 @@ def test_epoch_parity_race_stress():
     xs = torch.randn(steps, world, hidden, device="cuda").to(torch.bfloat16)
     outs = torch.full_like(xs, POISON)
     rng = random.Random(1234)
+    # CUDA loads kernels lazily; a first load while peers spin serialises against them
+    torch.cuda._sleep(100)
+    torch.cuda.synchronize()
 
     main = torch.cuda.current_stream()
     fork = torch.cuda.Event()

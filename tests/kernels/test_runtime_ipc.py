@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         dev = torch.device("cuda", rank % torch.cuda.device_count())
-        peers = IpcPeers(WORDS, dist.group.WORLD, dev, deadline_s=1.0)
+        peers = IpcPeers(WORDS + 64, dist.group.WORLD, dev, deadline_s=1.0)
         own = peers.buffer()
         assert own.shape[0] * 8 == peers.nbytes and (own == 0).all()
         gen = torch.Generator(device=dev).manual_seed(100 + rank)

@@ -77,7 +77,9 @@ class VirtualPeers:
     sharing one buffer, so TP logic runs (and deadlocks, if wrong) on a single GPU.
 
     All launches that wait on each other must be resident together: build kernels with
-    ``co_resident=world``.
+    ``co_resident=world``. Every kernel a rank stream launches while peers spin must already
+    be loaded: CUDA loads modules lazily, and a load serialises against running kernels
+    (seen on H200: a first ``torch.cuda._sleep`` mid-step stalled every rank to the deadline).
     """
 
     def __init__(self, world: int, peer_words: int, device: Any, deadline_s: float):

@@ -127,6 +127,19 @@ class OneShotAllReduce:
         )
 
     def _args(self, x, out, peers, ctrl, health, layer, layers_per_step):
+        for name, t in (
+            ("x", x),
+            ("out", out),
+            ("peers", peers),
+            ("ctrl", ctrl),
+            ("health", health),
+        ):
+            # Triton keys variants on 16-byte pointer alignment: another alignment would
+            # compile (and load a module) mid-step, which stalls against spinning peers.
+            if t.data_ptr() % 16:
+                raise ValueError(
+                    f"{self.label()}: {name} must be 16-byte aligned (no JIT mid-step)"
+                )
         return (
             x.view(_int32(x)),
             out.view(_int32(out)),
@@ -171,8 +184,11 @@ class VirtualTPAllReduce:
 
         self.ar = OneShotAllReduce(hidden, world, grid, block=block, co_resident=world)
         self.peers = VirtualPeers(world, self.ar.peer_words, "cuda", deadline_s)
-        self.xs = torch.randn(world, hidden, dtype=torch.bfloat16, device="cuda")
-        self.outs = torch.empty_like(self.xs)
+        # rows padded to 16 bytes: every rank's pointer has the alignment the build saw
+        padded = -(-hidden // 8) * 8
+        rows = torch.randn(world, padded, dtype=torch.bfloat16, device="cuda")
+        self.xs = rows[:, :hidden]
+        self.outs = torch.empty_like(rows)[:, :hidden]
         s0 = self.peers.ranks[0]
         self.ar.build(self.xs[0], self.outs[0], self.peers.table, s0.ctrl, s0.health)
 
