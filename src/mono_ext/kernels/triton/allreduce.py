@@ -95,6 +95,10 @@ class OneShotAllReduce:
     _compiled: Any = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if self.world & (self.world - 1):
+            raise ValueError(
+                f"world must be a power of two for the one-shot kernel, got {self.world}"
+            )
         self.layout = plan_layout(allreduce_program(self.hidden), self.world)
 
     @property

@@ -209,15 +209,21 @@ def allreduce_bf16_oneshot(
     two bf16 each) through a peer region at ``region_off`` words into every rank's buffer.
 
     Push model: each CTA stores its chunk, tagged, into its rank's slot on every peer (remote
-    stores are posted, not waited on), then spins on its *local* copy of all slots. Sums run
-    in fp32 in rank order 0..RANKS-1, so every rank gets bit-identical bf16 results. Chunks
-    are spread over the grid; no CTA waits on another CTA of its own rank.
+    stores are posted, not waited on), then spins on its *local* copy of all slots at once
+    (one L2 round trip per spin, not one per source). Sums run in fp32 in rank order
+    0..RANKS-1, so every rank gets bit-identical bf16 results. Chunks are spread over the
+    grid; no CTA waits on another CTA of its own rank. ``RANKS`` must be a power of two.
+
+    Why a re-load after the wait is safe: a peer overwrites this parity's slot only for the
+    use after next, which needs this CTA's push of the next use, which comes later.
     """
+    tl.static_assert((RANKS & (RANKS - 1)) == 0, "RANKS must be a power of two")
     rank = tl.load(ctrl_ptr + CTRL_RANK).to(tl.int32)
     tag = seq_tag(seq)
     parity = (seq & 1).to(tl.int32)
     mine = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int64)) + region_off
     own_slot = (parity * RANKS + rank) * n_words
+    flat = tl.arange(0, RANKS * BLOCK)
     for chunk in range(tl.program_id(0), tl.cdiv(n_words, BLOCK), tl.num_programs(0)):
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_words
@@ -225,12 +231,15 @@ def allreduce_bf16_oneshot(
         for p in tl.static_range(RANKS):
             dst = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int64)) + region_off + own_slot
             store_tagged(dst + offs, words, mask, SYS)
+        # every source's words of this chunk in one bounded wait
+        w = chunk * BLOCK + flat % BLOCK
+        idx_all = (parity * RANKS + flat // BLOCK) * n_words + w
+        wait_tagged(mine + idx_all, w < n_words, idx_all, tag, ctrl_ptr, health_ptr, region_id)
         lo = tl.zeros([BLOCK], dtype=tl.float32)
         hi = tl.zeros([BLOCK], dtype=tl.float32)
         for s in tl.static_range(RANKS):
             idx = (parity * RANKS + s) * n_words + offs
-            got, ok = wait_tagged(mine + idx, mask, idx, tag, ctrl_ptr, health_ptr, region_id)
-            v = unpack_value(got)
+            v = unpack_value(tl.load(mine + idx, mask=mask, other=0, volatile=True))
             lo += (v << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32: shift into place
             hi += ((v >> 16) << 16).to(tl.float32, bitcast=True)
         tl.store(out_ptr + offs, pack_bf16x2(lo, hi), mask=mask)
