@@ -128,7 +128,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     )
     print(f"{'width':>5}  build key")
     for key in spec.build_keys():
-        print(f"{key.width:>5}  {key.label()}  #{key.digest()}")
+        print(f"{key.width:>5}  {key.label()}  #{key.digest()[:16]}")
     print("other steps (prefill, mixed, spec verify, wider than 16 rows) run the engine's forward")
     return 0
 

@@ -1,13 +1,15 @@
 """Build keys, the startup-only build cache, residency and specialisation checks (CPU)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
+from mono_ext.core.spec import BuildKey
 from mono_ext.runtime import build_cache as bc
 from mono_ext.runtime.layout import Program, Region, Stage, allreduce, plan_layout
 
-KEY = bc.BuildKey("qwen3_next", "triton", 8, ("bf16",), 4, "ab" * 32)
+KEY = BuildKey("qwen3_next", "triton", 8, "bfloat16", 4, (("layout", "ab" * 32),))
 H200 = bc.DeviceLimits(sm_count=132)
 
 
@@ -19,9 +21,7 @@ def test_key_digest_covers_key_and_sources(tmp_path):
     d2 = bc.source_digest([a])
     assert d1 != d2
     assert KEY.digest(d1) != KEY.digest(d2)
-    assert KEY.digest(d1) != bc.BuildKey(
-        "qwen3_next", "triton", 16, ("bf16",), 4, "ab" * 32
-    ).digest(d1)
+    assert KEY.digest(d1) != dataclasses.replace(KEY, width=16).digest(d1)
     assert "w8" in KEY.label() and "tp4" in KEY.label()
 
 
@@ -36,7 +36,7 @@ def test_cache_builds_at_startup_then_only_looks_up():
     cache.build_all([KEY, KEY])
     assert built == [KEY] and cache.get(KEY) == "kernel-8" and KEY in cache
     cache.seal()
-    other = bc.BuildKey("qwen3_next", "triton", 16, ("bf16",), 4, "ab" * 32)
+    other = dataclasses.replace(KEY, width=16)
     with pytest.raises(bc.NotBuiltError, match="w16"):
         cache.get(other)
     with pytest.raises(bc.NotBuiltError, match="after startup"):

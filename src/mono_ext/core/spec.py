@@ -37,10 +37,10 @@ class BuildKey:
     tp_size: int
     layouts: tuple[tuple[str, str], ...] = ()
 
-    def digest(self, salt: str = "") -> str:
-        """A stable short hash; ``salt`` is where a backend mixes in its sources."""
-        blob = json.dumps(asdict(self), sort_keys=True) + salt
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    def digest(self, sources: str = "") -> str:
+        """A stable sha256 hex digest; ``sources`` is where a backend mixes in its kernel sources."""
+        blob = json.dumps(asdict(self), sort_keys=True) + sources
+        return hashlib.sha256(blob.encode()).hexdigest()
 
     def label(self) -> str:
         lay = ",".join(f"{k}={v}" for k, v in self.layouts)

@@ -5,7 +5,7 @@ Importing this package pulls in neither torch nor triton; the pieces that need t
 them when used.
 """
 
-from mono_ext.runtime.build_cache import BuildCache, BuildKey, NotBuiltError, ResidencyError
+from mono_ext.runtime.build_cache import BuildCache, NotBuiltError, ResidencyError
 from mono_ext.runtime.failstop import FailStop, FailStopError, VirtualFailStop
 from mono_ext.runtime.health import HealthSummary, WaitRecord, decode_health
 from mono_ext.runtime.layout import (
@@ -24,7 +24,6 @@ from mono_ext.runtime.layout import (
 
 __all__ = [
     "BuildCache",
-    "BuildKey",
     "FailStop",
     "FailStopError",
     "HandoffError",

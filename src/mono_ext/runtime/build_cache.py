@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from mono_ext.core.spec import BuildKey  # one key type for specs, backends and this cache
+
 __all__ = [
     "BuildCache",
-    "BuildKey",
     "DeviceLimits",
     "KernelResources",
     "NotBuiltError",
@@ -41,31 +42,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class BuildKey:
-    """What one compiled launch depends on, besides the kernel sources."""
-
-    spec: str  # model spec, e.g. "qwen3_next"
-    backend: str  # "triton" | "flydsl"
-    width: int  # rows the launch is built for
-    dtypes: tuple[str, ...]  # dtype plan, e.g. ("bf16", "fp32-state")
-    tp: int  # tensor-parallel world size
-    layout: str  # digest of the scratch/mailbox layout (see layout_digest)
-
-    def label(self) -> str:
-        return (
-            f"{self.spec}/{self.backend}/w{self.width}/{'+'.join(self.dtypes)}/tp{self.tp}/"
-            f"{self.layout[:8]}"
-        )
-
-    def digest(self, sources: str) -> str:
-        """Hash of the key together with the kernel-source digest (see :func:`source_digest`)."""
-        h = hashlib.sha256()
-        h.update(repr(self).encode())
-        h.update(sources.encode())
-        return h.hexdigest()
 
 
 def layout_digest(layout: Any) -> str:
