@@ -69,11 +69,10 @@ def _text_config(config: dict[str, Any] | str, num_layers: int | None) -> dict[s
     cfg = get_preset(config) if isinstance(config, str) else copy.deepcopy(config)
     if "text_config" in cfg:
         cfg = cfg["text_config"]
+    # Always explicit: vLLM 0.26's Qwen3NextConfig ignores full_attention_interval.
+    cfg["layer_types"] = layer_types(cfg)[:num_layers]
     if num_layers is not None:
-        kinds = layer_types(cfg)[:num_layers]
         cfg["num_hidden_layers"] = num_layers
-        if "layer_types" in cfg:
-            cfg["layer_types"] = kinds
         if cfg.get("mlp_only_layers"):
             cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < num_layers]
     return cfg
