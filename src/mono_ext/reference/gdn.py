@@ -187,6 +187,10 @@ def gdn_front(
     beta = sigmoid(b); S = exp(g) S; S += k (beta (v - S k))^T (as [Dv, Dk]: S += outer(d, k));
     o = S q; o_in = norm_w * rmsnorm(o) * silu(z).
 
+    Engine roundings deliberately not modelled (the NUMERICS thresholds absorb them): bf16
+    projections and conv input (vLLM casts x to the conv state's dtype before the conv),
+    and vLLM 0.26's packed decode kernel rounding beta = sigmoid(b) to b's dtype.
+
     Returns:
         FrontOut(o_in [B, Hv*Dv] fp32, residual_out [B, H] fp32).
     """
