@@ -135,8 +135,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+    from .models.qwen3_next.configs import PRESETS
 
-    return run_demo(preset=args.preset, steps=args.steps, batch=args.batch, seed=args.seed)
+    if args.preset not in PRESETS:
+        raise UserError(f"unknown preset {args.preset!r}; known: {', '.join(sorted(PRESETS))}")
+    try:
+        return run_demo(preset=args.preset, steps=args.steps, batch=args.batch, seed=args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
