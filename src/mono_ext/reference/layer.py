@@ -29,6 +29,7 @@ def decoder_layer_step(
     packing: str = "interleaved",
     null_slot: int | None = None,
     eps: float | None = None,
+    ssm_layout: str = "vk",
 ) -> TailOut:
     """K1 -> (attention) -> K2 for one decode token per row.
 
@@ -55,6 +56,7 @@ def decoder_layer_step(
             packing=packing,
             eps=eps,
             null_slot=null_slot,
+            ssm_layout=ssm_layout,
         )
         return layer_tail(front.o_in, front.residual_out, weights, dims, eps, kind="gdn")
     if kind != "attn":
