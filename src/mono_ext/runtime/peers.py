@@ -219,6 +219,9 @@ class IpcPeers:
         self._own = ptr.value
         # Zero before the handle leaves this rank, so no tag in it can match a live step.
         self._cu.check(self._cu.lib.cuMemsetD8_v2(self._own, 0, self.nbytes), "cuMemsetD8")
+        # cuMemset may return before the device is done; a peer's first write must not be
+        # wiped by a memset still in flight.
+        torch.cuda.synchronize(self.device)
         handle = _CUipcMemHandle()
         self._cu.check(
             self._cu.lib.cuIpcGetMemHandle(ctypes.byref(handle), self._own), "cuIpcGetMemHandle"
