@@ -28,13 +28,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl
 
-from mono_ext.kernels.triton.allreduce import VirtualTPAllReduce
+from mono_ext.kernels.triton.allreduce import VirtualTPAllReduce, allreduce_loop_kernel
 from mono_ext.kernels.triton.primitives import (
-    allreduce_bf16_oneshot,
     global_timer_ns,
     mailbox_get,
     mailbox_put,
-    step_seq,
 )
 from mono_ext.runtime.health import decode_health
 from mono_ext.runtime.peers import RankState
@@ -62,46 +60,6 @@ def _pingpong_kernel(mbox_ptr, t_ptr, rounds, ctrl_ptr, health_ptr, BLOCK: tl.co
     tl.store(t_ptr + pid, t1 - t0)
 
 
-@triton.jit(do_not_specialize=["iters"])
-def _ar_loop_kernel(
-    x_ptr,
-    out_ptr,
-    n_words,
-    peers_ptr,
-    region_off,
-    region_id,
-    ctrl_ptr,
-    health_ptr,
-    t_ptr,
-    iters,
-    RANKS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # `iters` all-reduces inside one launch (the K2 case: no launch gaps). Reusing one region
-    # is safe here: every rank maps chunk c to CTA c, so a CTA reaches use k+2 of a parity
-    # only after every peer's CTA c has pushed use k+1, i.e. finished reading use k.
-    t0 = global_timer_ns()
-    for it in range(iters):
-        seq = step_seq(ctrl_ptr, it, iters)
-        allreduce_bf16_oneshot(
-            x_ptr,
-            out_ptr,
-            n_words,
-            peers_ptr,
-            region_off,
-            region_id,
-            seq,
-            ctrl_ptr,
-            health_ptr,
-            RANKS,
-            BLOCK,
-            False,
-        )
-    t1 = global_timer_ns()
-    if tl.program_id(0) == 0:
-        tl.store(t_ptr, t1 - t0)
-
-
 def bench_allreduce_in_kernel(hidden, grid, block, iters=500, reps=5):
     """Per all-reduce time inside one persistent launch (rank 0, CTA 0, %globaltimer)."""
     v = VirtualTPAllReduce(8, hidden, grid=grid, deadline_s=5.0, block=block)
@@ -111,7 +69,7 @@ def bench_allreduce_in_kernel(hidden, grid, block, iters=500, reps=5):
     def launch(r: int, n: int) -> None:
         s = v.peers.ranks[r]
         s.bump_epoch()
-        _ar_loop_kernel[(grid,)](
+        allreduce_loop_kernel[(grid,)](
             v.xs[r].view(torch.int32),
             v.outs[r].view(torch.int32),
             hidden // 2,
@@ -124,11 +82,12 @@ def bench_allreduce_in_kernel(hidden, grid, block, iters=500, reps=5):
             n,
             RANKS=8,
             BLOCK=block,
+            SYS=False,
         )
 
     # compile and load before any rank spins (warmup compiles without launching)
     scratch = RankState.create(0, "cuda", deadline_s=1.0)
-    compiled = _ar_loop_kernel.warmup(
+    compiled = allreduce_loop_kernel.warmup(
         v.xs[0].view(torch.int32),
         v.outs[0].view(torch.int32),
         hidden // 2,
@@ -141,6 +100,7 @@ def bench_allreduce_in_kernel(hidden, grid, block, iters=500, reps=5):
         1,
         RANKS=8,
         BLOCK=block,
+        SYS=False,
         grid=(grid,),
     )
     compiled._init_handles()

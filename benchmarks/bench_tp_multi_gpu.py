@@ -43,13 +43,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from mono_ext.kernels.triton.allreduce import OneShotAllReduce  # noqa: E402
-from mono_ext.kernels.triton.primitives import (  # noqa: E402
-    allreduce_bf16_oneshot,
-    global_timer_ns,
-    step_seq,
+from mono_ext.kernels.triton.allreduce import (  # noqa: E402
+    OneShotAllReduce,
+    allreduce_loop_kernel,
 )
 from mono_ext.runtime.health import decode_health  # noqa: E402
 from mono_ext.runtime.peers import IpcPeers  # noqa: E402
@@ -61,46 +58,6 @@ N = 100  # all-reduces per graph
 REPS = 20  # timed replays
 LOOP_ITERS = 500
 LOOP_REPS = 5
-
-
-@triton.jit(do_not_specialize=["iters"])
-def _ar_loop_kernel(
-    x_ptr,
-    out_ptr,
-    n_words,
-    peers_ptr,
-    region_off,
-    region_id,
-    ctrl_ptr,
-    health_ptr,
-    t_ptr,
-    iters,
-    RANKS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SYS: tl.constexpr,
-):
-    # `iters` all-reduces in one launch; one region reused: each rank maps chunk c to CTA c,
-    # so a CTA reaches use k+2 of a parity only after the peer's CTA c pushed use k+1.
-    t0 = global_timer_ns()
-    for it in range(iters):
-        seq = step_seq(ctrl_ptr, it, iters)
-        allreduce_bf16_oneshot(
-            x_ptr,
-            out_ptr,
-            n_words,
-            peers_ptr,
-            region_off,
-            region_id,
-            seq,
-            ctrl_ptr,
-            health_ptr,
-            RANKS,
-            BLOCK,
-            SYS,
-        )
-    t1 = global_timer_ns()
-    if tl.program_id(0) == 0:
-        tl.store(t_ptr, t1 - t0)
 
 
 def _block_for(hidden: int, grid: int) -> int:
@@ -159,7 +116,7 @@ def _bench_ours(me: _Rank, hidden: int, grid: int) -> dict:
         t,
     )
     consts = {"RANKS": WORLD, "BLOCK": block, "SYS": True}
-    loop = _ar_loop_kernel.warmup(*loop_args, 1, grid=(grid,), **consts)
+    loop = allreduce_loop_kernel.warmup(*loop_args, 1, grid=(grid,), **consts)
     loop._init_handles()  # loaded now, not while the peer spins
     torch.cuda.synchronize(me.dev)
     dist.barrier(group=me.cpu)
@@ -201,7 +158,7 @@ def _bench_ours(me: _Rank, hidden: int, grid: int) -> dict:
         out.fill_(float("nan"))
         me.line_up()
         st.bump_epoch()
-        _ar_loop_kernel[(grid,)](*loop_args, LOOP_ITERS, **consts)
+        allreduce_loop_kernel[(grid,)](*loop_args, LOOP_ITERS, **consts)
         torch.cuda.synchronize(me.dev)
         if rep:
             samples.append(t[0].item() / LOOP_ITERS / 1e3)

@@ -18,7 +18,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from mono_ext.kernels.triton.primitives import allreduce_bf16_oneshot, step_seq
+from mono_ext.kernels.triton.primitives import allreduce_bf16_oneshot, global_timer_ns, step_seq
 from mono_ext.runtime.build_cache import (
     check_residency,
     check_unspecialized,
@@ -27,7 +27,12 @@ from mono_ext.runtime.build_cache import (
 )
 from mono_ext.runtime.layout import Program, Region, Stage, allreduce, plan_layout
 
-__all__ = ["OneShotAllReduce", "allreduce_kernel", "allreduce_program"]
+__all__ = [
+    "OneShotAllReduce",
+    "allreduce_kernel",
+    "allreduce_loop_kernel",
+    "allreduce_program",
+]
 
 # Arguments that change between launches: never specialised (see runtime.build_cache).
 PER_STEP_ARGS = ("layer", "layers_per_step")
@@ -64,6 +69,48 @@ def allreduce_kernel(
         BLOCK,
         SYS,
     )
+
+
+@triton.jit(do_not_specialize=["iters"])
+def allreduce_loop_kernel(
+    x_ptr,
+    out_ptr,
+    n_words,
+    peers_ptr,
+    region_off,
+    region_id,
+    ctrl_ptr,
+    health_ptr,
+    t_ptr,
+    iters,
+    RANKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SYS: tl.constexpr,
+):
+    # `iters` all-reduces inside one launch: what K2 pays per all-reduce, with no launch
+    # gaps (benchmarks time it). One region is reused safely: every rank maps chunk c to
+    # CTA c, so a CTA reaches use k+2 of a parity only after every peer's CTA c pushed use
+    # k+1, i.e. finished reading use k.
+    t0 = global_timer_ns()
+    for it in range(iters):
+        seq = step_seq(ctrl_ptr, it, iters)
+        allreduce_bf16_oneshot(
+            x_ptr,
+            out_ptr,
+            n_words,
+            peers_ptr,
+            region_off,
+            region_id,
+            seq,
+            ctrl_ptr,
+            health_ptr,
+            RANKS,
+            BLOCK,
+            SYS,
+        )
+    t1 = global_timer_ns()
+    if tl.program_id(0) == 0:
+        tl.store(t_ptr, t1 - t0)
 
 
 def allreduce_program(hidden: int) -> Program:
