@@ -1,0 +1,354 @@
+"""K2 (layer tail) per-launch time on one GPU vs a torch op chain of the same math.
+
+    PYTHONPATH=src python benchmarks/bench_k2.py [--csv docs/k2_h200.csv] [--plot docs/k2.png]
+
+Shapes: Qwen3-Next-80B-A3B tail at TP1 (H 2048, GDN out_proj input 4096, 512 experts top-10,
+I 512, shared 512). Every arm runs ``ROT`` rotations per CUDA-graph replay: each rotation has
+its own copy of the dense planes (out_proj, router, norm, shared expert, its gate: 24 MB, so
+8 copies are 4x the 50 MB L2) and its own inputs, which route to their own experts (w13/w2
+are one 3 GB copy: consecutive rotations pick different experts). Time per launch =
+replay time / ROT, median of several replays.
+
+Arms:
+- ``k2``: this package's one persistent launch (config variants, see ``VARIANTS``).
+- ``torch``: the same math as a torch op chain under a CUDA graph: cuBLAS linears
+  (out_proj, router, shared gate_up/down, shared gate), fp32 Gemma RMSNorm, softmax +
+  torch.topk + renormalise, routed experts as a gather of the picked experts' planes
+  (``w13[ids]``, ``w2[ids]``) + ``torch.bmm``, weighted sum. This is a stand-in for vLLM
+  0.26's chain (its unquantized Triton fused MoE, fused RMSNorm), which was not installed on
+  the device: the vLLM comparison is still owed.
+- ``torch-loop``: the experts as a per-pick loop of ``F.linear`` on the picked planes (no
+  gather copies; needs the ids on the host, so eager, one sync per rotation); widths <= 4.
+
+Bytes per launch count each weight byte read once (dense planes + the distinct picked
+experts' w13/w2 planes of that rotation) plus activations; % HBM is (bytes / time) over the
+device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from mono_ext.kernels.triton.k2 import (  # noqa: E402
+    STAGES_ALL,
+    K2Config,
+    K2Launch,
+    K2Shape,
+)
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
+from mono_ext.runtime.health import decode_health  # noqa: E402
+from mono_ext.runtime.peers import RankState  # noqa: E402
+
+ROT = 8
+WIDTHS = (1, 2, 4, 8, 12, 16)
+BF = torch.bfloat16
+DENSE = (
+    "out_proj",
+    "post_attention_layernorm",
+    "router",
+    "shared_gate_up",
+    "shared_down",
+    "shared_expert_gate",
+)
+# name -> K2Config overrides (grid is set from the device)
+VARIANTS = {
+    "k2": {},
+    "k2 no-prefetch": {"prefetch": False},
+    "k2 bk128": {"bk1": 128, "bk3": 128},
+}
+PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (all)
+    "S1 out_proj+residual": 3,
+    "+S2 norm+router": 7,
+    "+S3 topk+gate_up": 15,
+    "+S4 down (+reduce = all)": STAGES_ALL,
+}
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_()
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+class Setup:
+    """ROT rotations of dense planes and inputs, one copy of the expert planes."""
+
+    def __init__(self, seed: int = 0):
+        self.dims = d = Dims.from_config(get_preset("qwen3-next-80b-a3b"), tp=1)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        h, e, i, s, k_in = d.hidden, d.experts, d.moe_inter, d.shared_inter, d.hv * d.dv
+
+        def r(*shape, scale):
+            return (torch.randn(*shape, generator=g, device="cuda") * scale).to(BF)
+
+        self.w13 = r(e, 2 * i, h, scale=h**-0.5)
+        self.w2 = r(e, h, i, scale=i**-0.5)
+        self.rot = []
+        for _ in range(ROT):
+            w = {
+                "out_proj": r(h, k_in, scale=k_in**-0.5),
+                "post_attention_layernorm": r(h, scale=0.1),
+                "router": r(e, h, scale=h**-0.5),
+                "shared_gate_up": r(2 * s, h, scale=h**-0.5),
+                "shared_down": r(h, s, scale=s**-0.5),
+                "shared_expert_gate": r(1, h, scale=h**-0.5),
+                "w13": self.w13,
+                "w2": self.w2,
+            }
+            w["o_in"] = r(16, k_in, scale=1.0)
+            w["residual"] = r(16, h, scale=1.0)
+            w["out_h"] = torch.empty(16, h, dtype=BF, device="cuda")
+            w["out_r"] = torch.empty(16, h, dtype=BF, device="cuda")
+            self.rot.append(w)
+        self.dense_bytes = sum(self.rot[0][n].numel() * 2 for n in DENSE)
+        self.expert_bytes = (self.w13[0].numel() + self.w2[0].numel()) * 2
+
+    def bytes_moved(self, b: int) -> float:
+        """Mean over rotations: dense planes + distinct picked experts + activations."""
+        d = self.dims
+        total = 0.0
+        for w in self.rot:
+            _, ids = torch_route(w, b, d)
+            n_exp = int(ids.unique().numel())
+            acts = b * (d.hv * d.dv + 3 * d.hidden) * 2
+            total += self.dense_bytes + n_exp * self.expert_bytes + acts
+        return total / len(self.rot)
+
+
+def torch_route(w: dict, b: int, d: Dims):
+    x, res_out = torch_front(w, b, d)
+    probs = torch.softmax(F.linear(x, w["router"]).float(), dim=-1)
+    tw, ti = torch.topk(probs, d.top_k, dim=-1)
+    return tw / tw.sum(-1, keepdim=True), ti
+
+
+def torch_front(w: dict, b: int, d: Dims):
+    res_out = w["residual"][:b] + F.linear(w["o_in"][:b], w["out_proj"])
+    xf = res_out.float()
+    x = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + d.eps)
+    x = (x * (1.0 + w["post_attention_layernorm"].float())).to(BF)
+    return x, res_out
+
+
+def torch_shared(w: dict, x):
+    g, u = F.linear(x, w["shared_gate_up"]).chunk(2, dim=-1)
+    sh = F.linear(F.silu(g) * u, w["shared_down"])
+    return sh * torch.sigmoid(F.linear(x, w["shared_expert_gate"]))
+
+
+def torch_chain(w: dict, b: int, d: Dims) -> None:
+    x, res_out = torch_front(w, b, d)
+    probs = torch.softmax(F.linear(x, w["router"]).float(), dim=-1)
+    tw, ti = torch.topk(probs, d.top_k, dim=-1)
+    tw = tw / tw.sum(-1, keepdim=True)
+    ids = ti.flatten()
+    xr = x.repeat_interleave(d.top_k, dim=0).unsqueeze(-1)  # [b*k, H, 1]
+    g, u = torch.bmm(w["w13"][ids], xr).squeeze(-1).chunk(2, dim=-1)
+    y = torch.bmm(w["w2"][ids], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)  # [b*k, H]
+    y = (y.view(b, d.top_k, -1).float() * tw.unsqueeze(-1)).sum(1)
+    w["out_h"][:b].copy_(y + torch_shared(w, x).float())
+    w["out_r"][:b].copy_(res_out)
+
+
+def torch_loop_chain(w: dict, b: int, d: Dims) -> None:
+    x, res_out = torch_front(w, b, d)
+    probs = torch.softmax(F.linear(x, w["router"]).float(), dim=-1)
+    tw, ti = torch.topk(probs, d.top_k, dim=-1)
+    tw = (tw / tw.sum(-1, keepdim=True)).to(BF)
+    out = torch_shared(w, x)
+    ids = ti.tolist()  # host sync: the planes are picked on the host
+    for r in range(b):
+        for j, e in enumerate(ids[r]):
+            g, u = F.linear(x[r : r + 1], w["w13"][e]).chunk(2, dim=-1)
+            out[r : r + 1] += tw[r, j] * F.linear(F.silu(g) * u, w["w2"][e])
+    w["out_h"][:b].copy_(out)
+    w["out_r"][:b].copy_(res_out)
+
+
+def time_graph(body, reps: int = 10) -> tuple[float, float]:
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / ROT)
+    del graph
+    return statistics.median(times), min(times)
+
+
+def time_eager(body, reps: int = 5) -> tuple[float, float]:
+    body()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        body()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / ROT)
+    return statistics.median(times), min(times)
+
+
+def build_k2(su: Setup, grid: int, stages: int = STAGES_ALL, **overrides) -> K2Launch:
+    cfg = K2Config(grid=grid, rb=2, **overrides)
+    k2 = K2Launch(K2Shape.from_dims(su.dims), cfg, stages=stages)
+    k2.build("cuda")
+    return k2
+
+
+def k2_body(k2: K2Launch, su: Setup, b: int, state: RankState, ws):
+    def body():
+        state.bump_epoch()
+        for layer, w in enumerate(su.rot):
+            k2.launch(w["o_in"][:b], w["residual"][:b], w, w["out_h"][:b], w["out_r"][:b],
+                      ws=ws, ctrl=state.ctrl, health=state.health, layer=layer,
+                      layers_per_step=ROT)  # fmt: skip
+
+    return body
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--prefixes", action="store_true", help="time stage prefixes too")
+    args = ap.parse_args(argv)
+    widths = [int(x) for x in args.widths.split(",")]
+    name = torch.cuda.get_device_name()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth()
+    print(f"device: {name}, {sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    su = Setup()
+    d = su.dims
+    state = RankState.create(0, "cuda", 2.0)
+    nbytes = {b: su.bytes_moved(b) for b in widths}
+    rows = []  # (width, arm, median_us, best_us)
+
+    # correctness of what is timed: K2 vs the torch chain on rotation 0, width 4
+    k2 = build_k2(su, sms)
+    ws = k2.workspace("cuda")
+    w0 = su.rot[0]
+    state.bump_epoch()
+    k2.launch(w0["o_in"][:4], w0["residual"][:4], w0, w0["out_h"][:4], w0["out_r"][:4], ws=ws,
+              ctrl=state.ctrl, health=state.health)  # fmt: skip
+    got = w0["out_h"][:4].float().clone()
+    torch_chain(w0, 4, d)
+    cos = F.cosine_similarity(got.flatten(), w0["out_h"][:4].float().flatten(), dim=0).item()
+    print(f"k2 vs torch chain (width 4): hidden cosine {cos:.6f}")
+    print(f"k2 build: {k2.label()} regs {k2.resources.regs_per_thread} "
+          f"smem {k2.resources.shared_bytes} kspl1 {k2.kspl1} ng {k2.ng}")  # fmt: skip
+
+    for vname in args.variants.split(","):
+        k = k2 if vname == "k2" else build_k2(su, sms, **VARIANTS[vname])
+        wsv = ws if k is k2 else k.workspace("cuda")
+        for b in widths:
+            med, best = time_graph(k2_body(k, su, b, state, wsv))
+            rows.append((b, vname, med, best))
+            print(f"  {vname:<16} w{b:<2} {med:8.1f} us")
+    if args.prefixes:
+        for pname, bits in PREFIXES.items():
+            k = build_k2(su, sms, stages=bits)
+            wsp = k.workspace("cuda")
+            for b in (1, 16):
+                med, best = time_graph(k2_body(k, su, b, state, wsp))
+                rows.append((b, f"prefix {pname}", med, best))
+                print(f"  prefix {pname:<26} w{b:<2} {med:8.1f} us")
+    h = decode_health(state.health.cpu().tolist(), rank=0)
+    if not h.ok:
+        raise RuntimeError(h.describe(k2.layout.describe))
+
+    for b in widths:
+        med, best = time_graph(lambda b=b: [torch_chain(w, b, d) for w in su.rot])
+        rows.append((b, "torch", med, best))
+        print(f"  torch            w{b:<2} {med:8.1f} us")
+        if b <= 4:
+            med, best = time_eager(lambda b=b: [torch_loop_chain(w, b, d) for w in su.rot])
+            rows.append((b, "torch-loop", med, best))
+            print(f"  torch-loop       w{b:<2} {med:8.1f} us")
+
+    stock = {}
+    for b, arm, med, _ in rows:
+        if arm in ("torch", "torch-loop"):
+            stock[b] = min(stock.get(b, float("inf")), med)
+    date = datetime.date.today().isoformat()
+    print(f"\n{name}, {date}; bytes/launch from the routed inputs; HBM = {bw / 1e12:.2f} TB/s")
+    print(f"{'width':>5} {'arm':<34} {'us':>8} {'best':>8} {'MB':>7} {'TB/s':>6} {'%HBM':>5} "
+          f"{'vs stock':>8}")  # fmt: skip
+    out = []
+    for b, arm, med, best in rows:
+        mb = nbytes[b] / 1e6
+        tbs = nbytes[b] / (med * 1e-6) / 1e12
+        pct = 100 * tbs * 1e12 / bw
+        ratio = stock[b] / med if b in stock else float("nan")
+        print(f"{b:>5} {arm:<34} {med:8.1f} {best:8.1f} {mb:7.1f} {tbs:6.2f} {pct:5.1f} "
+              f"{ratio:8.2f}")  # fmt: skip
+        out.append([name, date, b, arm, f"{med:.2f}", f"{best:.2f}", f"{mb:.1f}", f"{tbs:.3f}",
+                    f"{pct:.1f}", f"{ratio:.3f}", f"{bw / 1e12:.3f}"])  # fmt: skip
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.writer(f)
+            wr.writerow(["device", "date", "width", "arm", "median_us", "best_us", "mbytes",
+                         "tb_per_s", "pct_hbm", "stock_over_arm", "copy_tb_per_s"])  # fmt: skip
+            wr.writerows(out)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for arm in ("k2", "torch", "torch-loop"):
+            pts = [(b, m) for b, a, m, _ in rows if a == arm]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=arm)
+        ax.plot(widths, [nbytes[b] / bw * 1e6 for b in widths], "k--", label="HBM floor")
+        ax.set_xlabel("width (rows)")
+        ax.set_ylabel("us per launch")
+        ax.set_yscale("log")
+        ax.set_title(f"K2 layer tail, Qwen3-Next-80B-A3B TP1, {name}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1157 @@
+"""K2, the layer tail, as one persistent Triton launch per layer per decode step (bf16).
+
+``out_proj``/``o_proj`` -> TP all-reduce -> residual add + post-attention Gemma RMSNorm ->
+router GEMV + softmax top-k (renormalised) -> shared expert and the union of picked routed
+experts (gate_up, SiLU * up, down, weighted) -> MoE TP all-reduce. Semantics:
+:func:`mono_ext.reference.tail.layer_tail` (the fp32 oracle). Weights are read in place.
+
+Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live rows,
+``G`` = grid, ``Um = min(E, Bb * top_k)`` routed slots, ``Pm = Bb * top_k`` routed pairs,
+``IW = ceil(max(I_r, Is_r) / 2)`` words per activation row):
+
+| name            | shape                 | dtype | layout                                 | writer               |
+|-----------------|-----------------------|-------|----------------------------------------|----------------------|
+| o_in            | [B, in_r]             | bf16  | contiguous rows (GDN: Hv*Dv/tp; attn:  | K1 / engine attention|
+|                 |                       |       | Hq*D/tp, already * sigmoid(gate))      |                      |
+| residual        | [B, H]                | bf16  | contiguous rows                        | K1 (residual_out)    |
+| out_hidden      | [B, H]                | bf16  | contiguous; MoE out incl. shared expert| this launch (S4)     |
+| out_residual    | [B, H]                | bf16  | contiguous; residual + o_proj(o_in)    | this launch (S1)     |
+| out_proj/o_proj | [H, in_r]             | bf16  | row-parallel shard (engine's plane)    | engine (read only)   |
+| post_attention_ | [H]                   | bf16  | Gemma weight (``x * (1 + w)``)         | engine (read only)   |
+| layernorm       |                       |       |                                        |                      |
+| router          | [E, H]                | bf16  | replicated                             | engine (read only)   |
+| w13             | [E, 2*I_r, H]         | bf16  | FusedMoE: gate rows then up rows,      | engine (read only)   |
+|                 |                       |       | column-parallel over I                 |                      |
+| w2              | [E, H, I_r]           | bf16  | FusedMoE, row-parallel over I          | engine (read only)   |
+| shared_gate_up  | [2*Is_r, H]           | bf16  | gate rows then up rows                 | engine (read only)   |
+| shared_down     | [H, Is_r]             | bf16  | row-parallel                           | engine (read only)   |
+| shared_expert_  | [1, H]                | bf16  | replicated                             | engine (read only)   |
+| gate            |                       |       |                                        |                      |
+| scratch: resid  | [Bb * H] words        | int64 | tagged fp32 bits of residual_out       | S1 (reduce) -> S2    |
+| scratch: logits | [KS][Bb][E] words     | int64 | tagged fp32 partial router logits,     | S2 -> S3             |
+|                 |                       |       | one K-split each, summed in ks order   |                      |
+| scratch: act    | [Pm + Bb][IW] words   | int64 | tagged bf16x2 weighted SiLU(g)*u per   | S3 -> S4             |
+|                 |                       |       | (row, pick) pair; shared at Pm + row   |                      |
+| peer: ar1       | [2][tp][Bb * H] words | int64 | tagged fp32 out_proj partials          | S1 push (tp > 1)     |
+| peer: ar2       | [2][tp][Bb * H] words | int64 | tagged fp32 MoE partials               | S4 push (tp > 1)     |
+| priv xs         | [G, Bb, H]            | bf16  | this CTA's normed rows (dot operand)   | S2, same CTA         |
+| priv wsc        | [G, Um + 1, Bb]       | fp32  | routing weight per (slot, row); slot   | S2/S3, same CTA      |
+|                 |                       |       | Um holds sigmoid(shared_expert_gate.x) |                      |
+| priv ppos       | [G, Um + 1, Bb]       | int32 | pair row of (slot, row) in act, or -1  | S3, same CTA         |
+| priv meta       | [G, META]             | int32 | union list (Um), then U and n_pairs    | S3, same CTA         |
+| ctrl / health   | see runtime.health    |       | epoch read for tags; sticky failed word| host / bounded waits |
+| peers           | [tp]                  | int64 | byte address of each rank's buffer     | host (runtime.peers) |
+
+Every CTA computes the norm and the top-k redundantly (bit-identical across CTAs: same
+code, same words); the union of picked experts (ascending expert id) plus the shared
+expert are the "slots" whose gate_up row blocks (S3) and down H-slices (S4) are spread
+over the grid. Stages hand off only through tagged words (``runtime.layout``); the program
+is declared by :func:`k2_program` and checked at build. No grid barrier; waits are bounded.
+
+Per-element reduction orders depend only on the build (tiles), never on the width or the
+other rows, so a row's output is independent of the batch (batch invariance), and replays
+are bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from mono_ext.kernels.triton.primitives import (
+    mailbox_put,
+    pack_tagged,
+    seq_tag,
+    step_seq,
+    store_tagged,
+    unpack_value,
+    wait_tagged,
+)
+from mono_ext.runtime.layout import Program, Region, Stage, plan_layout, push, wait, write
+
+__all__ = [
+    "BLOCK_B",
+    "K2Config",
+    "K2Launch",
+    "K2Shape",
+    "k2_kernel",
+    "k2_program",
+    "STAGES_ALL",
+]
+
+BLOCK_B = 16  # rows per launch (tl.dot needs M >= 16); widths 1..16 mask the rest
+PER_STEP_ARGS = ("n_rows", "layer", "layers_per_step")
+META_EXTRA = 2  # meta words after the union list: U, n_pairs
+
+# Stage bits (a debugging aid and the CPU interpreter path: run one stage per launch).
+S1_MATMUL = 1  # out_proj partials (TP: push to peers; TP1: residual + outputs)
+S1_REDUCE = 2  # TP: wait for every rank's partials, residual add, outputs
+S2_ROUTER = 4  # norm (redundant), shared-expert gate, router logits slice
+S3_EXPERT = 8  # top-k + union (redundant), gate_up blocks -> activations
+S4_MATMUL = 16  # down H-slices over all slots (TP: push; TP1: outputs)
+S4_REDUCE = 32  # TP: wait for every rank's partials, outputs
+STAGES_ALL = 63
+
+
+@triton.jit
+def _fp32_bits(x):
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _words_to_fp32(words):
+    return unpack_value(words).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _wait2d(
+    ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id, R: tl.constexpr, C: tl.constexpr
+):
+    """``wait_tagged`` over a [R, C] block (the primitive takes flat blocks)."""
+    words, ok = wait_tagged(
+        tl.reshape(ptrs, (R * C,)),
+        tl.reshape(mask, (R * C,)),
+        tl.reshape(index, (R * C,)),
+        tag,
+        ctrl_ptr,
+        health_ptr,
+        region_id,
+    )
+    return tl.reshape(words, (R, C)), ok
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes, mask):
+    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (multiple of 16) at each masked pointer."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %p; setp.ne.b32 %p, $3, 0; "
+        "@%p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r",
+        [ptrs, nbytes, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _put_partial(
+    scratch_ptr,
+    peers_ptr,
+    off,
+    slot,
+    acc_t,
+    n_idx,
+    rows,
+    mask,
+    tag,
+    RANKS: tl.constexpr,
+    WORDS: tl.constexpr,
+    H: tl.constexpr,
+    SYS: tl.constexpr,
+):
+    """Store a transposed fp32 partial ``acc_t`` [N, Bb] (columns ``n_idx`` of H) as tagged
+    words into slot ``slot`` of a partials region: local at TP1, on every peer at TP > 1."""
+    words = pack_tagged(_fp32_bits(acc_t), tag)
+    offs = slot * WORDS + rows[None, :] * H + n_idx[:, None]
+    if RANKS == 1:
+        store_tagged(scratch_ptr + off + offs, words, mask, False)
+    else:
+        for p in tl.static_range(RANKS):
+            dst = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int64)) + off
+            store_tagged(dst + offs, words, mask, SYS)
+
+
+@triton.jit
+def _sum_partials(
+    base_ptr,
+    slot0,
+    region_id,
+    n_rows,
+    cols,
+    tag,
+    ctrl_ptr,
+    health_ptr,
+    NSLOT: tl.constexpr,
+    WORDS: tl.constexpr,
+    H: tl.constexpr,
+    BB: tl.constexpr,
+    CB: tl.constexpr,
+):
+    """Wait for slots ``slot0 .. slot0 + NSLOT - 1`` of rows x ``cols``, sum them in slot
+    order (fp32). One bounded wait covers every slot (one round trip per spin)."""
+    flat = tl.arange(0, NSLOT * BB)
+    r = flat % BB
+    idx = (slot0 + flat // BB)[:, None] * WORDS + r[:, None] * H + cols[None, :]
+    m_all = (r < n_rows)[:, None] & (cols[None, :] < H)
+    _wait2d(base_ptr + idx, m_all, idx, tag, ctrl_ptr, health_ptr, region_id, NSLOT * BB, CB)
+    rows = tl.arange(0, BB)
+    mask = (rows < n_rows)[:, None] & (cols[None, :] < H)
+    acc = tl.zeros([BB, CB], dtype=tl.float32)
+    for s in tl.static_range(NSLOT):
+        offs = (slot0 + s) * WORDS + rows[:, None] * H + cols[None, :]
+        acc += _words_to_fp32(tl.load(base_ptr + offs, mask=mask, other=0, volatile=True))
+    return acc
+
+
+@triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step"])
+def k2_kernel(
+    o_in_ptr,
+    res_in_ptr,
+    out_h_ptr,
+    out_r_ptr,
+    w_o_ptr,
+    norm_w_ptr,
+    router_ptr,
+    seg_ptr,
+    w13_ptr,
+    w2_ptr,
+    sgu_ptr,
+    sdown_ptr,
+    scratch_ptr,
+    xs_ptr,
+    pw_ptr,
+    wsc_ptr,
+    ppos_ptr,
+    meta_ptr,
+    peers_ptr,
+    ctrl_ptr,
+    health_ptr,
+    n_rows,
+    layer,
+    layers_per_step,
+    eps,
+    # shapes (per rank)
+    H: tl.constexpr,
+    KO: tl.constexpr,
+    E: tl.constexpr,
+    EP: tl.constexpr,
+    TOPK: tl.constexpr,
+    NORM_TOPK: tl.constexpr,
+    IR: tl.constexpr,
+    ISR: tl.constexpr,
+    # layout (runtime.layout offsets and region ids)
+    OFF_P1: tl.constexpr,
+    OFF_RESID: tl.constexpr,
+    OFF_LOGITS: tl.constexpr,
+    OFF_ACT: tl.constexpr,
+    OFF_P4: tl.constexpr,
+    RID_P1: tl.constexpr,
+    RID_RESID: tl.constexpr,
+    RID_LOGITS: tl.constexpr,
+    RID_ACT: tl.constexpr,
+    RID_P4: tl.constexpr,
+    RANKS: tl.constexpr,
+    SYS: tl.constexpr,
+    # tiles
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    BK1: tl.constexpr,
+    KSPL1: tl.constexpr,
+    KS2: tl.constexpr,
+    BK2: tl.constexpr,
+    BK3: tl.constexpr,
+    BI4: tl.constexpr,
+    NG: tl.constexpr,
+    CB: tl.constexpr,
+    RB: tl.constexpr,
+    PCH: tl.constexpr,
+    CH: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    GLPOW: tl.constexpr,
+    IWPOW: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    seq = step_seq(ctrl_ptr, layer, layers_per_step)
+    tag = seq_tag(seq)
+    parity = (seq & 1).to(tl.int32)
+    rank = tl.load(ctrl_ptr + 2).to(tl.int32)  # CTRL_RANK (runtime.health)
+
+    UM: tl.constexpr = E if E < BB * TOPK else BB * TOPK  # routed slots; slot UM = shared
+    PM: tl.constexpr = BB * TOPK  # routed (row, pick) pairs; shared pairs follow
+    IWR: tl.constexpr = (IR + 1) // 2  # words of a routed activation row
+    IWS: tl.constexpr = (ISR + 1) // 2  # words of a shared activation row
+    IW: tl.constexpr = IWR if IWR > IWS else IWS
+    GL: tl.constexpr = UM + 1  # group list length (routed slots of a group + shared)
+    GLP: tl.constexpr = GLPOW  # power of two >= GL
+    IWP: tl.constexpr = IWPOW  # power of two >= IW
+    M_U: tl.constexpr = UM  # meta: U
+    M_NP: tl.constexpr = UM + 1  # meta: n_pairs
+    M_GC: tl.constexpr = UM + 2  # meta: group counts [NG]
+    M_GL: tl.constexpr = UM + 2 + NG  # meta: group lists [NG][GL]
+    META: tl.constexpr = UM + 2 + NG + NG * GL
+    W_P: tl.constexpr = BB * H  # words per partials slot (p1 / p4)
+    NS1: tl.constexpr = RANKS * KSPL1  # out_proj partial slots per parity
+    NS4: tl.constexpr = RANKS * NG  # MoE partial slots per parity
+    BI3: tl.constexpr = BN // 2  # gate rows (and up rows) per expert task
+    GSH: tl.constexpr = E % NG  # the shared expert's group
+
+    rows = tl.arange(0, BB)
+    rmask = rows < n_rows
+    nn = tl.arange(0, BN)
+    xs_base = xs_ptr + pid * (BB * H)
+    pw_base = pw_ptr + pid * (BB * EP)
+    wsc_base = wsc_ptr + pid * ((UM + 1) * BB)
+    ppos_base = ppos_ptr + pid * ((UM + 1) * BB)
+    meta_base = meta_ptr + pid * META
+    resid_ptr = scratch_ptr + OFF_RESID
+    logits_ptr = scratch_ptr + OFF_LOGITS
+    act_ptr = scratch_ptr + OFF_ACT
+    if RANKS == 1:
+        p1_read = scratch_ptr + OFF_P1
+        p4_read = scratch_ptr + OFF_P4
+        slot1 = 0
+        slot4 = 0
+    else:
+        mine = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int64))
+        p1_read = mine + OFF_P1
+        p4_read = mine + OFF_P4
+        slot1 = parity * NS1
+        slot4 = parity * NS4
+
+    # ------------------------------------------- S1: out_proj^T row blocks x K splits
+    RB1: tl.constexpr = (H + BN - 1) // BN
+    KSP1: tl.constexpr = ((KO + KSPL1 - 1) // KSPL1 + BK1 - 1) // BK1 * BK1  # K per split
+    KCH1: tl.constexpr = KSP1 // BK1
+    T1: tl.constexpr = RB1 * KSPL1
+    if STAGES & 1:
+        n_it = tl.where(pid < T1, (T1 - 1 - pid) // G + 1, 0) * KCH1
+        kk = tl.arange(0, BK1)
+        # iteration 0's tiles (task t = pid + j * G: row block t % RB1, K split t // RB1)
+        t = pid
+        hr = (t % RB1) * BN + nn
+        k = (t // RB1) * KSP1 + kk
+        ld = n_it > 0
+        km = ld & (k < KO)
+        w_t = tl.load(
+            w_o_ptr + hr[:, None] * KO + k[None, :],
+            mask=(hr[:, None] < H) & km[None, :],
+            other=0.0,
+        )
+        x_t = tl.load(
+            o_in_ptr + rows[None, :] * KO + k[:, None],
+            mask=rmask[None, :] & km[:, None],
+            other=0.0,
+        )
+        acc = tl.zeros([BN, BB], dtype=tl.float32)
+        for it in range(n_it):
+            j = it // KCH1
+            kc = it - j * KCH1
+            t = pid + j * G
+            nit = it + 1
+            nj = nit // KCH1
+            nt = pid + nj * G
+            nhr = (nt % RB1) * BN + nn
+            nk = (nt // RB1) * KSP1 + (nit - nj * KCH1) * BK1 + kk
+            nkm = (nit < n_it) & (nk < KO) & (nk < (nt // RB1 + 1) * KSP1)
+            w_n = tl.load(
+                w_o_ptr + nhr[:, None] * KO + nk[None, :],
+                mask=(nhr[:, None] < H) & nkm[None, :],
+                other=0.0,
+            )
+            x_n = tl.load(
+                o_in_ptr + rows[None, :] * KO + nk[:, None],
+                mask=rmask[None, :] & nkm[:, None],
+                other=0.0,
+            )
+            acc = tl.dot(w_t, x_t, acc)
+            if kc == KCH1 - 1:
+                hr = (t % RB1) * BN + nn
+                _put_partial(
+                    scratch_ptr, peers_ptr, OFF_P1, slot1 + rank * KSPL1 + t // RB1, acc, hr,
+                    rows, rmask[None, :] & (hr[:, None] < H), tag, RANKS, W_P, H, SYS,
+                )  # fmt: skip
+                acc = tl.zeros([BN, BB], dtype=tl.float32)
+            w_t = w_n
+            x_t = x_n
+        if PREFETCH:
+            # weights the next stages surely read, pulled into L2 during the hand-offs
+            lane = tl.arange(0, 128)
+            part = pid + G * lane
+            tot_r: tl.constexpr = E * H * 2
+            ch_r: tl.constexpr = (tot_r // 16 + 127) // 128 * 16
+            nb_r = tl.minimum(tl.maximum(tot_r - part * ch_r, 0), ch_r)
+            _prefetch_l2(
+                (router_ptr + part * (ch_r // 2)).to(tl.pointer_type(tl.int8)), nb_r, nb_r > 0
+            )
+            tot_s: tl.constexpr = 2 * ISR * H * 2
+            ch_s: tl.constexpr = (tot_s // 16 + 127) // 128 * 16
+            nb_s = tl.minimum(tl.maximum(tot_s - part * ch_s, 0), ch_s)
+            _prefetch_l2(
+                (sgu_ptr + part * (ch_s // 2)).to(tl.pointer_type(tl.int8)), nb_s, nb_s > 0
+            )
+
+    # ------------------ S1 reduce: out_proj partials (all ranks, K splits) + residual
+    TR: tl.constexpr = (H + CB - 1) // CB
+    if STAGES & 2:
+        for t in range(pid, TR, G):
+            cols = t * CB + tl.arange(0, CB)
+            cm = rmask[:, None] & (cols[None, :] < H)
+            s1 = _sum_partials(
+                p1_read, slot1, RID_P1, n_rows, cols, tag, ctrl_ptr, health_ptr,
+                NS1, W_P, H, BB, CB,
+            )  # fmt: skip
+            off = rows[:, None] * H + cols[None, :]
+            r = tl.load(res_in_ptr + off, mask=cm, other=0.0).to(tl.float32) + s1
+            tl.store(out_r_ptr + off, r.to(tl.bfloat16), mask=cm)
+            mailbox_put(resid_ptr, off, _fp32_bits(r), cm, tag, False)
+
+    # -------------------------------------- S2: norm (every CTA) + router^T slices
+    NEB: tl.constexpr = (E + BN - 1) // BN
+    KSP2: tl.constexpr = ((H + KS2 - 1) // KS2 + BK2 - 1) // BK2 * BK2
+    KCH2: tl.constexpr = KSP2 // BK2
+    if STAGES & 4:
+        hh = tl.arange(0, CH)
+        ss = tl.zeros([BB], dtype=tl.float32)
+        for h0 in range(0, H, CH):
+            hc = h0 + hh
+            m = rmask[:, None] & (hc[None, :] < H)
+            idx = rows[:, None] * H + hc[None, :]
+            words, ok = _wait2d(
+                resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, BB, CH
+            )
+            v = tl.where(m, _words_to_fp32(words), 0.0)
+            ss += tl.sum(v * v, axis=1)
+        rstd = tl.rsqrt(ss / H + eps)
+        sgl = tl.zeros([BB], dtype=tl.float32)
+        for h0 in range(0, H, CH):
+            hc = h0 + hh
+            hm = hc < H
+            m = rmask[:, None] & hm[None, :]
+            idx = rows[:, None] * H + hc[None, :]
+            v = _words_to_fp32(tl.load(resid_ptr + idx, mask=m, other=0, volatile=True))
+            nw = tl.load(norm_w_ptr + hc, mask=hm, other=0.0).to(tl.float32)
+            xn = tl.where(m, v * rstd[:, None] * (1.0 + nw[None, :]), 0.0)
+            tl.store(xs_base + idx, xn.to(tl.bfloat16), mask=hm[None, :])
+            sg_w = tl.load(seg_ptr + hc, mask=hm, other=0.0).to(tl.float32)
+            sgl += tl.sum(xn * sg_w[None, :], axis=1)
+        sg = tl.where(rmask, tl.sigmoid(sgl), 0.0)
+        tl.store(wsc_base + UM * BB + rows, sg)
+        tl.debug_barrier()  # xs written by this CTA's threads, read by all of them
+
+        kk2 = tl.arange(0, BK2)
+        for t in range(pid, NEB * KS2, G):
+            e = (t % NEB) * BN + nn
+            em = e < E
+            ks = t // NEB
+            acc2 = tl.zeros([BN, BB], dtype=tl.float32)
+            for kc in range(KCH2):
+                k2 = ks * KSP2 + kc * BK2 + kk2
+                km2 = (k2 < H) & (k2 < (ks + 1) * KSP2)
+                wr = tl.load(
+                    router_ptr + e[:, None] * H + k2[None, :],
+                    mask=em[:, None] & km2[None, :],
+                    other=0.0,
+                )
+                xa = tl.load(
+                    xs_base + rows[None, :] * H + k2[:, None],
+                    mask=rmask[None, :] & km2[:, None],
+                    other=0.0,
+                )
+                acc2 = tl.dot(wr, xa, acc2)
+            off2 = ks * (BB * E) + rows[None, :] * E + e[:, None]
+            mailbox_put(
+                logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, False
+            )
+
+    # ------------------------------------- S3: top-k + union, gate_up -> activations
+    NB: tl.constexpr = (IR + BI3 - 1) // BI3
+    NBS: tl.constexpr = (ISR + BI3 - 1) // BI3
+    KCH3: tl.constexpr = (H + BK3 - 1) // BK3
+    if STAGES & 8:
+        offs_e = tl.arange(0, EP)
+        rr = tl.arange(0, RB)
+        cnt = tl.zeros([EP], dtype=tl.int32)
+        # pass 1, RB rows at a time: softmax top-k; pw = renormalised weight or -1
+        for r0 in range(0, BB, RB):
+            rws = r0 + rr
+            valid = (rws < n_rows)[:, None] & (offs_e[None, :] < E)
+            lg = tl.zeros([RB, EP], dtype=tl.float32)
+            for ks in tl.static_range(KS2):
+                lidx = ks * (BB * E) + rws[:, None] * E + offs_e[None, :]
+                lwords, lok = _wait2d(
+                    logits_ptr + lidx, valid, lidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, RB, EP
+                )
+                lg += _words_to_fp32(lwords)
+            lg = tl.where(valid, lg, float("-inf"))
+            mx = tl.max(lg, axis=1)
+            mx = tl.where(rws < n_rows, mx, 0.0)
+            p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
+            den = tl.sum(p, axis=1)
+            p = p / tl.where(den > 0.0, den, 1.0)[:, None]
+            # Unique int keys: p's fp32 bits (p >= 0: int order = float order) with the low
+            # 9 bits replaced by (511 - e). Ties within 2^-14 relative (far below one bf16
+            # step: near ties) go to the lower expert id; exactly top_k experts are picked.
+            key = (p.to(tl.int32, bitcast=True) & ~511) | (511 - offs_e[None, :])
+            key = tl.where(valid, key, -1)
+            thr = tl.max(key, axis=1)
+            for _j in tl.static_range(TOPK - 1):
+                thr = tl.max(tl.where(key < thr[:, None], key, -1), axis=1)
+            sel = valid & (key >= thr[:, None])
+            wts = tl.where(sel, p, 0.0)
+            if NORM_TOPK:
+                wsum = tl.sum(wts, axis=1)
+                wts = wts / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
+            tl.store(pw_base + rws[:, None] * EP + offs_e[None, :], tl.where(sel, wts, -1.0))
+            cnt += tl.sum(sel.to(tl.int32), axis=0)
+        picked = (cnt > 0).to(tl.int32)
+        slot_of = tl.cumsum(picked, axis=0) - picked
+        n_u = tl.sum(picked, axis=0)
+        base = tl.cumsum(cnt, axis=0) - cnt  # first pair row of expert e
+        pk = picked > 0
+        tl.store(meta_base + slot_of, offs_e, mask=pk)
+        tl.store(meta_base + M_U, n_u)
+        tl.store(meta_base + M_NP, tl.sum(cnt, axis=0))
+        for g in tl.static_range(NG):
+            mg = (pk & ((offs_e % NG) == g)).to(tl.int32)
+            pos = tl.cumsum(mg, axis=0) - mg
+            tl.store(meta_base + M_GL + g * GL + pos, slot_of, mask=mg > 0)
+            n_g = tl.sum(mg, axis=0)
+            if g == GSH:
+                tl.store(meta_base + M_GL + g * GL + n_g, UM)
+                n_g += 1
+            tl.store(meta_base + M_GC + g, n_g)
+        tl.store(ppos_base + UM * BB + rows, tl.where(rmask, PM + rows, -1))
+        tl.debug_barrier()  # pw read back by other threads
+        # pass 2: per (slot, row) routing weight and pair row (rows that did not pick: 0, -1)
+        run = tl.zeros([EP], dtype=tl.int32)
+        for r0 in range(0, BB, RB):
+            rws = r0 + rr
+            pwc = tl.load(pw_base + rws[:, None] * EP + offs_e[None, :])
+            si = (pwc >= 0.0).to(tl.int32)
+            pair = base[None, :] + run[None, :] + tl.cumsum(si, axis=0) - si
+            so = slot_of[None, :] * BB + rws[:, None]
+            tl.store(wsc_base + so, tl.maximum(pwc, 0.0), mask=pk[None, :])
+            tl.store(ppos_base + so, tl.where(si > 0, pair, -1), mask=pk[None, :])
+            run += tl.sum(si, axis=0)
+        tl.debug_barrier()  # meta / wsc / ppos are read back by every thread of this CTA
+
+        # tasks: shared blocks first, then (routed slot, block); tile rows: BI3 gate, BI3 up
+        T3 = NBS + n_u * NB
+        n_it3 = tl.where(pid < T3, (T3 - 1 - pid) // G + 1, 0) * KCH3
+        kk3 = tl.arange(0, BK3)
+        half = nn // BI3  # 0: gate row, 1: up row
+        ri = nn % BI3
+        t = pid
+        sh = t < NBS
+        ex = tl.load(meta_base + tl.where(sh, 0, tl.minimum((t - NBS) // NB, UM - 1)))
+        wb = tl.where(sh, sgu_ptr, w13_ptr + ex.to(tl.int64) * (2 * IR * H))
+        isl = tl.where(sh, ISR, IR)
+        ib = tl.where(sh, t, (t - NBS) % NB)
+        gr = ib * BI3 + ri
+        wrow = half * isl + gr
+        km = (n_it3 > 0) & (kk3 < H)
+        w_t = tl.load(
+            wb + wrow[:, None] * H + kk3[None, :], mask=(gr < isl)[:, None] & km[None, :], other=0.0
+        )
+        x_t = tl.load(
+            xs_base + rows[None, :] * H + kk3[:, None],
+            mask=rmask[None, :] & km[:, None],
+            other=0.0,
+        )
+        acc3 = tl.zeros([BN, BB], dtype=tl.float32)
+        for it in range(n_it3):
+            j = it // KCH3
+            kc = it - j * KCH3
+            t = pid + j * G
+            nit = it + 1
+            nj = nit // KCH3
+            nt = pid + nj * G
+            nsh = nt < NBS
+            nex = tl.load(meta_base + tl.where(nsh, 0, tl.minimum((nt - NBS) // NB, UM - 1)))
+            nwb = tl.where(nsh, sgu_ptr, w13_ptr + nex.to(tl.int64) * (2 * IR * H))
+            nisl = tl.where(nsh, ISR, IR)
+            nib = tl.where(nsh, nt, (nt - NBS) % NB)
+            ngr = nib * BI3 + ri
+            nwrow = half * nisl + ngr
+            nk = (nit - nj * KCH3) * BK3 + kk3
+            nkm = (nit < n_it3) & (nk < H)
+            w_n = tl.load(
+                nwb + nwrow[:, None] * H + nk[None, :],
+                mask=(ngr < nisl)[:, None] & nkm[None, :],
+                other=0.0,
+            )
+            x_n = tl.load(
+                xs_base + rows[None, :] * H + nk[:, None],
+                mask=rmask[None, :] & nkm[:, None],
+                other=0.0,
+            )
+            acc3 = tl.dot(w_t, x_t, acc3)
+            if kc == KCH3 - 1:
+                sh = t < NBS
+                slot = tl.where(sh, UM, (t - NBS) // NB)
+                ib = tl.where(sh, t, (t - NBS) % NB)
+                wr3 = tl.load(wsc_base + slot * BB + rows)
+                pr3 = tl.load(ppos_base + slot * BB + rows)
+                g3, u3 = tl.split(tl.permute(tl.reshape(acc3, (2, BI3, BB)), (1, 2, 0)))
+                h3 = g3 / (1.0 + tl.exp(-g3)) * u3 * wr3[None, :]  # [BI3, BB]
+                lo, hi = tl.split(tl.permute(tl.reshape(h3, (BI3 // 2, 2, BB)), (0, 2, 1)))
+                lo_b = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                hi_b = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+                c2 = ib * (BI3 // 2) + tl.arange(0, BI3 // 2)
+                off3 = pr3[None, :] * IW + c2[:, None]
+                am3 = (pr3[None, :] >= 0) & (c2[:, None] < tl.where(sh, IWS, IWR))
+                mailbox_put(act_ptr, off3, hi_b | lo_b, am3, tag, False)
+                acc3 = tl.zeros([BN, BB], dtype=tl.float32)
+            w_t = w_n
+            x_t = x_n
+
+    # ---------------------------------------- S4: down^T (H block, expert group) tasks
+    RB4: tl.constexpr = (H + BN - 1) // BN
+    T4: tl.constexpr = RB4 * NG
+    IMAX: tl.constexpr = IR if IR > ISR else ISR
+    KCH4: tl.constexpr = (IMAX + BI4 - 1) // BI4
+    if STAGES & 16:
+        n_p4 = tl.load(meta_base + M_NP)
+        cw = tl.arange(0, BI4 // 2)
+        ci = tl.arange(0, BI4)
+        if PREFETCH:
+            # this CTA's down planes, pulled into L2 while other CTAs finish gate_up
+            gl = tl.arange(0, GLP)
+            for tp in range(pid, T4, G):
+                pg = tp // RB4
+                hb = tp % RB4
+                png = tl.load(meta_base + M_GC + pg)
+                ps = tl.load(meta_base + M_GL + pg * GL + gl, mask=gl < png, other=0)
+                pex = tl.load(meta_base + tl.minimum(ps, UM - 1))
+                pshs = ps == UM
+                base_w = tl.where(
+                    pshs,
+                    sdown_ptr + hb * BN * ISR,
+                    w2_ptr + pex.to(tl.int64) * (H * IR) + hb * BN * IR,
+                )
+                nb = tl.where(pshs, ISR, IR) * 2 * tl.minimum(BN, H - hb * BN)
+                _prefetch_l2(base_w.to(tl.pointer_type(tl.int8)), nb, (gl < png) & (nb % 16 == 0))
+        if pid < T4:
+            # every activation row this CTA reads: one bounded wait per chunk of pair rows
+            pr = tl.arange(0, PCH)
+            cwa = tl.arange(0, IWP)
+            for p0 in range(0, n_p4, PCH):
+                pp = p0 + pr
+                aidx = pp[:, None] * IW + cwa[None, :]
+                am4 = (pp[:, None] < n_p4) & (cwa[None, :] < IWR)
+                _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, PCH, IWP)
+            aidx = (PM + rows)[:, None] * IW + cwa[None, :]
+            am4 = rmask[:, None] & (cwa[None, :] < IWS)
+            _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, BB, IWP)
+        for t in range(pid, T4, G):
+            grp = t // RB4
+            hr = (t % RB4) * BN + nn
+            hm = hr < H
+            n_it4 = tl.load(meta_base + M_GC + grp) * KCH4
+            glb = meta_base + M_GL + grp * GL
+            # iteration 0's tiles
+            s4 = tl.load(glb)
+            sh4 = s4 == UM
+            ex4 = tl.load(meta_base + tl.minimum(s4, UM - 1)).to(tl.int64)
+            wb4 = tl.where(sh4, sdown_ptr, w2_ptr + ex4 * (H * IR))
+            isl4 = IR if IR == ISR else tl.where(sh4, ISR, IR)
+            pr4 = tl.load(ppos_base + s4 * BB + rows)
+            w4 = tl.load(
+                wb4 + hr[:, None] * isl4 + ci[None, :],
+                mask=hm[:, None] & (ci[None, :] < isl4) & (n_it4 > 0),
+                other=0.0,
+            )
+            a4 = tl.load(
+                act_ptr + pr4[None, :] * IW + cw[:, None],
+                mask=(pr4[None, :] >= 0) & (cw[:, None] < (isl4 + 1) // 2) & (n_it4 > 0),
+                other=0,
+                volatile=True,
+            )
+            acc4 = tl.zeros([BN, BB], dtype=tl.float32)
+            for it in range(n_it4):
+                nit = it + 1
+                nj = nit // KCH4
+                nic = nit - nj * KCH4
+                nld = nit < n_it4
+                ns = tl.load(glb + tl.minimum(nj, GL - 1))
+                nsh4 = ns == UM
+                nex4 = tl.load(meta_base + tl.minimum(ns, UM - 1)).to(tl.int64)
+                nwb4 = tl.where(nsh4, sdown_ptr, w2_ptr + nex4 * (H * IR))
+                nisl = IR if IR == ISR else tl.where(nsh4, ISR, IR)
+                npr = tl.load(ppos_base + ns * BB + rows)
+                nci = nic * BI4 + ci
+                ncw = nic * (BI4 // 2) + cw
+                w_n4 = tl.load(
+                    nwb4 + hr[:, None] * nisl + nci[None, :],
+                    mask=nld & hm[:, None] & (nci[None, :] < nisl),
+                    other=0.0,
+                )
+                a_n4 = tl.load(
+                    act_ptr + npr[None, :] * IW + ncw[:, None],
+                    mask=nld & (npr[None, :] >= 0) & (ncw[:, None] < (nisl + 1) // 2),
+                    other=0,
+                    volatile=True,
+                )
+                v4 = unpack_value(a4)  # [BI4 / 2, BB] bf16 pairs along I
+                lo4 = (v4 << 16).to(tl.float32, bitcast=True)
+                hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
+                a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
+                acc4 = tl.dot(w4, a_m.to(tl.bfloat16), acc4)
+                w4 = w_n4
+                a4 = a_n4
+            _put_partial(
+                scratch_ptr, peers_ptr, OFF_P4, slot4 + rank * NG + grp, acc4, hr, rows,
+                rmask[None, :] & hm[:, None], tag, RANKS, W_P, H, SYS,
+            )  # fmt: skip
+
+    # ------------------------------ S4 reduce: MoE partials (all ranks, groups) -> out
+    if STAGES & 32:
+        for t in range(pid, TR, G):
+            cols = t * CB + tl.arange(0, CB)
+            cm = rmask[:, None] & (cols[None, :] < H)
+            s4 = _sum_partials(
+                p4_read, slot4, RID_P4, n_rows, cols, tag, ctrl_ptr, health_ptr,
+                NS4, W_P, H, BB, CB,
+            )  # fmt: skip
+            off = rows[:, None] * H + cols[None, :]
+            tl.store(out_h_ptr + off, s4.to(tl.bfloat16), mask=cm)
+
+
+# ------------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class K2Shape:
+    """Per-rank sizes K2 is built for (``*_r``: this rank's share under TP ``tp``)."""
+
+    hidden: int
+    in_dim: int  # out_proj / o_proj input columns on this rank
+    experts: int
+    top_k: int
+    moe_inter: int  # I_r
+    shared_inter: int  # Is_r
+    norm_topk: bool
+    eps: float
+    tp: int = 1
+
+    @classmethod
+    def from_dims(cls, dims: Any, kind: str = "gdn") -> K2Shape:
+        """From :class:`mono_ext.models.qwen3_next.dims.Dims` (already per rank via ``tp``)."""
+        if kind == "gdn":
+            in_dim = dims.hv_r * dims.dv
+        elif kind == "attn":
+            in_dim = dims.hq_r * dims.head_dim
+        else:
+            raise ValueError(f"kind must be 'gdn' or 'attn', got {kind!r}")
+        return cls(
+            hidden=dims.hidden,
+            in_dim=in_dim,
+            experts=dims.experts,
+            top_k=dims.top_k,
+            moe_inter=dims.moe_inter_r,
+            shared_inter=dims.shared_inter_r,
+            norm_topk=dims.norm_topk,
+            eps=dims.eps,
+            tp=dims.tp,
+        )
+
+    def validate(self) -> None:
+        bad = []
+        if self.tp not in (1, 2, 4, 8):
+            bad.append(f"tp={self.tp}: the in-kernel all-reduce needs a power-of-two world <= 8")
+        if not 1 <= self.top_k <= min(self.experts, 10):
+            bad.append(f"top_k={self.top_k} outside 1..min(experts, 10)")
+        if self.experts > 512:
+            bad.append(f"experts={self.experts} > 512")
+        for name in ("hidden", "in_dim", "moe_inter", "shared_inter"):
+            if getattr(self, name) < 1:
+                bad.append(f"{name}={getattr(self, name)} must be >= 1")
+        if bad:
+            raise ValueError("K2Shape refused: " + "; ".join(bad))
+
+    @property
+    def slots(self) -> int:
+        """Routed slots a launch can touch: min(E, BLOCK_B * top_k)."""
+        return min(self.experts, BLOCK_B * self.top_k)
+
+    @property
+    def pairs(self) -> int:
+        return BLOCK_B * self.top_k
+
+    @property
+    def act_words(self) -> int:
+        return (max(self.moe_inter, self.shared_inter) + 1) // 2
+
+
+@dataclass(frozen=True)
+class K2Config:
+    """Grid and tiles (one build per config; none of it changes per step).
+
+    Every GEMV is ``W [bn, K] @ x^T [K, Bb]``: weight rows are the MMA's M (64 rows over 4
+    warps: wgmma-sized, no warp re-reads another's weights), the rows of the batch its N.
+    ``kspl1`` / ``ng`` (None: from the grid) split out_proj's K and the experts into groups
+    so that both stages have about ``grid`` tasks; their partials are summed in a fixed
+    order by the next stage.
+    """
+
+    grid: int
+    num_warps: int = 4
+    bn: int = 64  # weight rows per MMA tile
+    bk1: int = 256  # out_proj K chunk
+    kspl1: int | None = None  # out_proj K splits (power of two)
+    ks2: int = 8  # router K splits (partial logits summed in order by every CTA)
+    bk2: int = 256
+    bk3: int = 256  # gate_up K chunk
+    bi4: int = 128  # down I chunk
+    ng: int | None = None  # expert groups of the down projection (power of two)
+    cb: int = 16  # columns per reduce task
+    rb: int = 4  # rows per top-k pass
+    pch: int = 8  # activation pair rows per wait
+    ch: int = 256  # norm chunk
+    prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
+
+    def splits(self, shape: K2Shape) -> tuple[int, int]:
+        """(kspl1, ng) for this shape: about one task per CTA in S1 and S4."""
+        blocks = -(-shape.hidden // self.bn)
+        auto = 1 << max(0, (max(1, self.grid // blocks)).bit_length() - 1)
+        kspl1 = self.kspl1 or min(auto, max(1, _next_pow2(-(-shape.in_dim // self.bk1))))
+        ng = self.ng or min(auto, 8)
+        for name, v in (("kspl1", kspl1), ("ng", ng)):
+            if v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two")
+        return kspl1, ng
+
+
+def k2_program(shape: K2Shape, config: K2Config) -> Program:
+    """K2's regions and stages (checked by ``runtime.layout.check_handoffs`` at build).
+
+    At TP1 the out_proj and MoE partials are local regions; at TP > 1 they are peer regions
+    (every rank pushes its partials into its slot on every rank: the all-reduce is the sum
+    the next stage takes over ranks and splits).
+    """
+    h, bb = shape.hidden, BLOCK_B
+    kspl1, ng = config.splits(shape)
+    peer = shape.tp > 1
+    regions = (
+        Region("p1", kspl1 * bb * h, peer=peer),
+        Region("resid", bb * h),
+        Region("logits", config.ks2 * bb * shape.experts),
+        Region("act", (shape.pairs + bb) * shape.act_words),
+        Region("p4", ng * bb * h, peer=peer),
+    )
+    put1 = push("p1") if peer else write("p1")
+    put4 = push("p4") if peer else write("p4")
+    stages = (
+        Stage("out_proj", [put1]),
+        Stage("residual", [wait("p1"), write("resid")]),
+        Stage("norm_router", [wait("resid"), write("logits")]),
+        Stage("topk_gate_up", [wait("logits"), write("act")]),
+        Stage("down", [wait("act"), put4]),
+        Stage("moe_out", [wait("p4")]),
+    )
+    return Program("k2", regions, stages)
+
+
+@dataclass
+class K2Workspace:
+    """One rank's scratch: mailbox regions and per-CTA private rows (zeroed once)."""
+
+    scratch: Any  # int64 [scratch_words]
+    xs: Any  # bf16 [G, Bb, H]
+    pw: Any  # fp32 [G, Bb, EP]
+    wsc: Any  # fp32 [G, Um + 1, Bb]
+    ppos: Any  # int32 [G, Um + 1, Bb]
+    meta: Any  # int32 [G, Um + 2]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_WEIGHT_KEYS = (
+    "post_attention_layernorm",
+    "router",
+    "w13",
+    "w2",
+    "shared_gate_up",
+    "shared_down",
+    "shared_expert_gate",
+)
+
+
+@dataclass
+class K2Launch:
+    """Build once (compile + load + residency check), then launch once per layer per step.
+
+    ``co_resident``: how many launches of this kernel spin together on one device (``tp``
+    for virtual TP, 1 for real TP). ``kind``: "gdn" reads ``weights["out_proj"]``, "attn"
+    ``weights["o_proj"]``.
+    """
+
+    shape: K2Shape
+    config: K2Config
+    kind: str = "gdn"
+    co_resident: int = 1
+    sys_scope: bool = False
+    stages: int = STAGES_ALL
+    layout: Any = field(init=False)
+    _compiled: Any = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.shape.validate()
+        if self.kind not in ("gdn", "attn"):
+            raise ValueError(f"kind must be 'gdn' or 'attn', got {self.kind!r}")
+        c = self.config
+        if c.bn != 16 * c.num_warps:
+            raise ValueError(f"bn={c.bn} must be 16 * num_warps (one M16 slab per warp)")
+        self.kspl1, self.ng = c.splits(self.shape)
+        self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def peer_words(self) -> int:
+        return self.layout.peer_words
+
+    def label(self) -> str:
+        s = self.shape
+        return (
+            f"k2 {self.kind} h{s.hidden} in{s.in_dim} e{s.experts}k{s.top_k} i{s.moe_inter}"
+            f" is{s.shared_inter} tp{s.tp} grid{self.config.grid} w{self.config.num_warps}"
+        )
+
+    @property
+    def meta_words(self) -> int:
+        um = self.shape.slots
+        return um + 2 + self.ng + self.ng * (um + 1)
+
+    def workspace(self, device: Any) -> K2Workspace:
+        import torch
+
+        g, s = self.config.grid, self.shape
+        return K2Workspace(
+            scratch=torch.zeros(
+                max(self.layout.scratch_words, 16), dtype=torch.int64, device=device
+            ),
+            xs=torch.zeros(g, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
+            pw=torch.zeros(g, BLOCK_B, _next_pow2(s.experts), dtype=torch.float32, device=device),
+            wsc=torch.zeros(g, s.slots + 1, BLOCK_B, dtype=torch.float32, device=device),
+            ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),
+            meta=torch.zeros(g, self.meta_words, dtype=torch.int32, device=device),
+        )
+
+    def _constexprs(self) -> dict:
+        s, c, lay = self.shape, self.config, self.layout
+        rid = {r.name: i for i, r in enumerate(lay.program.regions)}
+        return dict(
+            H=s.hidden,
+            KO=s.in_dim,
+            E=s.experts,
+            EP=_next_pow2(s.experts),
+            TOPK=s.top_k,
+            NORM_TOPK=bool(s.norm_topk),
+            IR=s.moe_inter,
+            ISR=s.shared_inter,
+            OFF_P1=lay.offsets["p1"],
+            OFF_RESID=lay.offsets["resid"],
+            OFF_LOGITS=lay.offsets["logits"],
+            OFF_ACT=lay.offsets["act"],
+            OFF_P4=lay.offsets["p4"],
+            RID_P1=rid["p1"],
+            RID_RESID=rid["resid"],
+            RID_LOGITS=rid["logits"],
+            RID_ACT=rid["act"],
+            RID_P4=rid["p4"],
+            RANKS=s.tp,
+            SYS=self.sys_scope,
+            BB=BLOCK_B,
+            BN=c.bn,
+            BK1=min(c.bk1, max(16, _next_pow2(-(-s.in_dim // self.kspl1)))),
+            KSPL1=self.kspl1,
+            KS2=c.ks2,
+            BK2=min(c.bk2, max(16, _next_pow2(-(-s.hidden // c.ks2)))),
+            BK3=min(c.bk3, max(16, _next_pow2(s.hidden))),
+            BI4=min(c.bi4, max(32, _next_pow2(max(s.moe_inter, s.shared_inter)))),
+            NG=self.ng,
+            CB=c.cb,
+            RB=c.rb,
+            PCH=c.pch,
+            CH=min(c.ch, _next_pow2(s.hidden)),
+            PREFETCH=c.prefetch,
+            GLPOW=_next_pow2(s.slots + 1),
+            IWPOW=_next_pow2(s.act_words),
+            STAGES=self.stages,
+            num_warps=c.num_warps,
+            num_stages=1,
+        )
+
+    # -- build / launch ------------------------------------------------------------------
+    def _args(self, o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health, peers,
+              n_rows, layer, layers_per_step):  # fmt: skip
+        w_o = weights["out_proj" if self.kind == "gdn" else "o_proj"]
+        return (
+            o_in,
+            residual,
+            out_hidden,
+            out_residual,
+            w_o,
+            weights["post_attention_layernorm"],
+            weights["router"],
+            weights["shared_expert_gate"],
+            weights["w13"],
+            weights["w2"],
+            weights["shared_gate_up"],
+            weights["shared_down"],
+            ws.scratch,
+            ws.xs,
+            ws.pw,
+            ws.wsc,
+            ws.ppos,
+            ws.meta,
+            ctrl if peers is None else peers,
+            ctrl,
+            health,
+            n_rows,
+            layer,
+            layers_per_step,
+            float(self.shape.eps),
+        )
+
+    def check(self, o_in, residual, weights, out_hidden, out_residual) -> int:
+        """Validate shapes, dtypes, contiguity and 16-byte alignment; returns the width."""
+        import torch
+
+        s = self.shape
+        h = s.hidden
+        name_o = "out_proj" if self.kind == "gdn" else "o_proj"
+        want = {
+            name_o: (h, s.in_dim),
+            "post_attention_layernorm": (h,),
+            "router": (s.experts, h),
+            "w13": (s.experts, 2 * s.moe_inter, h),
+            "w2": (s.experts, h, s.moe_inter),
+            "shared_gate_up": (2 * s.shared_inter, h),
+            "shared_down": (h, s.shared_inter),
+            "shared_expert_gate": (1, h),
+        }
+        b = o_in.shape[0] if o_in.dim() == 2 else -1
+        acts = {
+            "o_in": (o_in, (b, s.in_dim)),
+            "residual": (residual, (b, h)),
+            "out_hidden": (out_hidden, (b, h)),
+            "out_residual": (out_residual, (b, h)),
+        }
+        bad = []
+        for name, shp in want.items():
+            t = weights.get(name)
+            if t is None:
+                bad.append(f"missing weight {name!r}")
+                continue
+            acts[name] = (t, shp)
+        for name, (t, shp) in acts.items():
+            if tuple(t.shape) != shp:
+                bad.append(f"{name} is {tuple(t.shape)}, expected {shp}")
+            if t.dtype != torch.bfloat16:
+                bad.append(f"{name} is {t.dtype}, expected bfloat16")
+            if not t.is_contiguous():
+                bad.append(f"{name} is not contiguous")
+            if t.data_ptr() % 16:
+                # Triton keys variants on 16-byte pointer alignment: another alignment would
+                # compile (and load a module) mid-step, which stalls against spinning peers.
+                bad.append(f"{name} is not 16-byte aligned (no JIT mid-step)")
+        if not 1 <= b <= BLOCK_B:
+            bad.append(f"width {b} outside 1..{BLOCK_B}")
+        if bad:
+            raise ValueError(f"{self.label()}: " + "; ".join(bad))
+        return b
+
+    def build(self, device: Any = "cuda") -> None:
+        """Compile and load at startup (never mid-step), and check the grid is resident."""
+        import torch
+
+        from mono_ext.runtime.build_cache import (
+            check_residency,
+            check_unspecialized,
+            device_limits,
+            kernel_resources,
+        )
+        from mono_ext.runtime.peers import RankState
+
+        check_unspecialized(k2_kernel, PER_STEP_ARGS)
+        s = self.shape
+        dev = torch.device(device)
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        # Tiny stand-ins: warmup compiles for dtypes and alignment, it launches nothing.
+        one = torch.zeros(16, **bf)
+        weights = {k: one for k in _WEIGHT_KEYS}
+        weights["out_proj"] = weights["o_proj"] = one
+        ws = K2Workspace(
+            torch.zeros(16, dtype=torch.int64, device=dev),
+            one,
+            torch.zeros(16, dtype=torch.float32, device=dev),
+            torch.zeros(16, dtype=torch.float32, device=dev),
+            torch.zeros(16, dtype=torch.int32, device=dev),
+            torch.zeros(16, dtype=torch.int32, device=dev),
+        )
+        st = RankState.create(0, dev, 1.0)
+        peers = torch.zeros(max(s.tp, 2), dtype=torch.int64, device=dev) if s.tp > 1 else None
+        args = self._args(one, one, weights, one, one, ws, st.ctrl, st.health, peers, 2, 0, 1)
+        compiled = k2_kernel.warmup(*args, grid=(self.config.grid,), **self._constexprs())
+        res = kernel_resources(compiled)
+        check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
+        self.resources = res
+        self._compiled = compiled
+
+    def launch(
+        self,
+        o_in,
+        residual,
+        weights: dict,
+        out_hidden,
+        out_residual,
+        *,
+        ws: K2Workspace,
+        ctrl,
+        health,
+        peers=None,
+        layer: int = 0,
+        layers_per_step: int = 1,
+        validate: bool = True,
+    ) -> None:
+        """One K2 for ``o_in.shape[0]`` rows. The caller bumps the epoch once per step."""
+        if self._compiled is None:
+            raise RuntimeError(f"{self.label()}: build() at startup before launching")
+        n_rows = (
+            self.check(o_in, residual, weights, out_hidden, out_residual)
+            if validate
+            else o_in.shape[0]
+        )
+        if self.shape.tp > 1 and peers is None:
+            raise ValueError(f"{self.label()}: TP {self.shape.tp} needs the peer table")
+        args = self._args(o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health,
+                          peers, n_rows, layer, layers_per_step)  # fmt: skip
+        k2_kernel[(self.config.grid,)](*args, **self._constexprs())
+
+
+def shard_tail_weights(weights: dict, tp: int, rank: int) -> dict:
+    """One rank's K2 planes cut from full (TP1) planes, the way the engines shard them:
+    out_proj/o_proj and w2/shared_down split their input columns (row-parallel), w13 and
+    shared_gate_up split I within the gate rows and within the up rows (column-parallel),
+    router, shared_expert_gate and the norm weight are replicated. Tests and benchmarks use
+    it; engines hand their own shards."""
+    import torch
+
+    if tp == 1:
+        return dict(weights)
+    out = {}
+    for name, w in weights.items():
+        if name in ("out_proj", "o_proj", "shared_down"):
+            k = w.shape[-1] // tp
+            out[name] = w[..., rank * k : (rank + 1) * k].contiguous()
+        elif name == "w2":
+            k = w.shape[-1] // tp
+            out[name] = w[:, :, rank * k : (rank + 1) * k].contiguous()
+        elif name in ("w13", "shared_gate_up"):
+            i = w.shape[-2] // 2
+            c = i // tp
+            gate = w[..., rank * c : (rank + 1) * c, :]
+            up = w[..., i + rank * c : i + (rank + 1) * c, :]
+            out[name] = torch.cat([gate, up], dim=-2).contiguous()
+        else:
+            out[name] = w
+    return out
