@@ -1,0 +1,168 @@
+"""The K1/K2 launch interface of the Qwen3-Next family: what every kernel backend implements.
+
+A backend's ``target`` (``core.backends.KernelBackend``) is a :class:`LaunchBuilder`: called
+once per :class:`~mono_ext.core.spec.BuildKey` at start-up, it returns a :class:`LayerLaunches`
+whose three methods the per-step driver (``decode.py``) calls for every decoder layer:
+
+    GDN layer:        k1_gdn  ->                                        k2
+    attention layer:  k1_attn -> the engine's paged attention (attend) -> k2 (with gate)
+
+Launches read the engine's weights and caches in place (a :class:`BoundLayer`), write their
+outputs into caller-owned buffers (allocated once, reused every step, so a captured graph
+replays with the same addresses), allocate nothing and never read device values on the host.
+Outputs never alias inputs. One layer's K2 outputs are the next layer's K1 inputs
+(``hidden``, ``residual``); embedding, final norm, LM head and sampling stay the engine's.
+
+Tensor contract (B = step width, 1..16 rows, one decode token each; H = hidden; E = the
+engine's activation dtype (bf16); sizes are this rank's (TP-sharded, ``dims.Dims *_r``)):
+
+================  ==================  ======  ====================================  ============
+name              shape               dtype   layout / meaning                      writer
+================  ==================  ======  ====================================  ============
+hidden            [B, H]              E       layer input (embeddings or the        engine / K2
+                                              previous K2's hidden_out)
+residual          [B, H] or None      E       None on the first layer: residual =   K2
+                                              hidden
+slots             [B]                 int32   GDN state slot per row; a row whose   engine
+                                              slot < 0 or == null_slot is padding
+positions         [B]                 int     token position (0-based); M-RoPE      engine
+                                              engines pass the temporal row
+conv_state        [S, K-1, C] or      E       in place at slots; layout from the    K1 (GDN)
+                  [S, C, K-1]                 key's ``conv_layout`` ("vllm": time
+                                              then channel; "sglang": channel first)
+ssm_state         [S, Hv, Dv, Dk]     fp32/E  in place at slots; key's              K1 (GDN)
+                                              ``ssm_layout`` "vk" (as shaped) or "kv"
+                                              (slot memory is [Hv, Dk, Dv])
+o_in (k1_gdn)     [B, Hv*Dv]          E       out_proj input (gated RMSNorm out);   K1 (GDN)
+                                              0 on padding rows
+q / k / v         [B, Hq*D] /         E       after q/k Gemma norm and partial      K1 (attn)
+(k1_attn)         [B, Hkv*D]                  neox RoPE; what the engine's paged
+                                              attention takes (it writes the KV
+                                              cache)
+gate (k1_attn)    [B, Hq*D]           E       pre-sigmoid output gate               K1 (attn)
+residual_out      [B, H]              E       K1: hidden + residual; K2: that plus  K1, K2
+                                              out_proj/o_proj(o_in)
+attn (k2 input)   [B, Hq*D]           E       the engine attention's output; K2     engine
+                                              applies sigmoid(gate) before o_proj
+hidden_out (K2)   [B, H]              E       MoE output incl. the gated shared     K2
+                                              expert (the next layer's hidden)
+weights           plane name ->       E (A_log the engine's tensors, read in place;  engine
+                  tensor              fp32)   names and shapes: ``core.views``
+================  ==================  ======  ====================================  ============
+
+Under TP > 1 the K2 all-reduces happen inside K2 (every rank returns the full sums); a
+backend that cannot do that refuses the deployment through :meth:`LaunchBuilder.refusals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ...core.spec import BuildKey
+from ...core.views import ConfigView
+
+if TYPE_CHECKING:  # torch is not a dependency of this module's importers
+    from torch import Tensor
+
+__all__ = ["BoundLayer", "BuildContext", "LayerLaunches", "LaunchBuilder", "LAYOUT_KEYS"]
+
+#: Layout tags a deployment puts into its build keys (``Deployment.layouts``); a backend reads
+#: these, never the engine's name.
+LAYOUT_KEYS: dict[str, tuple[str, ...]] = {
+    "conv_layout": ("vllm", "sglang"),
+    "ssm_layout": ("vk", "kv"),
+    "qkvz_packing": ("interleaved", "contiguous"),
+}
+
+
+@dataclass(frozen=True)
+class BoundLayer:
+    """One decoder layer's tensors, bound in place from the engine (never copies).
+
+    ``weights`` uses the plane names of ``core.views`` (= the reference's weight keys).
+    ``conv_state`` / ``ssm_state`` are the whole cache tensors (every slot) of a GDN layer,
+    None for an attention layer (its KV cache belongs to the engine's attention).
+    """
+
+    index: int
+    kind: str  # "linear_attention" or "full_attention"
+    weights: Mapping[str, Tensor]
+    conv_state: Tensor | None = None
+    ssm_state: Tensor | None = None
+
+    @property
+    def is_gdn(self) -> bool:
+        return self.kind == "linear_attention"
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a builder may know besides the key: the model's text config and the engine's
+    padding convention."""
+
+    text_config: Mapping[str, Any]  # HF-style text config (``dims.text_config``)
+    device: str = "cpu"
+    null_slot: int | None = None  # the engine's padding slot (vLLM 0.26: 0), or None
+    tp_rank: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific, e.g. peers
+
+
+@runtime_checkable
+class LayerLaunches(Protocol):
+    """K1/K2 launches for one build key (one width). See the module's tensor contract."""
+
+    key: BuildKey
+
+    def k1_gdn(
+        self,
+        layer: BoundLayer,
+        hidden: Tensor,
+        residual: Tensor | None,
+        slots: Tensor,
+        *,
+        o_in: Tensor,
+        residual_out: Tensor,
+    ) -> None:
+        """GDN front: add + norm, in_proj, conv update, gated delta rule, gated norm."""
+
+    def k1_attn(
+        self,
+        layer: BoundLayer,
+        hidden: Tensor,
+        residual: Tensor | None,
+        positions: Tensor,
+        *,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        gate: Tensor,
+        residual_out: Tensor,
+    ) -> None:
+        """Attention front: add + norm, qkv_proj, q/k norm, partial RoPE."""
+
+    def k2(
+        self,
+        layer: BoundLayer,
+        o_in: Tensor,
+        residual: Tensor,
+        gate: Tensor | None,
+        *,
+        hidden_out: Tensor,
+        residual_out: Tensor,
+    ) -> None:
+        """Tail: (sigmoid(gate) *) o_in -> out_proj/o_proj, residual add + norm, router,
+        shared and routed experts (and the TP all-reduces)."""
+
+
+@runtime_checkable
+class LaunchBuilder(Protocol):
+    """A backend's ``target``: builds the launches of one key (compiles everything it needs
+    now: no JIT on the hot path)."""
+
+    def __call__(self, key: BuildKey, ctx: BuildContext) -> LayerLaunches: ...
+
+    def refusals(self, cfg: ConfigView, layouts: Mapping[str, str]) -> list[str]:
+        """Every reason this backend cannot serve the deployment (empty: it can)."""
+        ...
