@@ -64,8 +64,9 @@ DENSE = (
 # name -> K2Config overrides (grid is set from the device)
 VARIANTS = {
     "k2": {},
+    "k2 2cta/SM": {"ctas_per_sm": 2},
+    "k2 2cta/SM bi4=256": {"ctas_per_sm": 2, "bi4": 256},
     "k2 no-prefetch": {"prefetch": False},
-    "k2 bk128": {"bk1": 128, "bk3": 128},
 }
 PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (all)
     "S1 out_proj+residual": 3,
@@ -112,7 +113,7 @@ class Setup:
             w = {
                 "out_proj": r(h, k_in, scale=k_in**-0.5),
                 "post_attention_layernorm": r(h, scale=0.1),
-                "router": r(e, h, scale=h**-0.5),
+                "router": r(e, h, scale=3 * h**-0.5),  # logits std ~3, as in the tests
                 "shared_gate_up": r(2 * s, h, scale=h**-0.5),
                 "shared_down": r(h, s, scale=s**-0.5),
                 "shared_expert_gate": r(1, h, scale=h**-0.5),
@@ -224,8 +225,9 @@ def time_eager(body, reps: int = 5) -> tuple[float, float]:
     return statistics.median(times), min(times)
 
 
-def build_k2(su: Setup, grid: int, stages: int = STAGES_ALL, **overrides) -> K2Launch:
-    cfg = K2Config(grid=grid, rb=2, **overrides)
+def build_k2(su: Setup, sms: int, stages: int = STAGES_ALL, **overrides) -> K2Launch:
+    grid = sms * overrides.pop("ctas_per_sm", 1)
+    cfg = K2Config(grid=grid, **overrides)
     k2 = K2Launch(K2Shape.from_dims(su.dims), cfg, stages=stages)
     k2.build("cuda")
     return k2
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
           f"smem {k2.resources.shared_bytes} kspl1 {k2.kspl1} ng {k2.ng}")  # fmt: skip
 
     for vname in args.variants.split(","):
-        k = k2 if vname == "k2" else build_k2(su, sms, **VARIANTS[vname])
+        k = k2 if vname == "k2" else build_k2(su, sms, **dict(VARIANTS[vname]))
         wsv = ws if k is k2 else k.workspace("cuda")
         for b in widths:
             med, best = time_graph(k2_body(k, su, b, state, wsv))

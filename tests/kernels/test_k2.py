@@ -78,9 +78,7 @@ class Tail:
     def __init__(self, full: dict, tp: int):
         self.dims = Dims.from_config(get_preset(PRESET), tp=tp)
         self.tp = tp
-        self.k2 = K2Launch(
-            K2Shape.from_dims(self.dims), K2Config(grid=GRIDS[tp], rb=2), co_resident=tp
-        )
+        self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRIDS[tp]), co_resident=tp)
         self.k2.build("cuda")
         self.peers = VirtualPeers(tp, max(self.k2.peer_words, 16), "cuda", DEADLINE_S)
         self.ws = [self.k2.workspace("cuda") for _ in range(tp)]

@@ -259,7 +259,8 @@ def k2_kernel(
     CB: tl.constexpr,
     RB: tl.constexpr,
     PCH: tl.constexpr,
-    CH: tl.constexpr,
+    RN: tl.constexpr,
+    HP: tl.constexpr,
     PREFETCH: tl.constexpr,
     GLPOW: tl.constexpr,
     IWPOW: tl.constexpr,
@@ -406,32 +407,25 @@ def k2_kernel(
     KSP2: tl.constexpr = ((H + KS2 - 1) // KS2 + BK2 - 1) // BK2 * BK2
     KCH2: tl.constexpr = KSP2 // BK2
     if STAGES & 4:
-        hh = tl.arange(0, CH)
-        ss = tl.zeros([BB], dtype=tl.float32)
-        for h0 in range(0, H, CH):
-            hc = h0 + hh
-            m = rmask[:, None] & (hc[None, :] < H)
-            idx = rows[:, None] * H + hc[None, :]
+        # live rows only, RN rows x all of H per bounded wait (one round trip per RN rows)
+        hh = tl.arange(0, HP)
+        hmsk = hh < H
+        rn = tl.arange(0, RN)
+        nw = tl.load(norm_w_ptr + hh, mask=hmsk, other=0.0).to(tl.float32)
+        sg_w = tl.load(seg_ptr + hh, mask=hmsk, other=0.0).to(tl.float32)
+        for r0 in range(0, n_rows, RN):
+            rws = r0 + rn
+            m = (rws < n_rows)[:, None] & hmsk[None, :]
+            idx = rws[:, None] * H + hh[None, :]
             words, ok = _wait2d(
-                resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, BB, CH
+                resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP
             )
             v = tl.where(m, _words_to_fp32(words), 0.0)
-            ss += tl.sum(v * v, axis=1)
-        rstd = tl.rsqrt(ss / H + eps)
-        sgl = tl.zeros([BB], dtype=tl.float32)
-        for h0 in range(0, H, CH):
-            hc = h0 + hh
-            hm = hc < H
-            m = rmask[:, None] & hm[None, :]
-            idx = rows[:, None] * H + hc[None, :]
-            v = _words_to_fp32(tl.load(resid_ptr + idx, mask=m, other=0, volatile=True))
-            nw = tl.load(norm_w_ptr + hc, mask=hm, other=0.0).to(tl.float32)
-            xn = tl.where(m, v * rstd[:, None] * (1.0 + nw[None, :]), 0.0)
-            tl.store(xs_base + idx, xn.to(tl.bfloat16), mask=hm[None, :])
-            sg_w = tl.load(seg_ptr + hc, mask=hm, other=0.0).to(tl.float32)
-            sgl += tl.sum(xn * sg_w[None, :], axis=1)
-        sg = tl.where(rmask, tl.sigmoid(sgl), 0.0)
-        tl.store(wsc_base + UM * BB + rows, sg)
+            rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
+            xn = v * rstd[:, None] * (1.0 + nw[None, :])
+            tl.store(xs_base + idx, xn.to(tl.bfloat16), mask=m)
+            sg = tl.sigmoid(tl.sum(xn * sg_w[None, :], axis=1))
+            tl.store(wsc_base + UM * BB + rws, sg, mask=rws < n_rows)
         tl.debug_barrier()  # xs written by this CTA's threads, read by all of them
 
         kk2 = tl.arange(0, BK2)
@@ -468,16 +462,18 @@ def k2_kernel(
         rr = tl.arange(0, RB)
         cnt = tl.zeros([EP], dtype=tl.int32)
         # pass 1, RB rows at a time: softmax top-k; pw = renormalised weight or -1
-        for r0 in range(0, BB, RB):
+        kr = tl.arange(0, KS2 * RB)
+        for r0 in range(0, n_rows, RB):
             rws = r0 + rr
             valid = (rws < n_rows)[:, None] & (offs_e[None, :] < E)
-            lg = tl.zeros([RB, EP], dtype=tl.float32)
-            for ks in tl.static_range(KS2):
-                lidx = ks * (BB * E) + rws[:, None] * E + offs_e[None, :]
-                lwords, lok = _wait2d(
-                    logits_ptr + lidx, valid, lidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, RB, EP
-                )
-                lg += _words_to_fp32(lwords)
+            # every K split's partial logits of these rows in one bounded wait
+            lrw = r0 + kr % RB
+            lidx = (kr // RB)[:, None] * (BB * E) + lrw[:, None] * E + offs_e[None, :]
+            lm = (lrw < n_rows)[:, None] & (offs_e[None, :] < E)
+            lwords, lok = _wait2d(
+                logits_ptr + lidx, lm, lidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2 * RB, EP
+            )
+            lg = tl.sum(tl.reshape(_words_to_fp32(lwords), (KS2, RB, EP)), axis=0)
             lg = tl.where(valid, lg, float("-inf"))
             mx = tl.max(lg, axis=1)
             mx = tl.where(rws < n_rows, mx, 0.0)
@@ -497,7 +493,11 @@ def k2_kernel(
             if NORM_TOPK:
                 wsum = tl.sum(wts, axis=1)
                 wts = wts / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
-            tl.store(pw_base + rws[:, None] * EP + offs_e[None, :], tl.where(sel, wts, -1.0))
+            tl.store(
+                pw_base + rws[:, None] * EP + offs_e[None, :],
+                tl.where(sel, wts, -1.0),
+                mask=(rws < n_rows)[:, None],
+            )
             cnt += tl.sum(sel.to(tl.int32), axis=0)
         picked = (cnt > 0).to(tl.int32)
         slot_of = tl.cumsum(picked, axis=0) - picked
@@ -522,7 +522,8 @@ def k2_kernel(
         run = tl.zeros([EP], dtype=tl.int32)
         for r0 in range(0, BB, RB):
             rws = r0 + rr
-            pwc = tl.load(pw_base + rws[:, None] * EP + offs_e[None, :])
+            live = (rws < n_rows)[:, None]
+            pwc = tl.load(pw_base + rws[:, None] * EP + offs_e[None, :], mask=live, other=-1.0)
             si = (pwc >= 0.0).to(tl.int32)
             pair = base[None, :] + run[None, :] + tl.cumsum(si, axis=0) - si
             so = slot_of[None, :] * BB + rws[:, None]
@@ -801,9 +802,9 @@ class K2Config:
     bi4: int = 128  # down I chunk
     ng: int | None = None  # expert groups of the down projection (power of two)
     cb: int = 16  # columns per reduce task
-    rb: int = 4  # rows per top-k pass
+    rb: int = 1  # rows per top-k wait (each covers every K split of the logits)
     pch: int = 8  # activation pair rows per wait
-    ch: int = 256  # norm chunk
+    rn: int = 1  # rows per norm wait (each wait covers all of H)
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
 
     def splits(self, shape: K2Shape) -> tuple[int, int]:
@@ -971,7 +972,8 @@ class K2Launch:
             CB=c.cb,
             RB=c.rb,
             PCH=c.pch,
-            CH=min(c.ch, _next_pow2(s.hidden)),
+            RN=c.rn,
+            HP=_next_pow2(s.hidden),
             PREFETCH=c.prefetch,
             GLPOW=_next_pow2(s.slots + 1),
             IWPOW=_next_pow2(s.act_words),
