@@ -1,0 +1,209 @@
+"""The dispatching forward: pure-decode steps of a served width run K1/K2, all others stock.
+
+:class:`Router` replaces the model object's ``forward`` on the instance (the class is left
+alone). SGLang calls ``model.forward(input_ids, positions, forward_batch, ...)`` from its
+eager runner and while capturing each decode CUDA graph, so a captured graph records
+whichever path :meth:`Router.plan` chose for its batch size; replays repeat it. ``plan``
+reads host facts only (mode, rows, tokens per row, which optional inputs are given).
+
+A routed step, in SGLang's own objects (no math here):
+
+1. ``text_model.embed_tokens(input_ids)``;
+2. the engine-neutral driver (``models.qwen3_next.decode``) runs K1 -> attention -> K2 for
+   every layer, the attention being the layer's own ``RadixAttention`` (it writes the KV
+   cache), the GDN slots those SGLang's own kernels would read (:func:`.binding.step_slots`);
+3. ``text_model.norm(hidden, residual)`` and ``logits_processor(..., lm_head, ...)``.
+
+After the decode graphs are captured, :class:`CaptureCheck` (a ``capture_tail_hooks``
+entry) refuses a deployment none of whose graphs routes to the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...core.spec import Step
+from .binding import step_slots
+from .views import step_view
+
+__all__ = [
+    "plan_step",
+    "Router",
+    "CaptureCheck",
+    "install",
+    "uninstall",
+    "is_capturing",
+    "ROUTED_ATTR",
+]
+
+log = logging.getLogger("mono_ext.sglang")
+
+#: Attribute on the model object holding its router (in ``__dict__``, not a submodule).
+ROUTED_ATTR = "_mono_ext_router"
+
+# Optional inputs of the served models' forwards that a routed step cannot honour.
+_STOCK_IF_GIVEN = ("inputs_embeds", "input_embeds", "pp_proxy_tensors", "input_deepstack_embeds")
+
+
+def is_capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _attn_backend(fallback: Any) -> Any:
+    try:
+        from sglang.srt.model_executor.forward_context import get_attn_backend, has_forward_context
+    except ImportError:  # pragma: no cover - every supported SGLang has it
+        return fallback
+    return get_attn_backend() if has_forward_context() else fallback
+
+
+def plan_step(spec: Any, forward_batch: Any, args: tuple, kwargs: dict) -> Step | None:
+    """The spec's plan for a model forward's step; None (stock) when the call carries inputs a
+    routed step cannot honour (extra positional arguments, embeddings, pipeline tensors)."""
+    if args or kwargs.get("get_embedding"):
+        return None
+    if any(kwargs.get(k) is not None for k in _STOCK_IF_GIVEN):
+        return None
+    return spec.plan(step_view(forward_batch))
+
+
+class Router:
+    """Routes one model's steps. ``serving`` is an active :class:`.serving.Serving`."""
+
+    def __init__(self, serving: Any, original: Callable[..., Any], *, attn_backend: Any = None):
+        self.serving = serving
+        self.original = original
+        self.attn_backend = attn_backend  # used when no forward context is set
+        self.captured: dict[int, Step | None] = {}  # batch size -> plan chosen while capturing
+        self.routed_steps = 0
+        self.capturing: Callable[[], bool] = is_capturing
+        bound = serving.model
+        self._outer, self._text = bound.outer, bound.text
+        self._attn = {b.index: b.module.attn for b in bound.layers if b.kind == "full_attention"}
+        self._gdn = [b.index for b in bound.layers if b.kind == "linear_attention"]
+
+    # -- deciding ------------------------------------------------------------------------
+    def plan(self, forward_batch: Any, *args: Any, **kwargs: Any) -> Step | None:
+        """The fused step for this batch, or None for SGLang's forward (host facts only)."""
+        if not self.serving.active:
+            return None
+        return plan_step(self.serving.spec, forward_batch, args, kwargs)
+
+    def __call__(self, input_ids, positions, forward_batch, *args, **kwargs):
+        step = self.plan(forward_batch, *args, **kwargs)
+        if self.capturing():
+            self.captured[int(forward_batch.batch_size)] = step
+        if step is None:
+            return self.original(input_ids, positions, forward_batch, *args, **kwargs)
+        return self.run(step, input_ids, positions, forward_batch)
+
+    # -- running ---------------------------------------------------------------------------
+    def positions_of(self, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:
+        """What the model's forward feeds its rotary embedding (M-RoPE: the 3-row positions)."""
+        if getattr(self._outer, "is_mrope_enabled", False):
+            mrope = getattr(forward_batch, "mrope_positions", None)
+            if mrope is not None:
+                return mrope
+        return positions
+
+    def run(self, step: Step, input_ids, positions, forward_batch) -> Any:
+        from ...models.qwen3_next.decode import StepInputs
+
+        rows = step.width
+        driver = self.serving.driver
+        backend = _attn_backend(self.attn_backend)
+        capturing = self.capturing()
+        if not capturing:
+            self.serving.recheck_caches()
+        with torch.no_grad():
+            model_pos = self.positions_of(positions, forward_batch)
+            # Text tokens of an M-RoPE model have equal rows; K1 takes the temporal one.
+            pos = model_pos[0] if model_pos.dim() == 2 else model_pos
+            slots = step_slots(
+                forward_batch,
+                rows,
+                attn_backend=backend,
+                req_to_token_pool=getattr(self.serving, "req_to_token_pool", None),
+                capturing=capturing,
+            )
+            hidden = self._text.embed_tokens(input_ids)
+            if driver.stock is not None:
+                driver.stock.bind_step(forward_batch, model_pos)
+
+            def attend(index: int, q, k, v):
+                return self._attn[index](q, k, v, forward_batch)
+
+            # SGLang keeps one slot table for every GDN layer (one MambaPool index per request).
+            inputs = StepInputs(hidden=hidden, positions=pos, slots=dict.fromkeys(self._gdn, slots))
+            hidden, residual = driver.run(step, inputs, attend)
+            hidden, _ = self._text.norm(hidden, residual)
+            self.routed_steps += 1
+            return self._outer.logits_processor(
+                input_ids, hidden, self._outer.lm_head, forward_batch
+            )
+
+
+def install(model: Any, router: Router) -> None:
+    """Put the router in front of ``model.forward`` (an instance attribute; signature kept for
+    SGLang's runners, which inspect the forward's parameters)."""
+    original = router.original
+
+    @functools.wraps(original)
+    def forward(input_ids, positions, forward_batch, *args, **kwargs):
+        return router(input_ids, positions, forward_batch, *args, **kwargs)
+
+    model.__dict__[ROUTED_ATTR] = router
+    model.forward = forward
+
+
+def uninstall(model: Any) -> None:
+    """Back to the class's forward: the model is stock again."""
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop(ROUTED_ATTR, None)
+
+
+def router_of(model: Any) -> Router | None:
+    return getattr(model, "__dict__", {}).get(ROUTED_ATTR)
+
+
+class CaptureCheck:
+    """A ``ModelRunner.capture_tail_hooks`` entry: once every decode graph of the runner is
+    captured, log which batch sizes run the kernels and refuse loudly when none does."""
+
+    def __init__(self, router: Router, *, name: str = "mono_ext") -> None:
+        self.router = router
+        self.name = name
+        self.done = False
+
+    def __call__(self, runner: Any, out: Any, forward_batch: Any, num_tokens: int) -> None:
+        if self.done:
+            return
+        wanted = set(getattr(runner, "capture_bs", ()) or ())
+        captured = self.router.captured
+        if not wanted or not wanted <= set(captured):
+            return
+        self.done = True
+        routed = sorted(bs for bs, step in captured.items() if step is not None)
+        if not routed:
+            raise RuntimeError(
+                f"{self.name}: none of the {len(captured)} captured decode graphs (batch sizes "
+                f"{sorted(captured)}) runs the K1/K2 launches; decode would silently stay on "
+                "SGLang's forward. Capture batch sizes within the served widths "
+                f"{list(self.router.serving.spec.deployment.widths)} (--cuda-graph-bs) or "
+                "turn --monokernel off"
+            )
+        log.info(
+            "%s: decode graphs of batch sizes %s (%d of %d) run K1/K2 (%s); every other step "
+            "runs SGLang's forward",
+            self.name,
+            routed,
+            len(routed),
+            len(captured),
+            self.router.serving.backend.name,
+        )

@@ -1,0 +1,681 @@
+"""The SGLang adapter on real SGLang 0.5.17 model objects, on CPU (the sglang test venv).
+
+Tiny Qwen3-Next and Qwen3.5-MoE checkpoints (``mono_ext.tools.checkpoint``, random weights)
+are loaded by SGLang's own loader into SGLang's own classes; GDN states and KV buffers are
+SGLang's ``HybridReqToTokenPool`` / ``HybridLinearKVPool``. Checked here:
+
+- binding: every plane the adapter binds is the engine's tensor (same storage) and equals
+  the reference's engine-layout conversion of the checkpoint (both qkvz packings, the fused
+  shared-expert slot);
+- the three refusal stages accept these models and refuse, with every reason, what they
+  cannot serve (then the model keeps SGLang's forward);
+- dispatch on real ``ForwardBatch`` objects: DECODE of 1..16 rows routes, EXTEND, MIXED,
+  TARGET_VERIFY, IDLE and wider steps run SGLang's forward; a routed step (reference
+  backend) gives the logits and GDN states of an independent oracle built from the
+  checkpoint, never touches a padded row's state, for both slot sources;
+- the check after CUDA-graph capture, and check mode's calls into SGLang's layer code.
+
+SGLang's own GDN/MoE/attention kernels do not run on CPU: the engine attention here is a
+plain stand-in registered as the step's attention backend, and only the parts of check mode
+whose SGLang code runs on CPU are compared. Run: tools/test.sh, or
+``.venvs/sglang/bin/python -m pytest tests/e2e -k sglang``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+pytest.importorskip("safetensors")
+
+from mono_ext.engines.sglang import has_native_api  # noqa: E402
+
+if has_native_api():
+    pytest.skip(
+        "SGLang with the kernel-plugin API: see test_sglang_v0523.py", allow_module_level=True
+    )
+
+from safetensors.torch import load_file  # noqa: E402
+
+from mono_ext.core.refusal import Refusal, Stage  # noqa: E402
+from mono_ext.core.settings import Settings  # noqa: E402
+from mono_ext.engines.sglang import serving as serving_mod  # noqa: E402
+from mono_ext.engines.sglang.binding import bind_caches, step_slots  # noqa: E402
+from mono_ext.engines.sglang.dispatch import (  # noqa: E402
+    CaptureCheck,
+    Router,
+    install,
+    router_of,
+    uninstall,
+)
+from mono_ext.engines.sglang.flags import Monokernel  # noqa: E402
+from mono_ext.engines.sglang.serving import Serving  # noqa: E402
+from mono_ext.engines.sglang.views import step_view  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.reference import (  # noqa: E402
+    ModelDims,
+    attn_front,
+    decode_attention,
+    decoder_layer_step,
+    layer_weights_from_state_dict,
+    rel_l2,
+)
+from mono_ext.reference.common import gemma_rms_norm  # noqa: E402
+from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
+
+BF16 = torch.bfloat16
+TOL = 3e-2  # launches round every output to bf16; the oracle stays fp32
+SLOTS, TOKENS = 8, 256
+
+
+# -- building SGLang objects on CPU ---------------------------------------------------------
+_DIST = {"up": False}
+
+
+def _server_args(path, **extra):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path=str(path),
+        device="cpu",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        disable_radix_cache=True,
+        disable_cuda_graph=True,
+        **extra,
+    )
+
+
+def _ensure_dist():
+    if _DIST["up"]:
+        return
+    from sglang.srt.distributed import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps.init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    ps.initialize_model_parallel(1, backend="gloo")
+    _DIST["up"] = True
+
+
+def _load(path, *, fused: bool = False):
+    """SGLang's ModelConfig + loader on CPU. ``fused``: build as on CUDA, where SGLang fuses
+    the shared expert into the routed experts as an extra slot."""
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+    import sglang.srt.models.qwen2_moe as qwen2_moe
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.model_loader import get_model
+
+    sa = _server_args(path)
+    runtime_context.publish(sa, role="test")
+    _ensure_dist()
+    mc = ModelConfig.from_server_args(sa)
+    initialize_dp_attention(sa, mc)
+    saved = (rope_base._is_cpu, qwen2_moe._is_cuda)
+    # CPU stand-ins for device checks at construction: the rotary module would otherwise
+    # import vLLM's CUDA op; qwen2_moe enables shared-expert fusion on CUDA only.
+    rope_base._is_cpu = True
+    qwen2_moe._is_cuda = fused
+    try:
+        model = get_model(
+            model_config=mc,
+            load_config=LoadConfig(load_format="auto"),
+            device_config=DeviceConfig("cpu", 0),
+        )
+    finally:
+        rope_base._is_cpu, qwen2_moe._is_cuda = saved
+    return SimpleNamespace(model=model, mc=mc, sa=sa, sd=load_file(str(path / "model.safetensors")))
+
+
+def _pools(mc, slots=SLOTS, tokens=TOKENS, kv_dtype=BF16):
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    tc = mc.hf_text_config
+    cp = tc.mamba2_cache_params
+    rp = HybridReqToTokenPool(
+        size=slots,
+        mamba_size=slots,
+        mamba_spec_state_size=0,
+        max_context_len=64,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=cp,
+        mamba_layer_ids=cp.layers,
+        enable_mamba_extra_buffer=False,
+        enable_overlap_schedule=False,
+    )
+    full = [i for i, k in enumerate(tc.layers_block_type) if k == "attention"]
+    kvp = HybridLinearKVPool(
+        size=tokens,
+        dtype=kv_dtype,
+        page_size=1,
+        head_num=tc.num_key_value_heads,
+        head_dim=tc.head_dim,
+        full_attention_layer_ids=full,
+        device="cpu",
+        mamba_pool=rp.mamba_pool,
+    )
+    return rp, kvp
+
+
+@pytest.fixture(scope="module")
+def qn(tmp_path_factory):
+    return _load(make_checkpoint(tmp_path_factory.mktemp("qn"), "qwen3-next-tiny"))
+
+
+@pytest.fixture(scope="module")
+def q35(tmp_path_factory):
+    return _load(make_checkpoint(tmp_path_factory.mktemp("q35"), "qwen3.5-moe-tiny"))
+
+
+@pytest.fixture(scope="module")
+def qn_fused(tmp_path_factory):
+    cfg = get_preset("qwen3-next-tiny")
+    cfg["shared_expert_intermediate_size"] = cfg["moe_intermediate_size"]  # SGLang fuses then
+    return _load(make_checkpoint(tmp_path_factory.mktemp("qnf"), cfg), fused=True)
+
+
+def _serving(env, *, backend="reference", check=False, sa=None):
+    sv = Serving(Monokernel(backend), settings=Settings(check=check))
+    mc = env.mc
+    sv.accept_config(mc.hf_config, sa or env.sa, dtype=mc.dtype, quantization=mc.quantization)
+    sv.accept_model(env.model)
+    return sv
+
+
+def _active(env, **kw):
+    sv = _serving(env, **kw)
+    rp, kvp = _pools(env.mc)
+    sv.accept_caches(rp, kvp)
+    assert sv.active, sv.refusal and sv.refusal.message()
+    return sv, rp, kvp
+
+
+@pytest.fixture
+def cleanup():
+    models = []
+    yield models.append
+    for m in models:
+        uninstall(m)
+
+
+# -- binding ----------------------------------------------------------------------------------
+def _storage_of(model):
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+@pytest.mark.parametrize("which", ["qn", "q35", "qn_fused"])
+def test_planes_are_the_engine_tensors_and_equal_the_reference_view(which, request):
+    env = request.getfixturevalue(which)
+    sv = _serving(env)
+    assert not sv.off, sv.refusal.message()
+    dims = ModelDims.from_config(env.mc.hf_config.to_dict())
+    prefix = "model.language_model." if which == "q35" else "model."
+    storages = _storage_of(env.model)
+    packing = "contiguous" if which == "q35" else "interleaved"
+    for b in sv.model.layers:
+        p = f"{prefix}layers.{b.index}."
+        sd = {k[len(p) :]: v for k, v in env.sd.items() if k.startswith(p)}
+        ref = layer_weights_from_state_dict(sd, dims)
+        assert set(b.planes) == set(ref), b.index
+        for name, t in b.planes.items():
+            assert t.untyped_storage().data_ptr() in storages, f"layer {b.index} {name} is a copy"
+            assert t.dtype == ref[name].dtype, (b.index, name)
+            assert torch.equal(t, ref[name]), f"layer {b.index}: {name} differs from the reference"
+        if b.kind == "linear_attention":
+            assert b.facts["qkvz_packing"] == packing
+        want = "fused_slot" if which == "qn_fused" else "module"
+        assert b.facts["shared_expert"] == want
+    if which == "qn_fused":
+        experts = sv.model.layers[0].module.mlp.experts
+        assert experts.w13_weight.shape[0] == dims.num_experts + 1  # SGLang's extra slot
+        assert sv.model.layers[0].module.mlp.shared_expert is None
+
+
+def test_caches_are_the_mamba_pool_tensors(qn):
+    sv, rp, kvp = _active(qn)
+    for i, conv in sv.caches.conv.items():
+        state = rp.mamba2_layer_cache(i)
+        for got, want in ((conv, state.conv[0]), (sv.caches.ssm[i], state.temporal)):
+            assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+        assert tuple(conv.shape[1:]) == (sv.dims.conv_dim_r, sv.dims.conv_k - 1)  # sglang layout
+    for i, k in sv.caches.kv.items():
+        assert k.data_ptr() == kvp.get_key_buffer(i).data_ptr()
+    assert sv.caches.num_slots == SLOTS
+    assert sv.spec.deployment.layouts == {
+        "conv_layout": "sglang",
+        "ssm_layout": "vk",
+        "qkvz_packing": "interleaved",
+    }
+
+
+# -- refusals -----------------------------------------------------------------------------------
+def test_config_stage_names_every_reason_and_model_stays_stock(qn):
+    mc = qn.mc
+    sa = SimpleNamespace(
+        speculative_algorithm="EAGLE",
+        enable_lora=True,
+        ep_size=2,
+        enable_torch_compile=True,
+        nnodes=2,
+        enable_linear_replayssm=True,
+        cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="breakable")),
+    )
+    sv = Serving(Monokernel("reference"), settings=Settings())
+    refusal = sv.accept_config(mc.hf_config, sa, dtype=torch.float16, quantization="fp8")
+    assert refusal.stage is Stage.CONFIG and sv.off
+    text = refusal.message()
+    assert text.startswith("mono_ext off: [config] ")
+    for needle in (
+        "spec_decode is on",
+        "lora is on",
+        "expert_parallel is on",
+        "piecewise_graphs_only is on",
+        "dtype float16",
+        "quantization 'fp8'",
+        "--enable-torch-compile",
+        "multi-node tensor parallelism",
+        "--enable-linear-replayssm",
+    ):
+        assert needle in text, needle
+    # later stages do nothing once refused; the model keeps SGLang's forward
+    assert sv.accept_model(qn.model) is refusal
+    assert "forward" not in qn.model.__dict__
+
+
+def test_config_stage_refuses_unavailable_backend_and_check_mode_under_graphs(qn):
+    mc = qn.mc
+    graphs = SimpleNamespace(
+        cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))
+    )
+    sv = Serving(Monokernel("triton"), settings=Settings(check=True))
+    refusal = sv.accept_config(mc.hf_config, graphs, dtype=mc.dtype, quantization=None)
+    assert "kernel backend 'triton' cannot run here" in refusal.message()
+    assert "MONO_EXT_CHECK=1" in refusal.message()
+
+
+def test_model_stage_refuses_quantized_unknown_packing_and_unreadable_fused_slot(qn_fused):
+    model = qn_fused.model
+    layers = model.model.layers
+    la, mlp = layers[0].linear_attn, layers[1].mlp
+    saved = (la.out_proj.quant_method, type(la), mlp.num_fused_shared_experts)
+
+    class Fp8LinearMethod:
+        pass
+
+    class OtherGatedDeltaNet(type(la)):
+        pass
+
+    la.out_proj.quant_method = Fp8LinearMethod()
+    la.__class__ = OtherGatedDeltaNet
+    mlp.num_fused_shared_experts = 2  # a slot layout the binding cannot read in place
+    try:
+        sv = _serving(qn_fused)
+    finally:
+        la.out_proj.quant_method, la.__class__, mlp.num_fused_shared_experts = saved
+    text = sv.refusal.message()
+    assert sv.refusal.stage is Stage.MODEL
+    assert "layer 0: out_proj uses quant method 'Fp8LinearMethod'" in text
+    assert "OtherGatedDeltaNet has no known in_proj_qkvz packing" in text
+    assert "needs --disable-shared-experts-fusion" in text
+
+
+def test_cache_stage_refuses_strided_states_and_fp8_kv(qn):
+    sv = _serving(qn)
+    rp, _ = _pools(qn.mc)
+    _, kv8 = _pools(qn.mc, kv_dtype=torch.float8_e4m3fn)
+
+    class StridedPool:  # slots interleaved with other data, as envelope layouts do
+        mamba_pool = rp.mamba_pool
+
+        def mamba2_layer_cache(self, i):
+            s = rp.mamba2_layer_cache(i)
+            conv = torch.zeros(s.conv[0].shape[0] * 2, *s.conv[0].shape[1:], dtype=BF16)[::2]
+            return SimpleNamespace(conv=[conv], temporal=s.temporal)
+
+    refusal = sv.accept_caches(StridedPool(), kv8)
+    text = refusal.message()
+    assert refusal.stage is Stage.CACHES
+    assert "conv_state slots are not dense" in text
+    assert "kv_cache is float8_e4m3fn" in text
+    assert not sv.active
+
+
+def test_every_stage_goes_through_rank_agreement(qn, monkeypatch):
+    seen = []
+
+    def fake_agree(refusal, group=None):
+        seen.append((refusal.stage, group))
+        extra = ("ranks 1: caches differ on a peer",) if refusal.stage is Stage.CACHES else ()
+        return Refusal.of(refusal.stage, refusal.reasons + extra)
+
+    monkeypatch.setattr(serving_mod, "agree", fake_agree)
+    sv = Serving(Monokernel("reference"), group="tp-cpu-group", settings=Settings())
+    mc = qn.mc
+    sv.accept_config(mc.hf_config, qn.sa, dtype=mc.dtype, quantization=None)
+    sv.accept_model(qn.model)
+    refusal = sv.accept_caches(*_pools(mc))
+    assert [s for s, _ in seen] == [Stage.CONFIG, Stage.MODEL, Stage.MODEL, Stage.CACHES]
+    assert {g for _, g in seen} == {"tp-cpu-group"}
+    assert "ranks 1: caches differ on a peer" in refusal.message() and not sv.active
+
+
+def test_an_internal_error_is_a_reason_not_a_crash(qn, monkeypatch):
+    def boom(*a, **k):
+        raise KeyError("w13_weight")
+
+    monkeypatch.setattr(serving_mod, "bind_model", boom)
+    sv = _serving(qn)
+    assert "internal error in the model stage: KeyError" in sv.refusal.message()
+
+
+# -- dispatch ----------------------------------------------------------------------------------
+def _batch(mode, bs, *, tokens_per_row=1, ids=None, **extra):
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardBatch,
+        ForwardMode,
+    )
+
+    n = bs * tokens_per_row
+    fb = ForwardBatch(
+        forward_mode=getattr(ForwardMode, mode),
+        batch_size=bs,
+        input_ids=torch.zeros(n, dtype=torch.long) if ids is None else ids,
+        req_pool_indices=torch.zeros(bs, dtype=torch.long),
+        seq_lens=torch.ones(bs, dtype=torch.long),
+        out_cache_loc=torch.zeros(n, dtype=torch.long),
+        seq_lens_sum=bs,
+    )
+    fb.capture_hidden_mode = CaptureHiddenMode.NULL
+    for k, v in extra.items():
+        setattr(fb, k, v)
+    return fb
+
+
+class Spy:
+    """Stands in for SGLang's own forward (which needs CUDA kernels): records the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, input_ids, positions, forward_batch, *args, **kwargs):
+        self.calls.append((forward_batch.forward_mode.name, forward_batch.batch_size))
+        return "stock"
+
+
+@pytest.mark.parametrize(
+    "mode,bs,tokens,routed",
+    [
+        ("DECODE", 1, 1, True),
+        ("DECODE", 4, 1, True),
+        ("DECODE", 16, 1, True),
+        ("DECODE", 17, 1, False),
+        ("EXTEND", 4, 3, False),
+        ("MIXED", 4, 2, False),
+        ("TARGET_VERIFY", 4, 4, False),
+        ("IDLE", 1, 0, False),
+    ],
+)
+def test_plan_routes_only_pure_decode_of_served_widths(qn, mode, bs, tokens, routed):
+    sv, *_ = _active(qn)
+    router = Router(sv, Spy())
+    fb = _batch(mode, bs, tokens_per_row=tokens)
+    step = router.plan(fb)
+    assert (step is not None) == routed, step_view(fb)
+    if routed:
+        assert step.width == bs and step.key.width == bs and step.key.backend == "reference"
+
+
+def test_stock_steps_call_sglangs_forward_and_routed_ones_do_not(qn, cleanup):
+    sv, rp, kvp = _active(qn)
+    spy = Spy()
+    router = Router(sv, spy, attn_backend=FakeAttention(rp, kvp))
+    install(qn.model, router)
+    cleanup(qn.model)
+    assert router_of(qn.model) is router
+    fb = _batch("EXTEND", 2, tokens_per_row=3)
+    assert qn.model.forward(fb.input_ids, torch.zeros(6, dtype=torch.long), fb) == "stock"
+    # embeddings given: a routed step would ignore them, so SGLang's forward runs
+    dec = _batch("DECODE", 2)
+    out = qn.model.forward(dec.input_ids, torch.zeros(2), dec, inputs_embeds=torch.zeros(2, 64))
+    assert out == "stock"
+    assert spy.calls == [("EXTEND", 2), ("DECODE", 2)]
+    uninstall(qn.model)
+    assert "forward" not in qn.model.__dict__ and router_of(qn.model) is None
+
+
+# -- a routed step against an independent oracle -------------------------------------------------
+class FakeAttention:
+    """The step's attention backend on CPU: SGLang's decode attention kernels need CUDA, so
+    this writes k/v into SGLang's KV pool at ``out_cache_loc`` and attends over the request's
+    tokens (``req_to_token``) in plain fp32. ``slots`` play ``mamba_cache_indices``."""
+
+    def __init__(self, rp, kvp, slots=None):
+        self.req_to_token_pool, self.token_to_kv_pool = rp, kvp
+        meta = None if slots is None else SimpleNamespace(mamba_cache_indices=slots)
+        self.linear_attn_backend = SimpleNamespace(forward_metadata=meta)
+
+    def forward(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
+        kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        hkv, d = kb.shape[1], kb.shape[2]
+        kb[fb.out_cache_loc] = k.reshape(-1, hkv, d).to(kb.dtype)
+        vb[fb.out_cache_loc] = v.reshape(-1, hkv, d).to(vb.dtype)
+        out = torch.zeros(q.shape[0], layer.tp_q_head_num * d, dtype=q.dtype)
+        for i in range(q.shape[0]):
+            locs = self.req_to_token_pool.req_to_token[fb.req_pool_indices[i], : fb.seq_lens[i]]
+            qi = q[i].reshape(1, layer.tp_q_head_num, d)
+            o = decode_attention(
+                qi, kb[locs.long()][None], vb[locs.long()][None], scale=layer.scaling
+            )
+            out[i] = o[0].to(q.dtype)
+        return out
+
+
+def _oracle_weights(env, prefix):
+    dims = ModelDims.from_config(env.mc.hf_config.to_dict())
+    per_layer = []
+    for i, kind in enumerate(env.mc.hf_text_config.layers_block_type):
+        p = f"{prefix}layers.{i}."
+        sd = {k[len(p) :]: v for k, v in env.sd.items() if k.startswith(p)}
+        per_layer.append(
+            (
+                "gdn" if kind == "linear_attention" else "attn",
+                layer_weights_from_state_dict(sd, dims),
+            )
+        )
+    return dims, per_layer
+
+
+@pytest.mark.parametrize("which", ["qn", "q35"])
+@pytest.mark.parametrize("slot_source", ["backend_metadata", "pool"])
+def test_routed_steps_match_the_oracle_and_spare_padded_rows(which, slot_source, request, cleanup):
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    env = request.getfixturevalue(which)
+    sv, rp, kvp = _active(env)
+    prefix = "model.language_model." if which == "q35" else "model."
+    dims, layers = _oracle_weights(env, prefix)
+    g = torch.Generator().manual_seed(7)
+    pool = rp.mamba_pool.mamba_cache
+    for c in pool.conv:
+        c.copy_(0.3 * torch.randn(c.shape, generator=g))
+    pool.temporal.copy_(0.1 * torch.randn(pool.temporal.shape, generator=g))
+    full = kvp.full_kv_pool
+    for buf in (*full.k_buffer, *full.v_buffer):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    # three requests padded to a batch of four (SGLang pads decode batches to graph sizes)
+    bs, real, hist = 4, 3, [5, 2, 7]
+    reqs = torch.tensor([1, 3, 5, 0])
+    mslots = torch.tensor([2, 6, 4, -1], dtype=torch.int32)
+    for r, s in zip(reqs[:real].tolist(), mslots[:real].tolist(), strict=True):
+        rp.req_index_to_mamba_index_mapping[r] = s
+    loc, first = 10, {}
+    for r, n in zip(reqs[:real].tolist(), hist, strict=True):
+        rp.req_to_token[r, : n + 2] = torch.arange(loc, loc + n + 2)
+        first[r] = loc
+        loc += n + 2
+    # oracle state: copies of the pool, contiguous KV history per row
+    conv0 = {i: t.clone() for i, t in sv.caches.conv.items()}
+    ssm0 = {i: t.clone() for i, t in sv.caches.ssm.items()}
+    tmax = max(hist) + 2
+    kc, vc = {}, {}
+    for i, kind in enumerate(env.mc.hf_text_config.layers_block_type):
+        if kind == "attention":
+            kb, vb = kvp.get_key_buffer(i), kvp.get_value_buffer(i)
+            kc[i] = torch.zeros(bs, tmax, *kb.shape[1:])
+            vc[i] = torch.zeros(bs, tmax, *vb.shape[1:])
+            for row, (r, n) in enumerate(zip(reqs[:real].tolist(), hist, strict=True)):
+                kc[i][row, :n] = kb[first[r] : first[r] + n].float()
+                vc[i][row, :n] = vb[first[r] : first[r] + n].float()
+    attn_rows = torch.tensor([0, 1, 2, -1])
+    backend = FakeAttention(rp, kvp, mslots if slot_source == "backend_metadata" else None)
+    router = Router(sv, Spy(), attn_backend=backend)
+    install(env.model, router)
+    cleanup(env.model)
+    norm_w = env.sd[f"{prefix}norm.weight"]
+    lm_head = env.sd["lm_head.weight"]
+    untouched = [s for s in range(SLOTS + 1) if s not in mslots[:real].tolist()]
+    before = {
+        i: (c[untouched].clone(), sv.caches.ssm[i][untouched].clone())
+        for i, c in sv.caches.conv.items()
+    }
+    for step in range(2):
+        lens = torch.tensor([n + 1 + step for n in hist] + [1])
+        pos = lens - 1
+        out_loc = torch.tensor(
+            [first[r] + n + step for r, n in zip(reqs[:real].tolist(), hist, strict=True)] + [0]
+        )
+        ids = torch.randint(0, env.mc.hf_text_config.vocab_size, (bs,), generator=g)
+        fb = _batch(
+            "DECODE", bs, ids=ids, req_pool_indices=reqs, seq_lens=lens, out_cache_loc=out_loc
+        )
+        fb.mrope_positions = pos.expand(3, bs).clone()
+        if slot_source == "pool":
+            fb._original_batch_size = real
+        with forward_context(ForwardContext(attn_backend=backend)):
+            logits = env.model.forward(ids, pos, fb).next_token_logits
+        # oracle: the reference layer by layer from the checkpoint's own tensors
+        hidden = env.sd[f"{prefix}embed_tokens.weight"][ids].float()
+        residual = None
+        for i, (kind, w) in enumerate(layers):
+            tail = decoder_layer_step(
+                hidden,
+                residual,
+                w,
+                dims,
+                kind=kind,
+                slots=mslots if kind == "gdn" else attn_rows,
+                positions=pos,
+                conv_state=conv0.get(i),
+                ssm_state=ssm0.get(i),
+                k_cache=kc.get(i),
+                v_cache=vc.get(i),
+                conv_layout="sglang",
+                packing="contiguous" if which == "q35" else "interleaved",
+            )
+            hidden, residual = tail.hidden_out, tail.residual_out
+        want = gemma_rms_norm(hidden + residual, norm_w, dims.rms_norm_eps) @ lm_head.float().t()
+        assert rel_l2(logits[:real].float(), want[:real]) < TOL, step
+        for i in sv.caches.conv:
+            got_c, got_s = sv.caches.conv[i], sv.caches.ssm[i]
+            idx = mslots[:real].long()
+            assert rel_l2(got_c[idx].float(), conv0[i][idx].float()) < TOL
+            assert rel_l2(got_s[idx].float(), ssm0[i][idx].float()) < TOL
+            assert torch.equal(got_c[untouched], before[i][0]), "a padded row touched a state"
+            assert torch.equal(got_s[untouched], before[i][1]), "a padded row touched a state"
+    assert router.routed_steps == 2 and router.original.calls == []
+
+
+def test_pool_slot_source_pads_with_minus_one_and_refuses_under_capture(qn):
+    _, rp, kvp = _active(qn)
+    rp.req_index_to_mamba_index_mapping[3] = 5
+    fb = _batch("DECODE", 3, req_pool_indices=torch.tensor([3, 3, 0]))
+    fb._original_batch_size = 1
+    slots = step_slots(fb, 3, attn_backend=FakeAttention(rp, kvp))
+    assert slots.tolist() == [5, -1, -1]
+    with pytest.raises(RuntimeError, match="padded rows would be unknown"):
+        step_slots(fb, 3, attn_backend=FakeAttention(rp, kvp), capturing=True)
+    meta = FakeAttention(rp, kvp, torch.tensor([4, -1, -1, -1], dtype=torch.int32))
+    assert step_slots(fb, 3, attn_backend=meta).tolist() == [4, -1, -1]
+
+
+def test_reallocated_pool_is_caught_before_a_routed_step(qn):
+    sv, rp, kvp = _active(qn)
+    sv.recheck_caches()  # unchanged: fine
+    i = next(iter(sv.caches.conv))
+    rp.mamba_pool.mamba_cache.conv[0] = rp.mamba_pool.mamba_cache.conv[0].clone()
+    assert bind_caches(rp, kvp, sv.kinds()).conv[i].data_ptr() != sv.caches.conv[i].data_ptr()
+    with pytest.raises(RuntimeError, match="reallocated"):
+        sv.recheck_caches()
+
+
+# -- after CUDA-graph capture --------------------------------------------------------------------
+def test_capture_check_logs_routed_graphs_and_refuses_when_none_routes(qn, caplog):
+    sv, rp, kvp = _active(qn)
+    spy = Spy()
+    router = Router(sv, spy, attn_backend=FakeAttention(rp, kvp, torch.full((32,), -1)))
+    router.capturing = lambda: True  # what torch.cuda reports while SGLang captures
+    runner = SimpleNamespace(capture_bs=[1, 2, 4, 24])
+    check = CaptureCheck(router)
+    for bs in runner.capture_bs:
+        fb = _batch("DECODE", bs)
+        router.captured[bs] = router.plan(fb)  # the record __call__ makes while capturing
+        check(runner, None, fb, bs)
+    with caplog.at_level(logging.INFO, logger="mono_ext.sglang"):
+        check.done = False
+        check(runner, None, fb, 24)
+    assert "batch sizes [1, 2, 4] (3 of 4) run K1/K2" in caplog.text
+    wide = SimpleNamespace(capture_bs=[24, 32])
+    router.captured.clear()
+    for bs in wide.capture_bs:
+        router(torch.zeros(bs, dtype=torch.long), torch.zeros(bs), _batch("DECODE", bs))
+    assert spy.calls == [("DECODE", 24), ("DECODE", 32)]
+    with pytest.raises(RuntimeError, match="none of the 2 captured decode graphs"):
+        CaptureCheck(router)(wide, None, _batch("DECODE", 32), 32)
+
+
+# -- check mode ---------------------------------------------------------------------------------
+def test_check_mode_drives_sglangs_own_layer_code(q35):
+    """Check mode's stock side is SGLang's modules: the pieces whose SGLang code runs on CPU
+    (norms, the attention front with M-RoPE positions, o_proj) agree with the reference
+    within NUMERICS; SGLang's GDN and MoE forwards need CUDA kernels (GPU runs check them)."""
+    sv, rp, kvp = _active(q35, check=True)
+    stock = sv.driver.stock
+    assert stock is not None and sv.driver.checking
+    attn_i = next(b.index for b in sv.model.layers if b.kind == "full_attention")
+    w = sv.model.layers[attn_i].planes
+    dims = ModelDims.from_config(q35.mc.hf_config.to_dict())
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, dims.hidden, generator=g).to(BF16)
+    residual = torch.randn(3, dims.hidden, generator=g).to(BF16)
+    pos = torch.tensor([4, 9, 17])
+    stock.bind_step(_batch("DECODE", 3), pos.expand(3, 3).clone())
+    x, r = stock.front_norm(attn_i, hidden, residual)
+    res_before = residual.clone()
+    q, k, v, gate = stock.attn_qkv(attn_i, x, pos)
+    assert torch.equal(residual, res_before), "stock code wrote the driver's tensors"
+    ref = attn_front(hidden, residual, w["input_layernorm"], w, dims, pos)
+    assert rel_l2(r.float(), ref.residual_out) < 2**-8
+    for got, want in ((q, ref.q), (k, ref.k), (v, ref.v), (gate, ref.gate)):
+        assert rel_l2(got.float().reshape(want.shape), want) < 1e-2
+    o = torch.randn(3, dims.num_heads * dims.head_dim, generator=g).to(BF16)
+    y = stock.out_proj(attn_i, o)
+    assert rel_l2(y.float(), o.float() @ w["o_proj"].float().t()) < 1e-2
