@@ -34,7 +34,8 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 |                 |                       |       | (row, pick) pair; shared at Pm + row   |                      |
 | peer: ar1       | [2][tp][Bb * H] words | int64 | tagged fp32 out_proj partials          | S1 push (tp > 1)     |
 | peer: ar2       | [2][tp][Bb * H] words | int64 | tagged fp32 MoE partials               | S4 push (tp > 1)     |
-| priv xs         | [G, Bb, H]            | bf16  | this CTA's normed rows (dot operand)   | S2, same CTA         |
+| priv xs         | [G, 2, Bb, H]         | bf16  | this CTA's normed rows: bf16(x), and   | S2, same CTA         |
+|                 |                       |       | bf16(x - bf16(x)) for the router       |                      |
 | priv wsc        | [G, Um + 1, Bb]       | fp32  | routing weight per (slot, row); slot   | S2/S3, same CTA      |
 |                 |                       |       | Um holds sigmoid(shared_expert_gate.x) |                      |
 | priv ppos       | [G, Um + 1, Bb]       | int32 | pair row of (slot, row) in act, or -1  | S3, same CTA         |
@@ -295,7 +296,7 @@ def k2_kernel(
     rows = tl.arange(0, BB)
     rmask = rows < n_rows
     nn = tl.arange(0, BN)
-    xs_base = xs_ptr + pid * (BB * H)
+    xs_base = xs_ptr + pid * (2 * BB * H)  # plane 0: bf16(x); plane 1: bf16(x - plane 0)
     pw_base = pw_ptr + pid * (BB * EP)
     wsc_base = wsc_ptr + pid * ((UM + 1) * BB)
     ppos_base = ppos_ptr + pid * ((UM + 1) * BB)
@@ -423,7 +424,9 @@ def k2_kernel(
             v = tl.where(m, _words_to_fp32(words), 0.0)
             rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
             xn = v * rstd[:, None] * (1.0 + nw[None, :])
-            tl.store(xs_base + idx, xn.to(tl.bfloat16), mask=m)
+            x_hi = xn.to(tl.bfloat16)
+            tl.store(xs_base + idx, x_hi, mask=m)
+            tl.store(xs_base + BB * H + idx, (xn - x_hi.to(tl.float32)).to(tl.bfloat16), mask=m)
             sg = tl.sigmoid(tl.sum(xn * sg_w[None, :], axis=1))
             tl.store(wsc_base + UM * BB + rws, sg, mask=rws < n_rows)
         tl.debug_barrier()  # xs written by this CTA's threads, read by all of them
@@ -447,7 +450,15 @@ def k2_kernel(
                     mask=rmask[None, :] & km2[:, None],
                     other=0.0,
                 )
+                # the router sees x as hi + lo bf16 parts: logits within ~1e-5 of fp32, so
+                # only true near ties can pick differently from the fp32 reference
+                xl = tl.load(
+                    xs_base + BB * H + rows[None, :] * H + k2[:, None],
+                    mask=rmask[None, :] & km2[:, None],
+                    other=0.0,
+                )
                 acc2 = tl.dot(wr, xa, acc2)
+                acc2 = tl.dot(wr, xl, acc2)
             off2 = ks * (BB * E) + rows[None, :] * E + e[:, None]
             mailbox_put(
                 logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, False
@@ -854,7 +865,7 @@ class K2Workspace:
     """One rank's scratch: mailbox regions and per-CTA private rows (zeroed once)."""
 
     scratch: Any  # int64 [scratch_words]
-    xs: Any  # bf16 [G, Bb, H]
+    xs: Any  # bf16 [G, 2, Bb, H]
     pw: Any  # fp32 [G, Bb, EP]
     wsc: Any  # fp32 [G, Um + 1, Bb]
     ppos: Any  # int32 [G, Um + 1, Bb]
@@ -929,7 +940,7 @@ class K2Launch:
             scratch=torch.zeros(
                 max(self.layout.scratch_words, 16), dtype=torch.int64, device=device
             ),
-            xs=torch.zeros(g, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
+            xs=torch.zeros(g, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
             pw=torch.zeros(g, BLOCK_B, _next_pow2(s.experts), dtype=torch.float32, device=device),
             wsc=torch.zeros(g, s.slots + 1, BLOCK_B, dtype=torch.float32, device=device),
             ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),
