@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mono_ext.models.qwen3_next.configs import family, rope_params
+from mono_ext.models.qwen3_next.dims import Dims
 
 __all__ = [
     "ModelDims",
@@ -76,37 +76,29 @@ class ModelDims:
     @classmethod
     def from_config(cls, cfg: Any) -> ModelDims:
         """From a config dict (flat text config or a wrapper with ``text_config``) or an
-        HF config object."""
-        if not isinstance(cfg, dict):
-            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-            cfg = text.to_dict()
-        if "text_config" in cfg and "hidden_size" not in cfg:
-            cfg = cfg["text_config"]
-        theta, factor = rope_params(cfg)
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        # Qwen3.5-MoE has no norm_topk_prob key: its router always renormalises.
-        norm_topk = True if family(cfg) == "qwen3_5_moe" else cfg.get("norm_topk_prob", True)
-        if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
+        HF config object; the sizes are read once, by the spec's ``Dims`` (at TP 1)."""
+        d = Dims.from_config(cfg, tp=1)
+        if d.hv % d.hk:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         return cls(
-            hidden=cfg["hidden_size"],
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            num_k_heads=cfg["linear_num_key_heads"],
-            num_v_heads=cfg["linear_num_value_heads"],
-            head_k_dim=cfg["linear_key_head_dim"],
-            head_v_dim=cfg["linear_value_head_dim"],
-            conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg["num_key_value_heads"],
-            head_dim=head_dim,
-            rotary_dim=int(head_dim * factor),
-            rope_theta=theta,
-            num_experts=cfg.get("num_experts", 0),
-            top_k=cfg.get("num_experts_per_tok", 0),
-            norm_topk_prob=bool(norm_topk),
-            moe_intermediate=cfg.get("moe_intermediate_size", 0),
-            shared_intermediate=cfg.get("shared_expert_intermediate_size", 0),
-            intermediate=cfg.get("intermediate_size") or 0,
+            hidden=d.hidden,
+            rms_norm_eps=d.eps,
+            num_k_heads=d.hk,
+            num_v_heads=d.hv,
+            head_k_dim=d.dk,
+            head_v_dim=d.dv,
+            conv_kernel=d.conv_k,
+            num_heads=d.hq,
+            num_kv_heads=d.hkv,
+            head_dim=d.head_dim,
+            rotary_dim=d.rotary_dim,
+            rope_theta=d.rope_theta,
+            num_experts=d.experts,
+            top_k=d.top_k,
+            norm_topk_prob=d.norm_topk,
+            moe_intermediate=d.moe_inter,
+            shared_intermediate=d.shared_inter,
+            intermediate=d.dense_inter,
         )
 
 

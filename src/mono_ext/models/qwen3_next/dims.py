@@ -17,12 +17,18 @@ from .configs import family, layer_types, rope_params
 __all__ = ["Dims", "text_config"]
 
 
-def text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The text model's config from a (possibly multimodal-wrapped) config dict.
+def text_config(cfg: Any) -> dict[str, Any]:
+    """The text model's config as a plain dict, from a (possibly multimodal-wrapped) config
+    dict or an HF config object.
 
     Qwen3.5-MoE checkpoints wrap the text config as ``text_config`` of a
     ``Qwen3_5MoeForConditionalGeneration`` config; the outer architectures are kept.
     """
+    if not isinstance(cfg, Mapping):  # an HF PretrainedConfig
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        out = text.to_dict()
+        out.setdefault("architectures", list(getattr(cfg, "architectures", None) or ()))
+        return out
     if "text_config" in cfg and isinstance(cfg["text_config"], Mapping):
         inner = dict(cfg["text_config"])
         inner.setdefault("architectures", list(cfg.get("architectures") or ()))
@@ -60,9 +66,13 @@ class Dims:
     shared_inter: int
     norm_topk: bool
     tp: int
+    dense_inter: int = 0  # intermediate_size of dense-MLP layers
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], tp: int = 1) -> Dims:
+    def from_config(cls, cfg: Any, tp: int = 1) -> Dims:
+        """From a text config dict, a wrapped (``text_config``) dict or an HF config object;
+        the one place a config's sizes are read (the reference's ModelDims comes from here)."""
+        cfg = text_config(cfg)
         theta, factor = rope_params(dict(cfg))
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
         fam = family(dict(cfg))
@@ -87,8 +97,9 @@ class Dims:
             moe_inter=int(cfg.get("moe_intermediate_size", 0)),
             shared_inter=int(cfg.get("shared_expert_intermediate_size", 0)),
             # Qwen3.5-MoE has no such key: its router always renormalises the top-k.
-            norm_topk=bool(cfg.get("norm_topk_prob", fam == "qwen3_5_moe")),
+            norm_topk=bool(cfg.get("norm_topk_prob", True)) or fam == "qwen3_5_moe",
             tp=tp,
+            dense_inter=int(cfg.get("intermediate_size") or 0),
         )
 
     # -- per-rank shares (valid only when the divisibility refusals passed) ---
