@@ -679,3 +679,51 @@ def test_check_mode_drives_sglangs_own_layer_code(q35):
     o = torch.randn(3, dims.num_heads * dims.head_dim, generator=g).to(BF16)
     y = stock.out_proj(attn_i, o)
     assert rel_l2(y.float(), o.float() @ w["o_proj"].float().t()) < 1e-2
+
+
+# -- the ModelRunner hooks (the runner itself needs a GPU: its parts are given here) ------------
+def test_model_runner_hooks_serve_flagged_runs_only(qn, monkeypatch, caplog, cleanup):
+    from mono_ext.engines.sglang import flags, plugin
+
+    model = qn.model
+    cleanup(model)
+
+    def load(runner):
+        runner.model = model
+
+    def runner(**kw):
+        parts = dict(model_config=qn.mc, server_args=qn.sa, is_draft_worker=False)
+        return SimpleNamespace(**{**parts, **kw}, capture_tail_hooks=[])
+
+    # flag off, a draft worker, a malformed carrier: SGLang's forward, nothing attached
+    for env, draft in ((None, False), ("reference", True)):
+        monkeypatch.delenv(flags.ENV, raising=False)
+        if env:
+            monkeypatch.setenv(flags.ENV, env)
+        r = runner(is_draft_worker=draft)
+        plugin._around_load_model(load, r)
+        assert plugin.serving_of(r) is None and "forward" not in model.__dict__
+    monkeypatch.setenv(flags.ENV, " ")
+    with caplog.at_level(logging.ERROR, logger="mono_ext.sglang"):
+        plugin._around_load_model(load, runner())
+    assert "names no backend" in caplog.text and "forward" not in model.__dict__
+    # an unsupported setting: stock, every reason logged once
+    monkeypatch.setenv(flags.ENV, "reference")
+    r = runner()
+    r.server_args = SimpleNamespace(enable_torch_compile=True, ep_size=2)
+    with caplog.at_level(logging.WARNING, logger="mono_ext.sglang"):
+        plugin._around_load_model(load, r)
+        plugin._after_init_attention_backends(None, r)
+    assert plugin.serving_of(r).off and "forward" not in model.__dict__
+    assert "mono_ext off: [config] expert_parallel is on" in caplog.text
+    assert "--enable-torch-compile" in caplog.text
+    # flagged and served: config + model at load, caches + router + capture check after
+    r = runner()
+    plugin._around_load_model(load, r)
+    sv = plugin.serving_of(r)
+    assert sv.stage is Stage.MODEL and not sv.active and "forward" not in model.__dict__
+    r.req_to_token_pool, r.token_to_kv_pool = _pools(qn.mc)
+    r.attn_backend = FakeAttention(r.req_to_token_pool, r.token_to_kv_pool)
+    plugin._after_init_attention_backends(None, r)
+    assert sv.active and router_of(model).serving is sv
+    assert [type(h) for h in r.capture_tail_hooks] == [CaptureCheck]
