@@ -1,0 +1,1340 @@
+"""K1, the layer front, as one persistent Triton launch per layer per decode step (bf16).
+
+GDN layers (:func:`mono_ext.reference.gdn.gdn_front` is the fp32 oracle): residual add +
+input Gemma RMSNorm -> ``in_proj_qkvz`` / ``in_proj_ba`` -> causal conv1d update on the
+engine's conv state -> gated delta rule on the engine's recurrent state (in place) -> gated
+RMSNorm with SiLU(z) = out_proj's input. Attention layers (:func:`mono_ext.reference.
+attention.attn_front`): residual add + norm -> ``qkv_proj`` -> q/k Gemma norms -> partial
+neox RoPE -> q, k, v, gate. Writing k/v into the paged KV cache stays with the engine's
+attention call (its ``reshape_and_cache`` / backend ``forward``), which runs after K1.
+
+Program (both kinds; declared by :func:`k1_gdn_program` / :func:`k1_attn_program` and checked
+by ``runtime.layout.check_handoffs`` at build):
+
+- prologue, every CTA: residual add + input norm of the B rows (redundant, so no hand-off),
+  kept in a private bf16 buffer as the dot operand; CTA 0 writes ``residual_out``.
+- S1, over the grid: the projection rows in tiles of ``BN`` rows x all of H (one
+  flattened loop over (tile, K chunk), next chunk's loads in flight while this one
+  multiplies; weights streamed with ``evict_first``). Epilogue per tile: GDN: the conv
+  update for the conv channels in the tile (read K-1 cached values, write the shifted
+  window back, SiLU), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention:
+  gate and v go straight to their outputs. Everything a later stage needs goes into one
+  tagged mailbox region (fp32 bits). The loop is software-pipelined (``ns`` stages of async
+  copies); what an epilogue reads (conv window, taps, A_log, dt_bias) is loaded at the
+  tile's first chunk, because a dependent load behind a full memory pipeline costs a
+  whole queue's latency (several us, measured on H200).
+- S2, over the grid: GDN: one task per (row, value head): wait for its q, k (the key
+  head's), v, z, beta, g words, L2-norm q/k, decay + delta-rule update of the
+  [Dv, Dk] state tile (fp32 math, stored back in the state's dtype), o = S q, gated RMSNorm;
+  one bounded wait covers every word of a task. The first task's state tile is loaded
+  into registers before S1 (``preload``), later ones are L2-prefetched one task ahead.
+  Attention: one task per q or k head (all rows): wait, Gemma norm, RoPE from a cos/sin
+  table (positions, cos/sin and norm weights are loaded before S1).
+
+A CTA finishes all of its S1 tiles before its first S2 wait and S1 never waits, so with
+every CTA resident (checked at build) no wait can deadlock. Waits are bounded
+(``primitives.wait_tagged``). Reduction orders depend only on the build, never on the
+width, so a row's result does not depend on the other rows and replays are bit-identical.
+
+Tensor contract (one layer; ``B`` = rows 1..16, ``Bb`` = ``BLOCK_B`` = 16, ``G`` = grid;
+sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 2*Hv):
+
+| name            | shape                  | dtype     | layout                                  | writer            |
+|-----------------|------------------------|-----------|-----------------------------------------|-------------------|
+| hidden          | [B, H]                 | bf16      | contiguous rows                         | engine / K2       |
+| residual        | [B, H] or None         | bf16      | contiguous rows; None on layer 0        | K2                |
+| residual_out    | [B, H]                 | bf16      | hidden + residual (fp32 add, rounded)   | this launch (CTA0)|
+| input_layernorm | [H]                    | bf16      | Gemma weight (``x * (1 + w)``)          | engine (read)     |
+| in_proj_qkvz    | [2*Hk*Dk + 2*Hv*Dv, H] | bf16      | "interleaved" or "contiguous" packing   | engine (read)     |
+|                 |                        |           | (compiled in; ``gdn_row_map`` is the    |                   |
+|                 |                        |           | host mirror of where each row goes)     |                   |
+| in_proj_ba      | [2*Hv, H]              | bf16      | same packing                            | engine (read)     |
+| conv1d          | [C, 1, 4] or [C, 4]    | bf16      | contiguous                              | engine (read)     |
+| A_log / dt_bias | [Hv]                   | fp32/bf16 | (dtypes fixed at build)                 | engine (read)     |
+| norm            | [Dv]                   | bf16      | plain weight of the gated norm          | engine (read)     |
+| conv_state      | any [S, ., .] view     | bf16      | vLLM [S, K-1, C] or SGLang [S, C, K-1]: | this launch (S1)  |
+|                 |                        |           | read through its strides; in place      |                   |
+| ssm_state       | [S, Hv, Dv, Dk]        | fp32/bf16 | in place; each slot contiguous, slot    | this launch (S2)  |
+|                 |                        |           | stride % 16 == 0; "kv": slot memory is  |                   |
+|                 |                        |           | [Hv, Dk, Dv]                            |                   |
+| slots           | [B]                    | int32     | < 0 or == null_slot: padding (no state  | engine            |
+|                 |                        |           | read or written, o_in row = 0)          |                   |
+| o_in            | [B, Hv*Dv]             | bf16      | out_proj's input                        | this launch (S2)  |
+| qkv_proj        | [(2*Hq + 2*Hkv)*D, H]  | bf16      | per q head [q (D), gate (D)]; k; v      | engine (read)     |
+| q_norm / k_norm | [D]                    | bf16      | Gemma weights                           | engine (read)     |
+| positions       | [B]                    | int64     | 0-based token positions                 | engine            |
+| q / gate        | [B, Hq*D]              | bf16      | normed + RoPE'd q / pre-sigmoid gate    | this launch       |
+| k / v           | [B, Hkv*D]             | bf16      | normed + RoPE'd k / v                   | this launch       |
+| rope table      | [P, rotary_dim]        | fp32      | cos (rd/2) then sin (rd/2) per position | build (host, once)|
+| scratch: proj   | [Bb, Wg] words         | int64     | tagged fp32: conv out (q, k, v channels | S1 -> S2          |
+|                 |                        |           | head-major), z, beta, g                 |                   |
+| scratch: qk     | [Bb, (Hq + Hkv)*D]     | int64     | tagged fp32 raw q, k                    | S1 -> S2 (attn)   |
+| priv xs         | [G, Bb, H]             | bf16      | this CTA's normed rows (dot operand)    | prologue, same CTA|
+| ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from mono_ext.kernels.triton.primitives import (
+    mailbox_put,
+    pack_tagged,
+    seq_tag,
+    step_seq,
+    unpack_value,
+    wait_tagged,
+)
+from mono_ext.runtime.layout import Program, Region, Stage, plan_layout, wait, write
+
+__all__ = [
+    "BLOCK_B",
+    "K1AttnLaunch",
+    "K1AttnShape",
+    "K1Config",
+    "K1GdnLaunch",
+    "K1GdnShape",
+    "K1Launches",
+    "K1Workspace",
+    "gdn_row_map",
+    "k1_attn_kernel",
+    "k1_attn_program",
+    "k1_gdn_kernel",
+    "k1_gdn_program",
+    "rope_table",
+]
+
+BLOCK_B = 16  # rows per launch (tl.dot needs M >= 16); widths 1..16 mask the rest
+PER_STEP_ARGS = ("n_rows", "layer", "layers_per_step")
+S1 = 1  # prologue + projections (+ conv); the interpreter runs S1 and S2 as two launches
+S2 = 2  # recurrence + gated norm (GDN) / norm + RoPE (attention)
+STAGES_ALL = 3
+L2NORM_EPS = tl.constexpr(1e-6)  # FLA / vLLM: x / sqrt(sum(x^2) + 1e-6)
+
+
+# ------------------------------------------------------------------------------ device helpers
+
+
+@triton.jit
+def _put(region_ptr, offs, values, mask, tag, INTERP: tl.constexpr):
+    """Hand fp32 ``values`` to a later stage as tagged words."""
+    bits = values.to(tl.int32, bitcast=True)
+    if INTERP:  # the CPU interpreter runs stages as separate launches: plain stores do
+        tl.store(region_ptr + offs, pack_tagged(bits, tag), mask=mask)
+    else:
+        mailbox_put(region_ptr, offs, bits, mask, tag, False)
+
+
+@triton.jit
+def _get(region_ptr, offs, mask, tag, ctrl_ptr, health_ptr, region_id, INTERP: tl.constexpr):
+    """Bounded wait for 1-D tagged words; returns their fp32 values (0 where masked)."""
+    if INTERP:
+        words = tl.load(region_ptr + offs, mask=mask, other=0)
+    else:
+        words, ok = wait_tagged(region_ptr + offs, mask, offs, tag, ctrl_ptr, health_ptr, region_id)
+    return tl.where(mask, unpack_value(words).to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _wait_all(region_ptr, offs, mask, tag, ctrl_ptr, health_ptr, region_id, INTERP: tl.constexpr):
+    """One bounded wait until every masked word carries ``tag`` (read them with _read_f32)."""
+    if not INTERP:  # the interpreter runs the stages as separate launches: nothing to wait for
+        wait_tagged(region_ptr + offs, mask, offs, tag, ctrl_ptr, health_ptr, region_id)
+
+
+@triton.jit
+def _read_f32(region_ptr, offs, mask):
+    """fp32 values of tagged words already waited for (volatile: never a stale L1 line)."""
+    words = tl.load(region_ptr + offs, mask=mask, other=0, volatile=True)
+    return tl.where(mask, unpack_value(words).to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` per pointer (one per 128-byte line is enough)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred %p; setp.ne.b32 %p, $2, 0; @%p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_w(w_ptr, w2_ptr, it, n_it, pid, G, KCH, T1, LIM1, LIM2, H: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """L2-prefetch the bf16 weight chunk of flattened iteration ``it`` (one 128-byte line per
+    thread): tiles ``t < T1`` are rows of ``w_ptr`` (``LIM1`` rows), later ones of ``w2_ptr``."""
+    LPR: tl.constexpr = BK // 64  # 128-byte lines per row of a [BN, BK] bf16 chunk
+    j = it // KCH
+    kc = it - j * KCH
+    t = pid + j * G
+    first = t < T1
+    r0 = tl.where(first, t * BN, (t - T1) * BN)
+    wb = tl.where(first, w_ptr, w2_ptr)
+    lim = tl.where(first, LIM1, LIM2)
+    li = tl.arange(0, BN * LPR)
+    r = r0 + li // LPR
+    _prefetch_l2(wb + r * H + kc * BK + (li % LPR) * 64, (it < n_it) & (r < lim))
+
+
+@triton.jit
+def _input_norm(
+    hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr,
+):  # fmt: skip
+    """s = hidden (+ residual) in fp32; xs = bf16(s * rsqrt(mean(s^2) + eps) * (1 + w)).
+
+    Every CTA computes it into its own ``xs_base`` (the dot operand); CTA 0 writes s (bf16)
+    to ``residual_out``.
+    """
+    rows = tl.arange(0, BB)
+    rmask = rows < n_rows
+    hh = tl.arange(0, CH)
+    NCH: tl.constexpr = (H + CH - 1) // CH
+    ss = tl.zeros([BB], dtype=tl.float32)
+    for c in tl.static_range(NCH):  # unrolled: every chunk's loads in flight together
+        hc = c * CH + hh
+        m = rmask[:, None] & (hc[None, :] < H)
+        off = rows[:, None] * H + hc[None, :]
+        s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
+        tl.store(rout_ptr + off, s.to(tl.bfloat16), mask=m & (pid == 0))
+        ss += tl.sum(s * s, axis=1)
+    rstd = tl.rsqrt(ss / H + eps)
+    for c in tl.static_range(NCH):
+        hc = c * CH + hh
+        hm = hc < H
+        m = rmask[:, None] & hm[None, :]
+        off = rows[:, None] * H + hc[None, :]
+        s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + hc, mask=hm, other=0.0).to(tl.float32)
+        xn = s * rstd[:, None] * (1.0 + w[None, :])
+        tl.store(xs_base + off, xn.to(tl.bfloat16), mask=m)
+    tl.debug_barrier()  # xs written by this CTA's threads, read back by all of them
+
+
+@triton.jit
+def _payload_word(p, PQ: tl.constexpr, PBA: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, RR: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+    """Payload word of projection row ``p`` (``in_proj_qkvz`` rows, then ``in_proj_ba``);
+    -1 past the end. Arithmetic mirror of :func:`gdn_row_map` (no table load: one memory
+    round trip less in front of every tile's epilogue)."""
+    KD: tl.constexpr = (HV // RR) * DK
+    VD: tl.constexpr = HV * DV
+    CONV: tl.constexpr = 2 * KD + VD
+    if INTERLEAVED:
+        RDV: tl.constexpr = RR * DV
+        GS: tl.constexpr = 2 * DK + 2 * RDV
+        g = p // GS
+        o = p - g * GS
+        dq = tl.where(
+            o < DK,
+            g * DK + o,
+            tl.where(
+                o < 2 * DK,
+                KD + g * DK + (o - DK),
+                tl.where(o < 2 * DK + RDV, 2 * KD + g * RDV + (o - 2 * DK),
+                         CONV + g * RDV + (o - 2 * DK - RDV)),
+            ),
+        )  # fmt: skip
+        pb = p - PQ
+        gb = pb // (2 * RR)
+        ob = pb - gb * (2 * RR)
+        dba = tl.where(ob < RR, CONV + VD + gb * RR + ob, CONV + VD + HV + gb * RR + (ob - RR))
+        d = tl.where(p < PQ, dq, dba)
+    else:
+        d = p
+    return tl.where(p < PQ + PBA, d, -1)
+
+
+@triton.jit
+def _conv_inputs(
+    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t, cs_c,
+    CONV: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, KC: tl.constexpr,
+):  # fmt: skip
+    """What a tile's epilogue reads from memory: the K-1 cached conv inputs [Bb, BN], the
+    conv taps, A_log and dt_bias of its rows (zeros where they do not apply)."""
+    is_conv = (dest >= 0) & (dest < CONV)
+    is_a = dest >= CONV + VD + HV
+    ch = tl.where(is_conv, dest, 0)
+    ha = tl.where(is_a, dest - (CONV + VD + HV), 0)
+    cm = rvalid[:, None] & is_conv[None, :]
+    cbase = conv_ptr + slot64[:, None] * cs_slot + ch[None, :] * cs_c
+    s0 = tl.load(cbase, mask=cm, other=0.0).to(tl.float32)
+    s1 = tl.load(cbase + cs_t, mask=cm, other=0.0).to(tl.float32)
+    s2 = tl.load(cbase + 2 * cs_t, mask=cm, other=0.0).to(tl.float32)
+    w0 = tl.load(convw_ptr + ch * KC, mask=is_conv, other=0.0).to(tl.float32)
+    w1 = tl.load(convw_ptr + ch * KC + 1, mask=is_conv, other=0.0).to(tl.float32)
+    w2 = tl.load(convw_ptr + ch * KC + 2, mask=is_conv, other=0.0).to(tl.float32)
+    w3 = tl.load(convw_ptr + ch * KC + 3, mask=is_conv, other=0.0).to(tl.float32)
+    alog = tl.load(alog_ptr + ha, mask=is_a, other=0.0).to(tl.float32)
+    dtb = tl.load(dtb_ptr + ha, mask=is_a, other=0.0).to(tl.float32)
+    return s0, s1, s2, w0, w1, w2, w3, alog, dtb
+
+
+@triton.jit
+def _gdn_epilogue(
+    acc, dest, s0, s1, s2, w0, w1, w2, w3, alog, dtb, rows, rmask, rvalid, slot64, proj_ptr,
+    conv_ptr, cs_slot, cs_t, cs_c, tag,
+    CONV: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, WROW: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """One finished tile (acc [Bb, BN]): conv update (K = 4, window [s0, s1, s2, x] oldest
+    first), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), hand-off."""
+    is_conv = (dest >= 0) & (dest < CONV)
+    is_z = (dest >= CONV) & (dest < CONV + VD)
+    is_b = (dest >= CONV + VD) & (dest < CONV + VD + HV)
+    ch = tl.where(is_conv, dest, 0)
+    cm = rvalid[:, None] & is_conv[None, :]
+    cbase = conv_ptr + slot64[:, None] * cs_slot + ch[None, :] * cs_c
+    y = s0 * w0[None, :] + s1 * w1[None, :] + s2 * w2[None, :] + acc * w3[None, :]
+    tl.store(cbase, s1.to(conv_ptr.dtype.element_ty), mask=cm)
+    tl.store(cbase + cs_t, s2.to(conv_ptr.dtype.element_ty), mask=cm)
+    tl.store(cbase + 2 * cs_t, acc.to(conv_ptr.dtype.element_ty), mask=cm)
+    conv_out = y * tl.sigmoid(y)
+    xa = acc + dtb[None, :]
+    sp = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))  # torch's softplus
+    g = -tl.exp(alog)[None, :] * sp
+    val = tl.where(
+        is_conv[None, :],
+        conv_out,
+        tl.where(is_z[None, :], acc, tl.where(is_b[None, :], tl.sigmoid(acc), g)),
+    )
+    off = rows[:, None] * WROW + dest[None, :]
+    _put(proj_ptr, off, val, rmask[:, None] & (dest >= 0)[None, :], tag, INTERP)
+
+
+@triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step", "has_res", "null_slot",
+                               "cs_slot", "cs_t", "cs_c", "ss16"])  # fmt: skip
+def k1_gdn_kernel(
+    hid_ptr,
+    res_ptr,
+    rout_ptr,
+    oin_ptr,
+    nw_ptr,
+    wq_ptr,
+    wba_ptr,
+    convw_ptr,
+    alog_ptr,
+    dtb_ptr,
+    gnw_ptr,
+    conv_ptr,
+    ssm_ptr,
+    slots_ptr,
+    scratch_ptr,
+    xs_ptr,
+    ctrl_ptr,
+    health_ptr,
+    n_rows,
+    layer,
+    layers_per_step,
+    has_res,
+    null_slot,
+    cs_slot,
+    cs_t,
+    cs_c,
+    ss16,
+    eps,
+    qscale,
+    # shapes
+    H: tl.constexpr,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    KC: tl.constexpr,
+    WROW: tl.constexpr,
+    OFF_PROJ: tl.constexpr,
+    RID_PROJ: tl.constexpr,
+    SSM_KV: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    STATE_BYTES: tl.constexpr,
+    # tiles
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    CH: tl.constexpr,
+    NS: tl.constexpr,
+    PRE: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    WB: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    tag = seq_tag(step_seq(ctrl_ptr, layer, layers_per_step))
+    proj_ptr = scratch_ptr + OFF_PROJ
+    KD: tl.constexpr = HK * DK
+    VD: tl.constexpr = HV * DV
+    CONV: tl.constexpr = 2 * KD + VD
+    PQ: tl.constexpr = 2 * KD + 2 * VD
+    PBA: tl.constexpr = 2 * HV
+    RR: tl.constexpr = HV // HK
+    LINES: tl.constexpr = DV * DK * STATE_BYTES // 128  # 128-byte lines per (slot, head)
+    EPL: tl.constexpr = 128 // STATE_BYTES
+
+    rows = tl.arange(0, BB)
+    rmask = rows < n_rows
+    n_tasks = n_rows * HV
+    ln = tl.arange(0, LINES)
+    vv = tl.arange(0, DV)
+    kq = tl.arange(0, DK)
+    if SSM_KV:  # noqa: SIM108 (a constexpr branch)
+        soff = kq[None, :] * DV + vv[:, None]
+    else:
+        soff = vv[:, None] * DK + kq[None, :]
+
+    # S2's first task (t = pid): its state tile is loaded now, in registers, so the load
+    # hides behind S1 instead of following it.
+    if PRELOAD:
+        b0 = pid // HV
+        s0 = tl.load(slots_ptr + b0, mask=pid < n_tasks, other=-1)
+        ok0 = (pid < n_tasks) & (s0 >= 0) & (s0 != null_slot)
+        st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + (pid - b0 * HV) * (DV * DK)
+        m0 = ok0 & (vv[:, None] < DV) & (kq[None, :] < DK)
+        S_first = tl.load(ssm_ptr + st0 + soff, mask=m0, other=0.0).to(tl.float32)
+    gw = tl.load(gnw_ptr + vv).to(tl.float32)
+
+    if STAGES & 1:
+        # ---- S1: projection tiles (qkvz tiles, then ba tiles), flattened over K chunks
+        TQ: tl.constexpr = PQ // BN
+        NT: tl.constexpr = TQ + (PBA + BN - 1) // BN
+        KCH: tl.constexpr = H // BK
+        n_my = tl.where(pid < NT, (NT - 1 - pid) // G + 1, 0)
+        n_it = n_my * KCH
+        if PRE:  # the first chunks start moving into L2 while the norm runs
+            for pi in tl.static_range(NS - 1):
+                _prefetch_w(wq_ptr, wba_ptr, pi, n_it, pid, G, KCH, TQ, PQ, PBA, H, BN, BK)
+
+        xs_base = xs_ptr + pid * (BB * H)
+        _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+                    H, BB, CH)  # fmt: skip
+
+        slot_r = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+        rvalid = rmask & (slot_r >= 0) & (slot_r != null_slot)
+        slot64 = tl.where(rvalid, slot_r, 0).to(tl.int64)
+
+        kk = tl.arange(0, BK)
+        nn = tl.arange(0, BN)
+        acc = tl.zeros([BB, BN], dtype=tl.float32)
+        # a tile's epilogue inputs, loaded at its first chunk: their latency hides behind the
+        # tile's other chunks instead of stalling the pipeline at the tile's end
+        c0 = tl.zeros([BB, BN], dtype=tl.float32)
+        c1 = c0
+        c2 = c0
+        cw0 = tl.zeros([BN], dtype=tl.float32)
+        cw1 = cw0
+        cw2 = cw0
+        cw3 = cw0
+        alog = cw0
+        dtb = cw0
+        # Software-pipelined (NS stages of async copies into shared memory): HBM latency is
+        # covered by NS - 1 chunks in flight per CTA, also across tile epilogues.
+        for it in tl.range(0, n_it, num_stages=NS):
+            j = it // KCH
+            kc = it - j * KCH
+            t = pid + j * G
+            is_q = t < TQ
+            r_in = tl.where(is_q, t * BN, (t - TQ) * BN) + nn
+            wb = tl.where(is_q, wq_ptr, wba_ptr)
+            lim = tl.where(is_q, PQ, PBA)
+            k = kc * BK + kk
+            wt = tl.load(
+                wb + r_in[:, None] * H + k[None, :],
+                mask=r_in[:, None] < lim,
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None], other=0.0)
+            p = tl.where(is_q, t * BN, PQ + (t - TQ) * BN) + nn
+            dest = _payload_word(p, PQ, PBA, HV, DK, DV, RR, INTERLEAVED)
+            if kc == 0:
+                c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
+                    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
+                    cs_t, cs_c, CONV, VD, HV, KC,
+                )  # fmt: skip
+            acc = tl.dot(xa, tl.trans(wt), acc)
+            if kc == KCH - 1:
+                _gdn_epilogue(
+                    acc, dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask, rvalid,
+                    slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag,
+                    CONV, VD, HV, WROW, INTERP,
+                )  # fmt: skip
+                acc = tl.zeros([BB, BN], dtype=tl.float32)
+
+    # ---- S2: one task per (row, value head): gated delta rule + gated norm
+    if STAGES & 2:
+        two = tl.arange(0, 2)
+        # every word one task reads, as one block: q (Dk), k (Dk), v (Dv), z (Dv), beta, g
+        NW: tl.constexpr = 2 * DK + 2 * DV + 2
+        wi = tl.arange(0, WB)
+        slots_all = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+        for t in range(pid, n_tasks, G):
+            b = t // HV
+            h = t - b * HV
+            gk = h // RR
+            slot = tl.sum(tl.where(rows == b, slots_all, 0), axis=0)
+            valid = (slot >= 0) & (slot != null_slot)
+            sbase = ssm_ptr + tl.where(valid, slot, 0).to(tl.int64) * ss16 * 16 + h * (DV * DK)
+            if not INTERP:  # the next task's state starts moving into L2
+                tn = t + G
+                bn_ = tn // HV
+                sn = tl.sum(tl.where(rows == bn_, slots_all, 0), axis=0)
+                okn = (tn < n_tasks) & (sn >= 0) & (sn != null_slot)
+                stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + (tn - bn_ * HV) * (DV * DK)
+                _prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
+            smask = valid & (vv[:, None] < DV) & (kq[None, :] < DK)
+            if PRELOAD:
+                S = tl.load(sbase + soff, mask=smask & (t != pid), other=0.0).to(tl.float32)
+                S = tl.where(t == pid, S_first, S)
+            else:
+                S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
+            row = b * WROW
+            woff = tl.where(
+                wi < DK,
+                gk * DK + wi,
+                tl.where(
+                    wi < 2 * DK,
+                    KD + gk * DK + (wi - DK),
+                    tl.where(
+                        wi < 2 * DK + DV,
+                        2 * KD + h * DV + (wi - 2 * DK),
+                        tl.where(
+                            wi < 2 * DK + 2 * DV,
+                            CONV + h * DV + (wi - 2 * DK - DV),
+                            CONV + VD + h + (wi - 2 * DK - 2 * DV) * HV,
+                        ),
+                    ),
+                ),
+            )
+            _wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr,
+                      RID_PROJ, INTERP)  # fmt: skip
+            mk = valid & (kq < DK)
+            mv = valid & (vv < DV)
+            qv = _read_f32(proj_ptr, row + gk * DK + kq, mk)
+            kv = _read_f32(proj_ptr, row + KD + gk * DK + kq, mk)
+            vvec = _read_f32(proj_ptr, row + 2 * KD + h * DV + vv, mv)
+            zvec = _read_f32(proj_ptr, row + CONV + h * DV + vv, mv)
+            bg = _read_f32(proj_ptr, row + CONV + VD + h + two * HV, valid & (two < 2))
+            beta = tl.sum(tl.where(two == 0, bg, 0.0), axis=0)
+            gdec = tl.sum(tl.where(two == 1, bg, 0.0), axis=0)
+            qv = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + L2NORM_EPS) * qscale
+            kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + L2NORM_EPS)
+            S = S * tl.exp(gdec)
+            ks = tl.sum(S * kv[None, :], axis=1)
+            delta = (vvec - ks) * beta
+            S = S + delta[:, None] * kv[None, :]
+            o = tl.sum(S * qv[None, :], axis=1)
+            tl.store(sbase + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
+            # gated RMSNorm: w * o * rsqrt(mean(o^2) + eps) * silu(z)
+            rstd = tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)
+            y = gw * o * rstd * (zvec * tl.sigmoid(zvec))
+            y = tl.where(valid, y, 0.0)
+            tl.store(oin_ptr + b * VD + h * DV + vv, y.to(oin_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step", "has_res", "max_pos"])
+def k1_attn_kernel(
+    hid_ptr,
+    res_ptr,
+    rout_ptr,
+    nw_ptr,
+    wqkv_ptr,
+    qn_ptr,
+    kn_ptr,
+    rope_ptr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    gate_ptr,
+    scratch_ptr,
+    xs_ptr,
+    ctrl_ptr,
+    health_ptr,
+    n_rows,
+    layer,
+    layers_per_step,
+    has_res,
+    max_pos,
+    eps,
+    H: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    RD: tl.constexpr,
+    OFF_QK: tl.constexpr,
+    RID_QK: tl.constexpr,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    CH: tl.constexpr,
+    NS: tl.constexpr,
+    PRE: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    tag = seq_tag(step_seq(ctrl_ptr, layer, layers_per_step))
+    qk_ptr = scratch_ptr + OFF_QK
+    QG: tl.constexpr = 2 * HQ * D  # q + gate rows
+    KVD: tl.constexpr = HKV * D
+    PA: tl.constexpr = QG + 2 * KVD
+    WA: tl.constexpr = (HQ + HKV) * D  # words per row of the qk region
+    rows = tl.arange(0, BB)
+    rmask = rows < n_rows
+    # S2's inputs that do not depend on S1 (positions, cos/sin, norm weights) load first, so
+    # their round trips hide behind S1
+    HALF: tl.constexpr = RD // 2
+    dd = tl.arange(0, D)
+    part = tl.where(dd < HALF, dd + HALF, tl.where(dd < RD, dd - HALF, dd))
+    fi = tl.where(dd < HALF, dd, tl.where(dd < RD, dd - HALF, 0))
+    pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1).to(tl.int64)
+    rm = rmask[:, None] & (dd[None, :] < D)
+    cs = rope_ptr + pos[:, None] * RD + fi[None, :]
+    rot = rm & (dd[None, :] < RD)
+    cos = tl.load(cs, mask=rot, other=1.0)
+    sin = tl.load(cs + HALF, mask=rot, other=0.0)
+    sgn = tl.where(dd < HALF, -1.0, 1.0)
+    wq_n = tl.load(qn_ptr + dd).to(tl.float32)
+    wq_p = tl.load(qn_ptr + part).to(tl.float32)
+    wk_n = tl.load(kn_ptr + dd).to(tl.float32)
+    wk_p = tl.load(kn_ptr + part).to(tl.float32)
+
+    if STAGES & 1:
+        NT: tl.constexpr = PA // BN
+        KCH: tl.constexpr = H // BK
+        n_my = tl.where(pid < NT, (NT - 1 - pid) // G + 1, 0)
+        n_it = n_my * KCH
+        if PRE:
+            for pi in tl.static_range(NS - 1):
+                _prefetch_w(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, NT, PA, PA, H, BN, BK)
+        xs_base = xs_ptr + pid * (BB * H)
+        _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+                    H, BB, CH)  # fmt: skip
+        kk = tl.arange(0, BK)
+        nn = tl.arange(0, BN)
+        acc = tl.zeros([BB, BN], dtype=tl.float32)
+        for it in tl.range(0, n_it, num_stages=NS):  # pipelined, as in the GDN kernel
+            j = it // KCH
+            kc = it - j * KCH
+            t = pid + j * G
+            r = t * BN + nn
+            k = kc * BK + kk
+            wt = tl.load(
+                wqkv_ptr + r[:, None] * H + k[None, :],
+                mask=r[:, None] < PA,
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None], other=0.0)
+            acc = tl.dot(xa, tl.trans(wt), acc)
+            if kc == KCH - 1:
+                p = t * BN + nn
+                head = p // (2 * D)
+                o = p - head * (2 * D)
+                is_q = (p < QG) & (o < D)
+                is_gate = (p < QG) & (o >= D)
+                is_k = (p >= QG) & (p < QG + KVD)
+                is_v = (p >= QG + KVD) & (p < PA)
+                m2 = rmask[:, None]
+                tl.store(
+                    gate_ptr + rows[:, None] * (HQ * D) + (head * D + o - D)[None, :],
+                    acc.to(gate_ptr.dtype.element_ty),
+                    mask=m2 & is_gate[None, :],
+                )
+                tl.store(
+                    v_ptr + rows[:, None] * KVD + (p - QG - KVD)[None, :],
+                    acc.to(v_ptr.dtype.element_ty),
+                    mask=m2 & is_v[None, :],
+                )
+                dest = tl.where(is_q, head * D + o, HQ * D + (p - QG))
+                _put(qk_ptr, rows[:, None] * WA + dest[None, :], acc,
+                     m2 & (is_q | is_k)[None, :], tag, INTERP)  # fmt: skip
+                acc = tl.zeros([BB, BN], dtype=tl.float32)
+
+    if STAGES & 2:
+        for t in range(pid, HQ + HKV, G):
+            is_k = t >= HQ
+            idx = rows[:, None] * WA + t * D + dd[None, :]
+            flat = tl.reshape(idx, (BB * D,))
+            x = _get(qk_ptr, flat, tl.reshape(rm, (BB * D,)), tag, ctrl_ptr, health_ptr, RID_QK,
+                     INTERP)  # fmt: skip
+            x = tl.reshape(x, (BB, D))
+            pidx = rows[:, None] * WA + t * D + part[None, :]
+            xp = unpack_value(tl.load(qk_ptr + pidx, mask=rm, other=0, volatile=True))
+            xp = xp.to(tl.float32, bitcast=True)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+            w = tl.where(is_k, wk_n, wq_n)
+            wp = tl.where(is_k, wk_p, wq_p)
+            xn = x * rstd[:, None] * (1.0 + w[None, :])
+            xpn = xp * rstd[:, None] * (1.0 + wp[None, :])
+            out = tl.where(dd[None, :] < RD, xn * cos + sgn[None, :] * xpn * sin, xn)
+            optr = tl.where(is_k, k_ptr + (t - HQ) * D, q_ptr + t * D)
+            ostride = tl.where(is_k, KVD, HQ * D)
+            tl.store(optr + rows[:, None] * ostride + dd[None, :],
+                     out.to(q_ptr.dtype.element_ty), mask=rm)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class K1GdnShape:
+    """Per-rank GDN sizes K1 is built for (TP > 1: pass this rank's head counts)."""
+
+    hidden: int
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+    eps: float
+    conv_k: int = 4
+
+    @classmethod
+    def from_dims(cls, dims: Any) -> K1GdnShape:
+        """From :class:`mono_ext.models.qwen3_next.dims.Dims` (per rank via ``tp``)."""
+        return cls(dims.hidden, dims.hk_r, dims.hv_r, dims.dk, dims.dv, dims.eps, dims.conv_k)
+
+    @property
+    def key_dim(self) -> int:
+        return self.hk * self.dk
+
+    @property
+    def value_dim(self) -> int:
+        return self.hv * self.dv
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def qkvz_rows(self) -> int:
+        return 2 * self.key_dim + 2 * self.value_dim
+
+    @property
+    def ratio(self) -> int:
+        return self.hv // self.hk
+
+    @property
+    def payload_words(self) -> int:
+        """Words per row of the proj region: conv out, z, beta, g (rounded to 16)."""
+        n = self.conv_dim + self.value_dim + 2 * self.hv
+        return -(-n // 16) * 16
+
+    def refusals(self) -> list[str]:
+        bad = []
+        if self.conv_k != 4:
+            bad.append(f"conv kernel {self.conv_k}: K1 is built for 4")
+        if self.hk < 1 or self.hv % self.hk:
+            bad.append(f"Hv={self.hv} is not a multiple of Hk={self.hk}")
+        for name, v in (("Dk", self.dk), ("Dv", self.dv)):
+            if v < 16 or v & (v - 1):
+                bad.append(f"{name}={v}: K1 tiles power-of-two head dims >= 16")
+        if self.dk * self.dv > 128 * 128:
+            bad.append(
+                f"Dk*Dv={self.dk * self.dv}: the [Dv, Dk] state tile lives in registers; "
+                "K1 holds at most 128x128 (larger heads need a Dv-chunked recurrence)"
+            )
+        if self.hidden % 16:
+            bad.append(f"hidden={self.hidden} is not a multiple of 16")
+        return bad
+
+
+@dataclass(frozen=True)
+class K1AttnShape:
+    hidden: int
+    hq: int
+    hkv: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    eps: float
+
+    @classmethod
+    def from_dims(cls, dims: Any) -> K1AttnShape:
+        return cls(dims.hidden, dims.hq_r, dims.hkv_r, dims.head_dim, dims.rotary_dim,
+                   float(dims.rope_theta), dims.eps)  # fmt: skip
+
+    @property
+    def qkv_rows(self) -> int:
+        return (2 * self.hq + 2 * self.hkv) * self.head_dim
+
+    def refusals(self) -> list[str]:
+        bad = []
+        d = self.head_dim
+        if d < 16 or d & (d - 1):
+            bad.append(f"head_dim={d}: K1 tiles power-of-two head dims >= 16")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= d:
+            bad.append(f"rotary_dim={self.rotary_dim} is not even and within head_dim {d}")
+        if self.hidden % 16:
+            bad.append(f"hidden={self.hidden} is not a multiple of 16")
+        return bad
+
+
+@dataclass(frozen=True)
+class K1Config:
+    """Grid and tiles (one build per config; none of it changes per step)."""
+
+    grid: int
+    num_warps: int = 8
+    bn: int = 32  # projection rows per S1 tile (at most; a power of two dividing the rows)
+    bk: int = 512  # K chunk of a tile (at most; a power of two dividing H)
+    ch: int = 512  # norm chunk
+    ns: int = 4  # software-pipeline stages of the projection loop (async copies in flight)
+    pre: bool = False  # L2-prefetch the first ns - 1 weight chunks before the input norm
+    preload: bool = True  # GDN: load the first S2 task's state tile before S1 (registers)
+
+
+def k1_gdn_program(shape: K1GdnShape) -> Program:
+    """S1 writes the proj region; S2 waits on it (checked at build)."""
+    return Program(
+        "k1_gdn",
+        (Region("proj", BLOCK_B * shape.payload_words),),
+        (Stage("in_proj_conv", [write("proj")]), Stage("recurrence", [wait("proj")])),
+    )
+
+
+def k1_attn_program(shape: K1AttnShape) -> Program:
+    words = BLOCK_B * (shape.hq + shape.hkv) * shape.head_dim
+    return Program(
+        "k1_attn",
+        (Region("qk", words),),
+        (Stage("qkv_proj", [write("qk")]), Stage("norm_rope", [wait("qk")])),
+    )
+
+
+def gdn_row_map(shape: K1GdnShape, packing: str) -> list[int]:
+    """Payload word of every projection row: ``in_proj_qkvz`` rows, then ``in_proj_ba`` rows.
+
+    Payload per row: conv channels q (head-major), k, v (``[0, C)``), z (``C + h*Dv + j``),
+    beta (``C + Hv*Dv + h``), g (``C + Hv*Dv + Hv + h``). "contiguous" is the identity.
+    """
+    s = shape
+    kd, vd, c, r = s.key_dim, s.value_dim, s.conv_dim, s.ratio
+    if packing == "contiguous":
+        return list(range(s.qkvz_rows + 2 * s.hv))
+    if packing != "interleaved":
+        raise ValueError(f"packing must be 'interleaved' or 'contiguous', got {packing!r}")
+    out: list[int] = []
+    rdv = r * s.dv
+    for g in range(s.hk):
+        out += [g * s.dk + i for i in range(s.dk)]  # q
+        out += [kd + g * s.dk + i for i in range(s.dk)]  # k
+        out += [2 * kd + g * rdv + i for i in range(rdv)]  # v of value heads g*r .. g*r+r-1
+        out += [c + g * rdv + i for i in range(rdv)]  # z
+    for g in range(s.hk):
+        out += [c + vd + g * r + i for i in range(r)]  # b
+        out += [c + vd + s.hv + g * r + i for i in range(r)]  # a
+    return out
+
+
+def rope_table(shape: K1AttnShape, max_positions: int, device: Any = "cpu") -> Any:
+    """[max_positions, rotary_dim] fp32: cos then sin halves, built like the reference."""
+    import torch
+
+    from mono_ext.reference.attention import rope_cos_sin
+
+    pos = torch.arange(max_positions, device=device)
+    cos, sin = rope_cos_sin(pos, shape.rotary_dim, shape.rope_theta)
+    return torch.cat([cos, sin], dim=-1).contiguous()
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _interp() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pre(config: K1Config, hidden: int) -> bool:
+    """Weight prefetch: off in the interpreter (no inline asm) and for chunks < 64 values."""
+    return config.pre and not _interp() and _pow2_divisor(hidden, config.bk) >= 64
+
+
+@dataclass
+class K1Workspace:
+    """One rank's K1 scratch: the tagged mailbox region and per-CTA normed rows."""
+
+    scratch: Any  # int64 [scratch_words]
+    xs: Any  # bf16 [G, Bb, H]
+
+
+def _check_tensors(label: str, tensors: dict, bad: list[str]) -> None:
+    for name, (t, shp, dtype) in tensors.items():
+        if t is None:
+            bad.append(f"missing {name}")
+            continue
+        if shp is not None and tuple(t.shape) != tuple(shp):
+            bad.append(f"{name} is {tuple(t.shape)}, expected {tuple(shp)}")
+        if dtype is not None and t.dtype != dtype:
+            bad.append(f"{name} is {t.dtype}, expected {dtype} (the dtype built)")
+        if not t.is_contiguous():
+            bad.append(f"{name} is not contiguous")
+        if t.data_ptr() % 16:
+            # Triton keys variants on 16-byte pointer alignment: another alignment would
+            # compile (and load a module) mid-step, which stalls against spinning CTAs.
+            bad.append(f"{name} is not 16-byte aligned (no JIT mid-step)")
+
+
+def _dt(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _workspace(words: int, grid: int, hidden: int, device: Any) -> K1Workspace:
+    import torch
+
+    return K1Workspace(
+        scratch=torch.zeros(max(words, 16), dtype=torch.int64, device=device),
+        xs=torch.zeros(grid, BLOCK_B, hidden, dtype=torch.bfloat16, device=device),
+    )
+
+
+@dataclass
+class K1GdnLaunch:
+    """GDN K1 of one build: compile + load + residency check once, then launch per layer.
+
+    ``packing`` picks the row map (data, not a compile); conv-state strides are read from
+    the tensor, so both conv layouts share one compile. ``state_dtype`` ("float32" or
+    "bfloat16") and ``ssm_layout`` are compiled in. ``param_dtypes`` fixes A_log / dt_bias
+    dtypes (a different dtype would compile mid-step: refused at launch instead).
+    """
+
+    shape: K1GdnShape
+    config: K1Config
+    packing: str = "interleaved"
+    state_dtype: str = "float32"
+    ssm_layout: str = "vk"
+    conv_dtype: str = "bfloat16"
+    a_log_dtype: str = "float32"
+    dt_bias_dtype: str = "bfloat16"
+    co_resident: int = 1
+    stages: int = STAGES_ALL
+    layout: Any = field(init=False)
+    resources: Any = field(init=False, default=None)
+    _built: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        bad = self.shape.refusals()
+        if self.state_dtype not in ("float32", "bfloat16"):
+            bad.append(f"state dtype {self.state_dtype}: K1 reads fp32 or bf16 states")
+        if self.ssm_layout not in ("vk", "kv"):
+            bad.append(f"ssm_layout {self.ssm_layout!r} is not 'vk' or 'kv'")
+        if self.shape.qkvz_rows % 16:
+            bad.append(f"qkvz rows {self.shape.qkvz_rows} are not a multiple of 16")
+        if bad:
+            raise ValueError("K1 GDN refused: " + "; ".join(bad))
+        self.layout = plan_layout(k1_gdn_program(self.shape))
+
+    def label(self) -> str:
+        s, c = self.shape, self.config
+        return (
+            f"k1 gdn h{s.hidden} hk{s.hk} hv{s.hv} dk{s.dk} dv{s.dv} {self.state_dtype} "
+            f"{self.ssm_layout} grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk}"
+        )
+
+    def workspace(self, device: Any) -> K1Workspace:
+        return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden, device)
+
+    def _constexprs(self) -> dict:
+        s, c, lay = self.shape, self.config, self.layout
+        return dict(
+            H=s.hidden,
+            HK=s.hk,
+            HV=s.hv,
+            DK=s.dk,
+            DV=s.dv,
+            KC=s.conv_k,
+            WROW=s.payload_words,
+            OFF_PROJ=lay.offsets["proj"],
+            RID_PROJ=lay.region_id("proj"),
+            SSM_KV=self.ssm_layout == "kv",
+            INTERLEAVED=self.packing == "interleaved",
+            STATE_BYTES=4 if self.state_dtype == "float32" else 2,
+            BB=BLOCK_B,
+            BN=_pow2_divisor(s.qkvz_rows, c.bn),
+            BK=_pow2_divisor(s.hidden, c.bk),
+            CH=min(c.ch, _next_pow2(s.hidden)),
+            NS=c.ns,
+            PRE=_pre(c, s.hidden),
+            PRELOAD=c.preload and self.stages == STAGES_ALL and not self._split(),
+            WB=_next_pow2(2 * s.dk + 2 * s.dv + 2),
+            STAGES=self.stages,
+            INTERP=_interp(),
+            num_warps=c.num_warps,
+            num_stages=1,  # only the projection loop is pipelined (its own num_stages)
+        )
+
+    def check(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
+              residual_out) -> int:  # fmt: skip
+        """Validate shapes, dtypes, contiguity, alignment and strides; returns the width."""
+        import torch
+
+        s = self.shape
+        b = hidden.shape[0] if hidden.dim() == 2 else -1
+        bf = torch.bfloat16
+        conv_w = weights.get("conv1d")
+        want = {
+            "hidden": (hidden, (b, s.hidden), bf),
+            "residual_out": (residual_out, (b, s.hidden), bf),
+            "o_in": (o_in, (b, s.value_dim), bf),
+            "slots": (slots, (b,), torch.int32),
+            "input_layernorm": (weights.get("input_layernorm"), (s.hidden,), bf),
+            "in_proj_qkvz": (weights.get("in_proj_qkvz"), (s.qkvz_rows, s.hidden), bf),
+            "in_proj_ba": (weights.get("in_proj_ba"), (2 * s.hv, s.hidden), bf),
+            "conv1d": (conv_w, None, bf),
+            "A_log": (weights.get("A_log"), (s.hv,), _dt(self.a_log_dtype)),
+            "dt_bias": (weights.get("dt_bias"), (s.hv,), _dt(self.dt_bias_dtype)),
+            "norm": (weights.get("norm"), (s.dv,), bf),
+        }
+        if residual is not None:
+            want["residual"] = (residual, (b, s.hidden), bf)
+        bad: list[str] = []
+        _check_tensors(self.label(), want, bad)
+        if conv_w is not None and conv_w.numel() != s.conv_dim * s.conv_k:
+            bad.append(f"conv1d has {conv_w.numel()} values, expected {s.conv_dim}x{s.conv_k}")
+        k1 = s.conv_k - 1
+        if conv_state.dim() != 3 or conv_state.dtype != _dt(self.conv_dtype):
+            bad.append(f"conv_state must be 3-d {self.conv_dtype}, got {conv_state.dtype}")
+        elif tuple(conv_state.shape[1:]) not in ((k1, s.conv_dim), (s.conv_dim, k1)):
+            bad.append(f"conv_state is {tuple(conv_state.shape)}: neither [S, K-1, C] nor "
+                       "[S, C, K-1]")  # fmt: skip
+        if ssm_state.dtype != _dt(self.state_dtype):
+            bad.append(f"ssm_state is {ssm_state.dtype}, built for {self.state_dtype}")
+        if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (s.hv, s.dv, s.dk):
+            bad.append(f"ssm_state is {tuple(ssm_state.shape)}, expected [S, {s.hv}, {s.dv}, "
+                       f"{s.dk}]")  # fmt: skip
+        elif ssm_state.stride()[1:] != (s.dv * s.dk, s.dk, 1) or ssm_state.stride(0) % 16:
+            bad.append("ssm_state slots must be contiguous inside, slot stride a multiple of 16")
+        for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state)):
+            if t.data_ptr() % 16:
+                bad.append(f"{name} is not 16-byte aligned (no JIT mid-step)")
+        if not 1 <= b <= BLOCK_B:
+            bad.append(f"width {b} outside 1..{BLOCK_B}")
+        if bad:
+            raise ValueError(f"{self.label()}: " + "; ".join(bad))
+        return b
+
+    def _args(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
+              residual_out, ws, ctrl, health, n_rows, null_slot, layer, layers_per_step):  # fmt: skip
+        cs = conv_state.stride()
+        k1 = self.shape.conv_k - 1
+        if tuple(conv_state.shape[1:]) == (k1, self.shape.conv_dim):
+            cs_t, cs_c = cs[1], cs[2]  # vLLM: [S, K-1, C]
+        else:
+            cs_t, cs_c = cs[2], cs[1]  # SGLang: [S, C, K-1]
+        return (
+            hidden,
+            hidden if residual is None else residual,
+            residual_out,
+            o_in,
+            weights["input_layernorm"],
+            weights["in_proj_qkvz"],
+            weights["in_proj_ba"],
+            weights["conv1d"],
+            weights["A_log"],
+            weights["dt_bias"],
+            weights["norm"],
+            conv_state,
+            ssm_state,
+            slots,
+            ws.scratch,
+            ws.xs,
+            ctrl,
+            health,
+            n_rows,
+            layer,
+            layers_per_step,
+            0 if residual is None else 1,
+            -1 if null_slot is None else int(null_slot),
+            cs[0],
+            cs_t,
+            cs_c,
+            ssm_state.stride(0) // 16,
+            float(self.shape.eps),
+            float(self.shape.dk) ** -0.5,
+        )
+
+    def build(self, device: Any = "cuda") -> None:
+        """Row map to the device; compile, load and residency-check (GPU) at startup."""
+        import torch
+
+        dev = torch.device(device)
+        if _interp() or dev.type != "cuda":
+            self._built = True
+            return
+        from mono_ext.runtime.build_cache import (
+            check_residency,
+            check_unspecialized,
+            device_limits,
+            kernel_resources,
+        )
+        from mono_ext.runtime.peers import RankState
+
+        check_unspecialized(k1_gdn_kernel, PER_STEP_ARGS)
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        one = torch.zeros(16, **bf)
+        w = {k: one for k in ("input_layernorm", "in_proj_qkvz", "in_proj_ba", "conv1d", "norm")}
+        w["A_log"] = torch.zeros(16, dtype=_dt(self.a_log_dtype), device=dev)
+        w["dt_bias"] = torch.zeros(16, dtype=_dt(self.dt_bias_dtype), device=dev)
+        conv = torch.zeros(1, 3, 16, dtype=_dt(self.conv_dtype), device=dev)
+        ssm = torch.zeros(1, 1, 1, 16, dtype=_dt(self.state_dtype), device=dev)
+        slots = torch.zeros(16, dtype=torch.int32, device=dev)
+        ws = K1Workspace(torch.zeros(16, dtype=torch.int64, device=dev), one)
+        st = RankState.create(0, dev, 1.0)
+        args = list(self._args(one, None, w, conv, ssm, slots, one, one, ws, st.ctrl,
+                               st.health, 2, 0, 0, 1))  # fmt: skip
+        compiled = k1_gdn_kernel.warmup(*args, grid=(self.config.grid,), **self._constexprs())
+        res = kernel_resources(compiled)
+        check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
+        self.resources = res
+        self._built = True
+
+    def launch(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
+               residual_out, *, ws: K1Workspace, ctrl, health, null_slot: int | None = None,
+               layer: int = 0, layers_per_step: int = 1, validate: bool = True) -> None:  # fmt: skip
+        """One K1 for ``hidden.shape[0]`` rows. The caller bumps the epoch once per step."""
+        if not self._built:
+            raise RuntimeError(f"{self.label()}: build() at startup before launching")
+        if validate:
+            n = self.check(hidden, residual, weights, conv_state, ssm_state, slots, o_in,
+                           residual_out)  # fmt: skip
+        else:
+            n = hidden.shape[0]
+        args = self._args(hidden, residual, weights, conv_state, ssm_state, slots, o_in,
+                          residual_out, ws, ctrl, health, n, null_slot, layer, layers_per_step)  # fmt: skip
+        grid = (self.config.grid,)
+        cx = self._constexprs()
+        if self._split():  # interpreter: programs run in turn; S2 would wait on later ones
+            for st in (S1, S2):
+                k1_gdn_kernel[grid](*args, **{**cx, "STAGES": st & self.stages})
+        else:
+            k1_gdn_kernel[grid](*args, **cx)
+
+    def _split(self) -> bool:
+        """Run S1 and S2 as two launches: the interpreter with more than one program."""
+        return _interp() and self.config.grid > 1
+
+
+@dataclass
+class K1AttnLaunch:
+    """Attention K1 of one build. RoPE reads a [max_positions, rotary_dim] fp32 cos/sin
+    table built once here (positions are clamped into it)."""
+
+    shape: K1AttnShape
+    config: K1Config
+    max_positions: int = 8192
+    positions_dtype: str = "int64"
+    co_resident: int = 1
+    stages: int = STAGES_ALL
+    layout: Any = field(init=False)
+    rope: Any = field(init=False, default=None)
+    resources: Any = field(init=False, default=None)
+    _built: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        bad = self.shape.refusals()
+        if self.shape.qkv_rows % 16:
+            bad.append(f"qkv rows {self.shape.qkv_rows} are not a multiple of 16")
+        if bad:
+            raise ValueError("K1 attention refused: " + "; ".join(bad))
+        self.layout = plan_layout(k1_attn_program(self.shape))
+
+    def label(self) -> str:
+        s, c = self.shape, self.config
+        return (
+            f"k1 attn h{s.hidden} hq{s.hq} hkv{s.hkv} d{s.head_dim} rd{s.rotary_dim} "
+            f"grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk}"
+        )
+
+    def workspace(self, device: Any) -> K1Workspace:
+        return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden, device)
+
+    def _constexprs(self) -> dict:
+        s, c, lay = self.shape, self.config, self.layout
+        return dict(
+            H=s.hidden,
+            HQ=s.hq,
+            HKV=s.hkv,
+            D=s.head_dim,
+            RD=s.rotary_dim,
+            OFF_QK=lay.offsets["qk"],
+            RID_QK=lay.region_id("qk"),
+            BB=BLOCK_B,
+            BN=_pow2_divisor(s.qkv_rows, c.bn),
+            BK=_pow2_divisor(s.hidden, c.bk),
+            CH=min(c.ch, _next_pow2(s.hidden)),
+            NS=c.ns,
+            PRE=_pre(c, s.hidden),
+            STAGES=self.stages,
+            INTERP=_interp(),
+            num_warps=c.num_warps,
+            num_stages=1,
+        )
+
+    def check(self, hidden, residual, weights, positions, q, k, v, gate, residual_out) -> int:
+        import torch
+
+        s = self.shape
+        b = hidden.shape[0] if hidden.dim() == 2 else -1
+        bf = torch.bfloat16
+        qd, kvd = s.hq * s.head_dim, s.hkv * s.head_dim
+        want = {
+            "hidden": (hidden, (b, s.hidden), bf),
+            "residual_out": (residual_out, (b, s.hidden), bf),
+            "positions": (positions, (b,), _dt(self.positions_dtype)),
+            "q": (q, (b, qd), bf),
+            "gate": (gate, (b, qd), bf),
+            "k": (k, (b, kvd), bf),
+            "v": (v, (b, kvd), bf),
+            "input_layernorm": (weights.get("input_layernorm"), (s.hidden,), bf),
+            "qkv_proj": (weights.get("qkv_proj"), (s.qkv_rows, s.hidden), bf),
+            "q_norm": (weights.get("q_norm"), (s.head_dim,), bf),
+            "k_norm": (weights.get("k_norm"), (s.head_dim,), bf),
+        }
+        if residual is not None:
+            want["residual"] = (residual, (b, s.hidden), bf)
+        bad: list[str] = []
+        _check_tensors(self.label(), want, bad)
+        if not 1 <= b <= BLOCK_B:
+            bad.append(f"width {b} outside 1..{BLOCK_B}")
+        if bad:
+            raise ValueError(f"{self.label()}: " + "; ".join(bad))
+        return b
+
+    def _args(self, hidden, residual, weights, positions, q, k, v, gate, residual_out, ws,
+              ctrl, health, n_rows, layer, layers_per_step):  # fmt: skip
+        return (
+            hidden,
+            hidden if residual is None else residual,
+            residual_out,
+            weights["input_layernorm"],
+            weights["qkv_proj"],
+            weights["q_norm"],
+            weights["k_norm"],
+            self.rope,
+            positions,
+            q,
+            k,
+            v,
+            gate,
+            ws.scratch,
+            ws.xs,
+            ctrl,
+            health,
+            n_rows,
+            layer,
+            layers_per_step,
+            0 if residual is None else 1,
+            self.max_positions,
+            float(self.shape.eps),
+        )
+
+    def build(self, device: Any = "cuda") -> None:
+        import torch
+
+        dev = torch.device(device)
+        self.rope = rope_table(self.shape, self.max_positions, dev)
+        if _interp() or dev.type != "cuda":
+            self._built = True
+            return
+        from mono_ext.runtime.build_cache import (
+            check_residency,
+            check_unspecialized,
+            device_limits,
+            kernel_resources,
+        )
+        from mono_ext.runtime.peers import RankState
+
+        check_unspecialized(k1_attn_kernel, PER_STEP_ARGS)
+        one = torch.zeros(16, dtype=torch.bfloat16, device=dev)
+        w = {k: one for k in ("input_layernorm", "qkv_proj", "q_norm", "k_norm")}
+        pos = torch.zeros(16, dtype=_dt(self.positions_dtype), device=dev)
+        ws = K1Workspace(torch.zeros(16, dtype=torch.int64, device=dev), one)
+        st = RankState.create(0, dev, 1.0)
+        args = self._args(one, None, w, pos, one, one, one, one, one, ws, st.ctrl, st.health,
+                          2, 0, 1)  # fmt: skip
+        compiled = k1_attn_kernel.warmup(*args, grid=(self.config.grid,), **self._constexprs())
+        res = kernel_resources(compiled)
+        check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
+        self.resources = res
+        self._built = True
+
+    def launch(self, hidden, residual, weights, positions, q, k, v, gate, residual_out, *,
+               ws: K1Workspace, ctrl, health, layer: int = 0, layers_per_step: int = 1,
+               validate: bool = True) -> None:  # fmt: skip
+        if not self._built:
+            raise RuntimeError(f"{self.label()}: build() at startup before launching")
+        if validate:
+            n = self.check(hidden, residual, weights, positions, q, k, v, gate, residual_out)
+        else:
+            n = hidden.shape[0]
+        args = self._args(hidden, residual, weights, positions, q, k, v, gate, residual_out, ws,
+                          ctrl, health, n, layer, layers_per_step)  # fmt: skip
+        grid = (self.config.grid,)
+        cx = self._constexprs()
+        if _interp() and self.config.grid > 1:
+            for st in (S1, S2):
+                k1_attn_kernel[grid](*args, **{**cx, "STAGES": st & self.stages})
+        else:
+            k1_attn_kernel[grid](*args, **cx)
+
+
+@dataclass
+class K1Launches:
+    """The K1 half of ``models.qwen3_next.launches.LayerLaunches`` (``k1_gdn``, ``k1_attn``
+    with the Protocol's signatures) over built :class:`K1GdnLaunch` / :class:`K1AttnLaunch`.
+
+    A Triton ``LayerLaunches`` delegates its ``k1_*`` methods here; ``layer.index`` is the
+    tag's layer id, ``layers_per_step`` the number of decoder layers.
+    """
+
+    gdn: K1GdnLaunch | None
+    attn: K1AttnLaunch | None
+    gdn_ws: K1Workspace | None
+    attn_ws: K1Workspace | None
+    ctrl: Any
+    health: Any
+    layers_per_step: int
+    null_slot: int | None = None
+    validate: bool = True
+
+    def k1_gdn(self, layer, hidden, residual, slots, *, o_in, residual_out) -> None:
+        if self.gdn is None or self.gdn_ws is None:
+            raise RuntimeError("K1Launches: no GDN build")
+        self.gdn.launch(hidden, residual, layer.weights, layer.conv_state, layer.ssm_state,
+                        slots, o_in, residual_out, ws=self.gdn_ws, ctrl=self.ctrl,
+                        health=self.health, null_slot=self.null_slot, layer=layer.index,
+                        layers_per_step=self.layers_per_step, validate=self.validate)  # fmt: skip
+
+    def k1_attn(self, layer, hidden, residual, positions, *, q, k, v, gate,
+                residual_out) -> None:  # fmt: skip
+        if self.attn is None or self.attn_ws is None:
+            raise RuntimeError("K1Launches: no attention build")
+        self.attn.launch(hidden, residual, layer.weights, positions, q, k, v, gate,
+                         residual_out, ws=self.attn_ws, ctrl=self.ctrl, health=self.health,
+                         layer=layer.index, layers_per_step=self.layers_per_step,
+                         validate=self.validate)  # fmt: skip

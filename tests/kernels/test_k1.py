@@ -1,0 +1,384 @@
+"""K1 (layer front) Triton launches against the fp32 reference.
+
+GDN: widths 1..16, both qkvz packings, both conv-state layouts, fp32 and bf16 recurrent
+states (and the "kv" state layout), padding rows (vLLM's null slot 0, SGLang's -1), the
+first layer (no residual); rows not in the step stay bit-untouched; K1 -> reference -> K1
+switching matches a K1-only run; CUDA-graph replay is bit-identical to eager; no wait gives
+up and nothing compiles after build. Attention: q, k, v, gate after norm + partial RoPE.
+
+Outputs are poisoned (NaN) before every run and test data are never zeros. On a CUDA device
+the real 80B-A3B shapes run as well as a tiny config; without one, ``TRITON_INTERPRET=1``
+(with Triton installed) runs the tiny configs through Triton's CPU interpreter; otherwise
+the module skips.
+"""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not torch.cuda.is_available() and not INTERP:
+    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from mono_ext.kernels.triton.k1 import (  # noqa: E402
+    K1AttnLaunch,
+    K1AttnShape,
+    K1Config,
+    K1GdnLaunch,
+    K1GdnShape,
+    gdn_row_map,
+    k1_attn_kernel,
+    k1_gdn_kernel,
+)
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
+from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
+from mono_ext.reference import attn_front, gdn_front, rel_l2  # noqa: E402
+from mono_ext.reference.common import ModelDims  # noqa: E402
+from mono_ext.runtime.build_cache import jit_cache_size  # noqa: E402
+from mono_ext.runtime.health import H_FAILED  # noqa: E402
+from mono_ext.runtime.peers import RankState  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NUM = Qwen3NextSpec.NUMERICS
+DEADLINE_S = float(os.environ.get("MONO_EXT_DEADLINE_S", "2"))
+REAL = "qwen3-next-80b-a3b"
+TINY = "qwen3.5-moe-tiny"  # r = 2, Dv (64) != Dk (32)
+TINY_B = "qwen3-next-tiny-b"  # r = 1, hidden 96, head_dim 64
+PRESETS = [TINY] if INTERP else [REAL, TINY]
+WIDTHS_GPU = list(range(1, 17))
+WIDTHS = [1, 3, 16] if INTERP else WIDTHS_GPU
+SLOTS = 40  # slots per state tensor (> 16 + padding, so untouched slots exist)
+
+
+def _cfg(name):
+    return text_config(get_preset(name))
+
+
+def _grid():
+    if DEV.type == "cuda":
+        return torch.cuda.get_device_properties(DEV).multi_processor_count
+    # interpreter: a few programs so tiles and tasks wrap around the grid (S1 and S2 then run
+    # as two launches); MONO_EXT_K1_GRID=1 runs the one-launch path (S2 after S1 in-program)
+    return int(os.environ.get("MONO_EXT_K1_GRID", "5"))
+
+
+_BUILDS: dict = {}
+
+
+def gdn_build(name, state_dtype, ssm_layout="vk", packing="interleaved"):
+    key = ("gdn", name, state_dtype, ssm_layout, packing)
+    if key not in _BUILDS:
+        shape = K1GdnShape.from_dims(Dims.from_config(_cfg(name)))
+        k1 = K1GdnLaunch(shape, K1Config(grid=_grid()), packing=packing,
+                         state_dtype=state_dtype, ssm_layout=ssm_layout)  # fmt: skip
+        k1.build(DEV)
+        _BUILDS[key] = k1
+    return _BUILDS[key]
+
+
+def attn_build(name):
+    key = ("attn", name)
+    if key not in _BUILDS:
+        shape = K1AttnShape.from_dims(Dims.from_config(_cfg(name)))
+        k1 = K1AttnLaunch(shape, K1Config(grid=_grid()), max_positions=4096)
+        k1.build(DEV)
+        _BUILDS[key] = k1
+    return _BUILDS[key]
+
+
+def cosine(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def assert_close(name, got, ref):
+    assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten or NaN)"
+    cos, rl2 = cosine(got, ref), rel_l2(got, ref)
+    assert cos >= NUM[f"k1.{name}.cosine"], f"{name}: cosine {cos:.6f} (rel_l2 {rl2:.2e})"
+    assert rl2 <= NUM[f"k1.{name}.rel_l2"], f"{name}: rel_l2 {rl2:.2e} (cosine {cos:.6f})"
+
+
+def new_gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(gen, *shape):
+    """Fresh normal samples made on the test device (fast at the real shapes)."""
+    return torch.randn(*shape, generator=gen, device=DEV)
+
+
+def rank_state():
+    return RankState.create(0, DEV, DEADLINE_S)
+
+
+def assert_healthy(st):
+    assert int(st.health[H_FAILED].item()) == 0, "a K1 wait gave up (see the health block)"
+
+
+# ------------------------------------------------------------------------------------ GDN
+
+
+def gdn_weights(md: ModelDims, packing, gen):
+    h = md.hidden
+
+    def rnd(*shape, scale=1.0):
+        return (randn(gen, *shape) * scale).to(torch.bfloat16)
+
+    from mono_ext.reference import pack_ba, pack_qkvz
+
+    s = h**-0.5
+    qkvz = pack_qkvz(rnd(md.key_dim, h, scale=s), rnd(md.key_dim, h, scale=s),
+                     rnd(md.value_dim, h, scale=s), rnd(md.value_dim, h, scale=s),
+                     md, packing)  # fmt: skip
+    ba = pack_ba(rnd(md.num_v_heads, h, scale=s), rnd(md.num_v_heads, h, scale=s), md, packing)
+    # Decay A in [0.1, 4] and a unit-scale state keep o = S q well-conditioned. With strong
+    # decay (A up to 16) and a small state, o ~ delta * (k . q) and a head's sign follows
+    # k . q ~ 0, which bf16 rounding flips (seen on H200: rel_l2 4e-2..1e-1 from a few of
+    # 512 heads; the fp32 reference itself flips under a 2^-9 weight perturbation).
+    a = torch.empty(md.num_v_heads, device=DEV).uniform_(0.1, 4.0, generator=gen)
+    return {
+        "input_layernorm": rnd(h, scale=0.2),
+        "in_proj_qkvz": qkvz.contiguous(),
+        "in_proj_ba": ba.contiguous(),
+        "conv1d": rnd(md.conv_dim, 1, md.conv_kernel, scale=0.5),
+        "A_log": torch.log(a),
+        "dt_bias": rnd(md.num_v_heads, scale=0.5),
+        "norm": (1.0 + randn(gen, md.head_v_dim) * 0.1).to(torch.bfloat16),
+    }
+
+
+def gdn_states(md: ModelDims, conv_layout, state_dtype, gen):
+    k1 = md.conv_kernel - 1
+    shp = (SLOTS, k1, md.conv_dim) if conv_layout == "vllm" else (SLOTS, md.conv_dim, k1)
+    conv = randn(gen, *shp).to(torch.bfloat16)
+    ssm = randn(gen, SLOTS, md.num_v_heads, md.head_v_dim, md.head_k_dim) * 0.5
+    return conv, ssm.to(getattr(torch, state_dtype))
+
+
+def step_slots(width, null_slot, gen, pad=True):
+    """Distinct real slots (never 0: vLLM's null block) and, when ``pad``, a padding row."""
+    real = (torch.randperm(SLOTS - 1, generator=gen, device=DEV)[:width] + 1).to(torch.int32)
+    if pad and width > 1:
+        real[width // 2] = -1 if null_slot is None else 0
+    return real
+
+
+def step_inputs(md, width, gen, residual=True):
+    hid = randn(gen, width, md.hidden).to(torch.bfloat16)
+    res = randn(gen, width, md.hidden).to(torch.bfloat16)
+    return hid, (res if residual else None)
+
+
+def run_k1_gdn(k1, st, ws, hid, res, w, conv, ssm, slots, null_slot, layer=0, lps=1):
+    o_in = torch.full((hid.shape[0], k1.shape.value_dim), float("nan"), dtype=torch.bfloat16,
+                      device=DEV)  # fmt: skip
+    r_out = torch.full_like(hid, float("nan"))
+    st.bump_epoch()
+    k1.launch(hid, res, w, conv, ssm, slots, o_in, r_out, ws=ws, ctrl=st.ctrl,
+              health=st.health, null_slot=null_slot, layer=layer, layers_per_step=lps)  # fmt: skip
+    return o_in, r_out
+
+
+def run_ref_gdn(md, hid, res, w, conv, ssm, slots, packing, conv_layout, null_slot, ssm_layout):
+    return gdn_front(hid, res, w["input_layernorm"], w, md, conv, ssm, slots,
+                     conv_layout=conv_layout, packing=packing, null_slot=null_slot,
+                     ssm_layout=ssm_layout)  # fmt: skip
+
+
+def _valid(slots, null_slot):
+    ok = slots >= 0
+    if null_slot is not None:
+        ok &= slots != null_slot
+    return ok
+
+
+# Every packing x conv layout x state dtype at the first preset; on a GPU the tiny config
+# runs bf16 states only (fp32 is covered at the real shape; each dtype is one more compile).
+CASES = [
+    (p, pk, cl, sd, "vk")
+    for p in PRESETS
+    for pk in ("interleaved", "contiguous")
+    for cl in ("vllm", "sglang")
+    for sd in ("float32", "bfloat16")
+    if INTERP or p == REAL or sd == "bfloat16"
+] + [(TINY, "interleaved", "vllm", "float32", "kv")]
+if INTERP:
+    CASES.append((TINY_B, "contiguous", "vllm", "float32", "vk"))
+ATTN_PRESETS = PRESETS + [TINY_B] if INTERP else PRESETS
+
+
+@pytest.mark.parametrize("preset,packing,conv_layout,state_dtype,ssm_layout", CASES)
+def test_gdn_front_matches_reference(preset, packing, conv_layout, state_dtype, ssm_layout):
+    md = ModelDims.from_config(_cfg(preset))
+    k1 = gdn_build(preset, state_dtype, ssm_layout, packing)
+    gen = new_gen(sum(map(ord, f"{preset}{packing}{conv_layout}{state_dtype}{ssm_layout}")))
+    w = gdn_weights(md, packing, gen)
+    null_slot = 0 if conv_layout == "vllm" else None  # vLLM pads with 0, SGLang with -1
+    st, ws = rank_state(), k1.workspace(DEV)
+    n_jit = jit_cache_size(k1_gdn_kernel)
+    for width in WIDTHS:
+        conv, ssm = gdn_states(md, conv_layout, state_dtype, gen)
+        slots = step_slots(width, null_slot, gen)
+        hid, res = step_inputs(md, width, gen, residual=width != 2)  # width 2: first layer
+        conv_r, ssm_r = conv.clone(), ssm.clone()
+        conv0, ssm0 = conv.clone(), ssm.clone()
+        o_in, r_out = run_k1_gdn(k1, st, ws, hid, res, w, conv, ssm, slots, null_slot)
+        ref = run_ref_gdn(md, hid, res, w, conv_r, ssm_r, slots, packing, conv_layout,
+                          null_slot, ssm_layout)  # fmt: skip
+        ok = _valid(slots, null_slot)
+        assert_healthy(st)
+        assert torch.isfinite(r_out).all()
+        assert rel_l2(r_out.float(), ref.residual_out) <= NUM["k2.residual.rel_l2"]
+        assert (o_in[~ok] == 0).all(), "padding rows must give o_in = 0"
+        assert_close("out", o_in[ok].float(), ref.o_in[ok])
+        idx = slots[ok].long()
+        assert_close("conv_state", conv[idx].float(), conv_r[idx].float())
+        assert_close("ssm_state", ssm[idx].float(), ssm_r[idx].float())
+        # every slot not in the step (padding included) is bit-untouched
+        untouched = torch.ones(SLOTS, dtype=torch.bool, device=DEV)
+        untouched[idx] = False
+        assert torch.equal(conv[untouched], conv0[untouched])
+        assert torch.equal(ssm[untouched], ssm0[untouched])
+    assert jit_cache_size(k1_gdn_kernel) == n_jit, "K1 compiled a new variant after build"
+
+
+def test_gdn_row_map_matches_reference_packing():
+    """The row map sends each packed row where the reference's split puts it."""
+    from mono_ext.reference.gdn import split_ba, split_qkvz
+
+    for preset in (TINY, TINY_B):
+        md = ModelDims.from_config(_cfg(preset))
+        shape = K1GdnShape.from_dims(Dims.from_config(_cfg(preset)))
+        for packing in ("interleaved", "contiguous"):
+            rmap = torch.tensor(gdn_row_map(shape, packing))
+            rows = torch.arange(md.qkvz_dim, dtype=torch.float64)
+            q, k, v, z = split_qkvz(rows, md, packing)
+            want = torch.cat([q.flatten(), k.flatten(), v.flatten(), z.flatten()])
+            got = torch.empty(md.qkvz_dim, dtype=torch.float64)
+            got[rmap[: md.qkvz_dim].long()] = rows
+            assert torch.equal(got, want), packing
+            brow = torch.arange(2 * md.num_v_heads, dtype=torch.float64)
+            b, a = split_ba(brow, md, packing)
+            got = torch.empty(2 * md.num_v_heads, dtype=torch.float64)
+            got[rmap[md.qkvz_dim :].long() - md.qkvz_dim] = brow
+            assert torch.equal(got, torch.cat([b, a])), packing
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gdn_switching_k1_reference_k1(preset):
+    """K1 for some steps, the reference for some, K1 again == a run that never switched."""
+    md = ModelDims.from_config(_cfg(preset))
+    k1 = gdn_build(preset, "float32")
+    gen = new_gen(7)
+    w = gdn_weights(md, "interleaved", gen)
+    conv, ssm = gdn_states(md, "vllm", "float32", gen)
+    width, steps = 5, 6
+    slots = step_slots(width, 0, gen)
+    inputs = [step_inputs(md, width, gen) for _ in range(steps)]
+    st, ws = rank_state(), k1.workspace(DEV)
+    runs = {}
+    for name, plan in (("switched", "KKRRKK"), ("k1_only", "KKKKKK")):
+        c, s = conv.clone(), ssm.clone()
+        for mode, (hid, res) in zip(plan, inputs, strict=True):
+            if mode == "K":
+                o, _ = run_k1_gdn(k1, st, ws, hid, res, w, c, s, slots, 0)
+            else:
+                o = run_ref_gdn(md, hid, res, w, c, s, slots, "interleaved", "vllm", 0, "vk").o_in
+        runs[name] = (o.float(), c, s)
+    assert_healthy(st)
+    ok = _valid(slots, 0)
+    idx = slots[ok].long()
+    (o1, c1, s1), (o2, c2, s2) = runs["switched"], runs["k1_only"]
+    assert_close("out", o1[ok], o2[ok])
+    assert_close("conv_state", c1[idx].float(), c2[idx].float())
+    assert_close("ssm_state", s1[idx], s2[idx])
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gdn_graph_replay_bit_identical(preset):
+    md = ModelDims.from_config(_cfg(preset))
+    k1 = gdn_build(preset, "float32")
+    gen = new_gen(11)
+    w = gdn_weights(md, "interleaved", gen)
+    conv0, ssm0 = gdn_states(md, "vllm", "float32", gen)
+    width = 4
+    slots = step_slots(width, 0, gen)
+    hid, res = step_inputs(md, width, gen)
+    st, ws = rank_state(), k1.workspace(DEV)
+    # eager: two steps
+    ce, se = conv0.clone(), ssm0.clone()
+    eager = []
+    for _ in range(2):
+        o, r = run_k1_gdn(k1, st, ws, hid, res, w, ce, se, slots, 0)
+        eager.append((o.clone(), r.clone(), ce.clone(), se.clone()))
+    # graph: capture one step (epoch bump + launch), replay twice from the same start
+    cg, sg = conv0.clone(), ssm0.clone()
+    o_in = torch.empty(width, md.value_dim, dtype=torch.bfloat16, device=DEV)
+    r_out = torch.empty_like(hid)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        st.bump_epoch()
+        k1.launch(hid, res, w, cg, sg, slots, o_in, r_out, ws=ws, ctrl=st.ctrl,
+                  health=st.health, null_slot=0)  # fmt: skip
+    cg.copy_(conv0)
+    sg.copy_(ssm0)
+    for o_e, r_e, c_e, s_e in eager:
+        o_in.fill_(float("nan"))
+        r_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o_in, o_e) and torch.equal(r_out, r_e)
+        assert torch.equal(cg, c_e) and torch.equal(sg, s_e)
+    assert_healthy(st)
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def attn_weights(md: ModelDims, gen):
+    h, d = md.hidden, md.head_dim
+    rows = (2 * md.num_heads + 2 * md.num_kv_heads) * d
+
+    def rnd(*shape, scale=1.0):
+        return (randn(gen, *shape) * scale).to(torch.bfloat16)
+
+    return {
+        "input_layernorm": rnd(h, scale=0.2),
+        "qkv_proj": rnd(rows, h, scale=h**-0.5),
+        "q_norm": rnd(d, scale=0.2),
+        "k_norm": rnd(d, scale=0.2),
+    }
+
+
+@pytest.mark.parametrize("preset", ATTN_PRESETS)
+def test_attn_front_matches_reference(preset):
+    md = ModelDims.from_config(_cfg(preset))
+    k1 = attn_build(preset)
+    gen = new_gen(3)
+    w = attn_weights(md, gen)
+    st, ws = rank_state(), k1.workspace(DEV)
+    qd, kvd = md.num_heads * md.head_dim, md.num_kv_heads * md.head_dim
+    n_jit = jit_cache_size(k1_attn_kernel)
+    for width in WIDTHS:
+        hid, res = step_inputs(md, width, gen, residual=width != 2)
+        pos = torch.randint(0, 4096, (width,), generator=gen, device=DEV)
+        outs = [torch.full((width, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+                for n in (qd, kvd, kvd, qd)]  # fmt: skip
+        r_out = torch.full_like(hid, float("nan"))
+        st.bump_epoch()
+        k1.launch(hid, res, w, pos, *outs, r_out, ws=ws, ctrl=st.ctrl, health=st.health)
+        ref = attn_front(hid, res, w["input_layernorm"], w, md, pos)
+        assert_healthy(st)
+        q, k, v, gate = (t.float() for t in outs)
+        assert_close("q", q, ref.q.reshape(width, -1))
+        assert_close("k", k, ref.k.reshape(width, -1))
+        assert_close("v", v, ref.v.reshape(width, -1))
+        assert_close("q", gate, ref.gate)  # the gate is a plain projection, q's thresholds
+        assert rel_l2(r_out.float(), ref.residual_out) <= NUM["k2.residual.rel_l2"]
+    assert jit_cache_size(k1_attn_kernel) == n_jit, "K1 compiled a new variant after build"
