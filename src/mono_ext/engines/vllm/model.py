@@ -185,7 +185,7 @@ class Dispatch:
         self.state = "model"
 
     def _model_stage(self) -> None:
-        cpu = views._is_cpu()
+        cpu = views.on_cpu()
         model_view, weights, reasons, sources = views.bind_weights(
             self.text_model, self._held, self.text_config, allow_held=cpu
         )

@@ -69,6 +69,7 @@ from ...models.qwen3_next.launches import BoundLayer
 __all__ = [
     "NULL_SLOT",
     "PLANES",
+    "on_cpu",
     "text_config",
     "config_view",
     "config_reasons",
@@ -134,7 +135,7 @@ def _module(root: torch.nn.Module, path: str) -> torch.nn.Module | None:
     return obj
 
 
-def _is_cpu() -> bool:
+def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -229,7 +230,7 @@ def layouts(vllm_config: Any) -> dict[str, str]:
     return {
         # "vllm": (slots, K-1, C) time-major; "sglang": (slots, C, K-1) channel-major
         "conv_layout": "sglang" if is_conv_state_dim_first() else "vllm",
-        "ssm_layout": "kv" if _is_cpu() else "vk",
+        "ssm_layout": "kv" if on_cpu() else "vk",
         "qkvz_packing": "interleaved" if fam == "qwen3_next" else "contiguous",
     }
 
@@ -245,7 +246,7 @@ def hold_weights(text_model: torch.nn.Module) -> dict[tuple[int, str], torch.Ten
     copies). Elsewhere nothing: holding storages the engine replaces would double their memory
     until the model stage, and off CPU the launches read only the engine's live tensors."""
     held: dict[tuple[int, str], torch.Tensor] = {}
-    if not _is_cpu():
+    if not on_cpu():
         return held
     for i, layer in enumerate(text_model.layers):
         for plane, (path, attr) in PLANES.get(getattr(layer, "layer_type", ""), {}).items():
@@ -365,7 +366,7 @@ def bind_weights(
         layers.append(LayerView(i, kind, planes, _layer_facts(layer)))
         weights.append(tensors)
         reasons += _layer_reasons(i, layer, cfg)
-    if _is_cpu() and os.environ.get("VLLM_CPU_SGL_KERNEL", "0") not in ("", "0"):
+    if on_cpu() and os.environ.get("VLLM_CPU_SGL_KERNEL", "0") not in ("", "0"):
         reasons.append("VLLM_CPU_SGL_KERNEL=1 repacks expert weights in place")
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -404,7 +405,7 @@ def cache_signature(text_model: torch.nn.Module) -> tuple | None:
 
 
 def cache_view(text_model: torch.nn.Module, lays: Mapping[str, str]) -> CacheView:
-    cpu = _is_cpu()
+    cpu = on_cpu()
     out, slots = [], None
     for i, layer in enumerate(text_model.layers):
         tensors = {}
