@@ -9,8 +9,10 @@ applies the hooks; then, in fresh processes as a deployment would run them:
 - ``prepare_server_args`` (what ``launch_server`` runs) takes the flags and carries them to a
   process started the way SGLang starts its schedulers (multiprocessing ``spawn``); without
   the flags nothing is carried;
-- ``Engine(monokernel=..., monokernel_backend=...)``: the hook takes the two arguments out
-  of ``ServerArgs``'s way and carries them only while the engine starts its processes.
+- ``Engine(monokernel=..., monokernel_backend=...)`` (its process spawning stubbed: a real
+  engine needs a GPU): the first engine of a process (which loads the plugins itself) and a
+  later one without the flag each carry only their own flags;
+- the pickled ``ServerArgs`` alone carries the flags to a spawned process.
 
 The launcher processes start concurrently (each imports SGLang: several seconds apiece).
 """
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import textwrap
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,40 +42,76 @@ from mono_ext.engines.sglang import plugin  # noqa: E402
 
 TIMEOUT_S = 240
 _SCRIPT = textwrap.dedent("""
-    import io, json, os, sys, contextlib, multiprocessing as mp
+    import json, os, sys, multiprocessing as mp
 
-    def child(q):
+    def child(q, server_args):
         from mono_ext.engines.sglang import flags
-        q.put(None if flags.current() is None else flags.current().backend)
+        on = flags.of(server_args)
+        q.put([os.environ.get(flags.ENV), None if on is None else on.backend])
 
-    def spawned():
+    def spawned(server_args, env):
+        # SGLang starts its schedulers this way: spawn, ServerArgs pickled as an argument
+        saved = os.environ.pop("MONO_EXT_SGLANG_MONOKERNEL", None)
+        if env is not None:
+            os.environ["MONO_EXT_SGLANG_MONOKERNEL"] = env
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        p = ctx.Process(target=child, args=(q,))
+        p = ctx.Process(target=child, args=(q, server_args))
         p.start()
         got = q.get(timeout=120)
         p.join()
+        os.environ.pop("MONO_EXT_SGLANG_MONOKERNEL", None)
+        if saved is not None:
+            os.environ["MONO_EXT_SGLANG_MONOKERNEL"] = saved
         return got
 
-    if __name__ == "__main__":
+    def cli(ckpt):
         from sglang.srt.plugins import load_plugins
         from sglang.srt.plugins.hook_registry import HookRegistry
         load_plugins()
         from mono_ext.engines.sglang import plugin
         plugin.register()  # re-entrant: nothing registered twice
         from sglang.srt.server_args import prepare_server_args
-        base = ["--model-path", sys.argv[1], "--device", "cpu", "--disable-radix-cache"]
+        base = ["--model-path", ckpt, "--device", "cpu", "--disable-radix-cache"]
         out = {
             "patched": sorted(t for t, *_ in plugin.HOOKS if t in HookRegistry._patched),
             "hook_counts": [len(HookRegistry._hooks[t]) for t, *_ in plugin.HOOKS],
         }
-        prepare_server_args(base)
-        out["off_env"] = os.environ.get("MONO_EXT_SGLANG_MONOKERNEL")
-        out["off_child"] = spawned()
-        prepare_server_args(base + ["--monokernel-backend", "reference"])
+        off = prepare_server_args(base)
+        out["off"] = [os.environ.get("MONO_EXT_SGLANG_MONOKERNEL"), spawned(off, None)]
+        on = prepare_server_args(base + ["--monokernel-backend", "reference"])
         out["on_env"] = os.environ.get("MONO_EXT_SGLANG_MONOKERNEL")
-        out["on_child"] = spawned()
-        print("RESULT " + json.dumps(out))
+        out["on_child_record_only"] = spawned(on, None)  # the pickled record alone suffices
+        return out
+
+    def engine(ckpt):
+        # sglang.Engine loads the plugins itself: the first Engine of a process must work too
+        from sglang.srt.entrypoints.engine import Engine
+        from mono_ext.engines.sglang import flags
+
+        class Started(Exception):
+            pass
+
+        seen = []
+
+        def launch(server_args, **kw):  # where Engine spawns its processes
+            on = flags.of(server_args)
+            seen.append([os.environ.get(flags.ENV), None if on is None else on.backend])
+            raise Started
+
+        Engine._launch_subprocesses = staticmethod(launch)
+        args = dict(model_path=ckpt, device="cpu", disable_radix_cache=True)
+        for extra in ({"monokernel_backend": "reference"}, {}, {"monokernel": True}):
+            try:
+                Engine(**args, **extra)
+            except Started:
+                pass
+            except flags.FlagError as exc:
+                seen.append(str(exc))
+        return {"engines": seen}
+
+    if __name__ == "__main__":
+        print("RESULT " + json.dumps({"cli": cli, "engine": engine}[sys.argv[1]](sys.argv[2])))
     """)
 
 
@@ -101,7 +140,8 @@ def runs(tmp_path_factory):
         "unknown": _launch(*base, "--monokernel-backend", "nope"),
         "empty": _launch(*base, "--monokernel-backend", " "),
         "unusable": _launch(*base, "--monokernel", env={"CUDA_VISIBLE_DEVICES": ""}),
-        "carry": _launch(str(script), ckpt),
+        "carry": _launch(str(script), "cli", ckpt),
+        "engine": _launch(str(script), "engine", ckpt, env={"CUDA_VISIBLE_DEVICES": ""}),
     }
     out = {}
     for name, p in procs.items():
@@ -147,29 +187,57 @@ def test_bad_flags_stop_the_launcher_with_one_line(runs, run, needle):
     assert "Traceback" not in err
 
 
+def _result(run):
+    rc, out, err = run
+    assert rc == 0 and "RESULT " in out, err[-3000:]
+    return json.loads(out.split("RESULT ", 1)[1])
+
+
 def test_flags_reach_spawned_workers_through_the_real_plugin_loader(runs):
-    rc, out, err = runs["carry"]
-    assert rc == 0, err[-3000:]
-    res = json.loads(out.split("RESULT ", 1)[1])
+    res = _result(runs["carry"])
     assert res["patched"] == sorted(t for t, *_ in plugin.HOOKS)
     assert res["hook_counts"] == [1] * len(plugin.HOOKS)
-    assert res["off_env"] is None and res["off_child"] is None
-    assert res["on_env"] == "reference" and res["on_child"] == "reference"
+    assert res["off"] == [None, [None, None]]  # no flag: nothing carried
+    assert res["on_env"] == "reference"
+    assert res["on_child_record_only"] == [None, "reference"]
 
 
-# -- Engine(...) keyword arguments (the hook alone: a real Engine needs a GPU) ------------------
-def test_engine_kwargs_are_taken_validated_and_carried_only_during_start(monkeypatch):
+def test_engine_kwargs_reach_the_first_and_later_engines_of_a_process(runs):
+    engines = _result(runs["engine"])["engines"]
+    assert engines[0] == ["reference", "reference"]  # first Engine: plugins loaded inside
+    assert engines[1] == [None, None]  # a later Engine without the flag: nothing leaks
+    assert engines[2].startswith("mono_ext: no kernel backend can run here")  # auto, no GPU
+
+
+# -- the hooks on their own ---------------------------------------------------------------------
+def test_server_args_hook_takes_validates_and_records_the_arguments(monkeypatch):
     monkeypatch.delenv(flags.ENV, raising=False)
     seen = {}
 
-    def original(engine, **kwargs):
-        seen.update(kwargs=kwargs, env=os.environ.get(flags.ENV))
+    def original(sa, **kwargs):
+        seen.update(kwargs)
 
-    plugin._around_engine_init(original, object(), model_path="m", monokernel_backend="reference")
-    assert seen == {"kwargs": {"model_path": "m"}, "env": "reference"}
-    assert flags.ENV not in os.environ  # restored once the engine's processes started
-    plugin._around_engine_init(original, object(), model_path="m")
-    assert seen["env"] is None  # no argument: nothing carried
+    sa = SimpleNamespace()
+    plugin._around_server_args_init(original, sa, model_path="m", monokernel_backend="reference")
+    assert seen == {"model_path": "m"}  # ServerArgs never sees them
+    assert flags.of(sa, {}) == flags.Monokernel("reference")
+    assert os.environ[flags.ENV] == "reference"
+    plain = SimpleNamespace()
+    plugin._around_server_args_init(lambda s, **k: None, plain, model_path="m")
+    assert flags.ATTR not in plain.__dict__  # no arguments: no record
+
+
+def test_engine_hook_scopes_the_variable_to_the_engine_it_starts(monkeypatch):
+    monkeypatch.setenv(flags.ENV, "left-over")
+    seen = []
+    on = SimpleNamespace()
+    flags.attach(on, flags.Monokernel("reference"))
+    for kwargs in ({}, {"server_args": on}, {"server_args": SimpleNamespace()}):
+        plugin._around_engine_init(
+            lambda e, **k: seen.append(os.environ.get(flags.ENV)), 0, **kwargs
+        )
+        assert os.environ[flags.ENV] == "left-over"
+    assert seen == [None, "reference", None]
 
 
 @pytest.mark.parametrize(
@@ -180,16 +248,18 @@ def test_engine_kwargs_are_taken_validated_and_carried_only_during_start(monkeyp
         ({"monokernel": "yes"}, "is not a boolean"),
     ],
 )
-def test_engine_kwargs_errors_are_one_line_before_anything_starts(kwargs, needle):
-    def original(engine, **kw):
-        raise AssertionError("the engine must not start")
+def test_engine_argument_errors_are_one_line_before_anything_starts(kwargs, needle):
+    def original(sa, **kw):
+        raise AssertionError("ServerArgs must not be built")
 
     with pytest.raises(flags.FlagError) as info:
-        plugin._around_engine_init(original, object(), model_path="m", **kwargs)
+        plugin._around_server_args_init(original, SimpleNamespace(), model_path="m", **kwargs)
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 
 def test_bad_check_setting_stops_the_launch(monkeypatch):
     monkeypatch.setenv("MONO_EXT_CHECK", "maybe")
     with pytest.raises(flags.FlagError, match="MONO_EXT_CHECK='maybe' is not a switch"):
-        plugin._around_engine_init(lambda e, **k: None, object(), monokernel_backend="reference")
+        plugin._around_server_args_init(
+            lambda s, **k: None, SimpleNamespace(), monokernel_backend="reference"
+        )

@@ -4,8 +4,10 @@ SGLang 0.5.17's ``ServerArgs`` is a fixed dataclass: a plugin cannot add a field
 plugin adds the two flags to the parser (so ``--help`` lists them), takes their values out of
 the parsed namespace (``python -m sglang.launch_server``) or out of ``Engine(...)``'s keyword
 arguments, validates them in the launching process, and carries the result to the scheduler
-and TP worker processes in one environment variable, :data:`ENV`, which child processes
-inherit when SGLang spawns them. Workers read it back with :func:`current`.
+and TP worker processes twice: recorded on the ``ServerArgs`` object (:data:`ATTR`, pickled
+with it to every scheduler process) and in one environment variable, :data:`ENV`, which
+child processes inherit when SGLang spawns them (for code that rebuilds a ``ServerArgs``).
+Workers read them back with :func:`of`.
 
 =====================================  =============================================
 how it was started                     what happens
@@ -13,8 +15,9 @@ how it was started                     what happens
 no flag                                :data:`ENV` is unset; mono_ext does nothing
 ``--monokernel``                       on, backend ``auto``
 ``--monokernel-backend NAME``          on, backend NAME (implies ``--monokernel``)
-``Engine(monokernel=True,              same, for the offline engine; the variable is
-monokernel_backend=NAME)``             set only while the engine starts its processes
+``Engine(monokernel=True,              same, for the offline engine (its ``ServerArgs``
+monokernel_backend=NAME)``             takes the two arguments); a later ``Engine`` in
+                                       the same process carries only its own flags
 an unknown or unusable backend         one line naming it, exit status 2 (CLI) or
                                        :class:`FlagError` (``Engine``)
 =====================================  =============================================
@@ -40,10 +43,16 @@ __all__ = [
     "from_values",
     "current",
     "export",
+    "restore",
+    "attach",
+    "of",
 ]
 
-#: The one variable that carries the flags to SGLang's worker processes: the backend name.
+#: The variable that carries the flags to SGLang's worker processes: the backend name.
 ENV = "MONO_EXT_SGLANG_MONOKERNEL"
+#: The flags are also recorded on the ``ServerArgs`` object they came with (pickled with it
+#: to the scheduler processes); an object without the record defers to :data:`ENV`.
+ATTR = "_mono_ext_monokernel"
 FLAG = "--monokernel"
 BACKEND_FLAG = "--monokernel-backend"
 #: ``Engine(...)`` keyword arguments (ServerArgs field names would clash with a future SGLang).
@@ -153,3 +162,16 @@ def restore(previous: str | None, environ: MutableMapping[str, str] | None = Non
         env.pop(ENV, None)
     else:
         env[ENV] = previous
+
+
+def attach(server_args: Any, flags: Monokernel | None) -> None:
+    """Record the flags on a ``ServerArgs`` (an underscore attribute: SGLang keeps its fields
+    read-only after resolution, private attributes are allowed)."""
+    object.__setattr__(server_args, ATTR, flags)
+
+
+def of(server_args: Any, environ: Mapping[str, str] | None = None) -> Monokernel | None:
+    """The flags of the deployment ``server_args`` describes (its record, else :data:`ENV`)."""
+    if server_args is not None and ATTR in getattr(server_args, "__dict__", {}):
+        return server_args.__dict__[ATTR]
+    return current(environ)

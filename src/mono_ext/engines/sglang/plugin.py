@@ -13,9 +13,12 @@ server_args.ServerArgs.add_cli_args                     after   adds --monokerne
 server_args.ServerArgs.from_cli_args                    around  validates them (one line, exit
                                                                 2 on error), exports them to
                                                                 the worker processes
-entrypoints.engine.Engine.__init__                      around  the same for ``Engine(
+server_args.ServerArgs.__init__                         around  the same for ``ServerArgs(...,
                                                                 monokernel=..., monokernel_
-                                                                backend=...)``
+                                                                backend=...)``, which
+                                                                ``Engine(**kwargs)`` builds
+entrypoints.engine.Engine.__init__                      around  scopes the carried flags to
+                                                                the engine being started
 model_executor.model_runner.ModelRunner.load_model      around  config stage before the weights
                                                                 load; model stage, build and
                                                                 the dispatching forward after
@@ -59,8 +62,10 @@ def _around_from_cli_args(original: Any, cls: Any, args: Any, *rest: Any, **kwar
     except _flags.FlagError as exc:
         print(str(exc), file=sys.stderr)
         raise SystemExit(2) from None
-    _flags.export(on)
-    return original(cls, args, *rest, **kwargs)
+    server_args = original(cls, args, *rest, **kwargs)
+    _flags.attach(server_args, on)
+    _flags.export(on)  # this process is the server: its children inherit the variable
+    return server_args
 
 
 def _check_settings() -> None:
@@ -72,17 +77,29 @@ def _check_settings() -> None:
         raise _flags.FlagError(f"mono_ext: {exc}") from None
 
 
-def _around_engine_init(original: Any, engine: Any, *args: Any, **kwargs: Any) -> Any:
+def _around_server_args_init(original: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """``ServerArgs(..., monokernel=..., monokernel_backend=...)``, which is what
+    ``Engine(**kwargs)`` builds (after it loaded the plugins, so even the first Engine of a
+    process gets here): take the two arguments out, validate, record and export them."""
     given = {k: kwargs.pop(k) for k in _flags.ENGINE_KWARGS if k in kwargs}
-    if not given:
-        # No mono_ext argument: whatever the launcher exported (the CLI path) stands. An
-        # earlier Engine(monokernel=...) in this process restored the variable on return.
-        return original(engine, *args, **kwargs)
-    on = _flags.from_values(given.get("monokernel"), given.get("monokernel_backend"))
-    _check_settings()
-    previous = _flags.export(on)
+    if given:
+        on = _flags.from_values(given.get("monokernel"), given.get("monokernel_backend"))
+        _check_settings()
+    original(server_args, *args, **kwargs)
+    if given:
+        _flags.attach(server_args, on)
+        _flags.export(on)
+
+
+def _around_engine_init(original: Any, engine: Any, *args: Any, **kwargs: Any) -> Any:
+    """Scope :data:`.flags.ENV` to this engine's start: its workers inherit its own flags
+    (from ``server_args=`` or its keyword arguments), never an earlier engine's."""
+    previous = _flags.export(None)
+    server_args = kwargs.get("server_args")
+    if server_args is not None:
+        _flags.export(_flags.of(server_args, {}))
     try:
-        return original(engine, *args, **kwargs)  # spawns the scheduler processes
+        return original(engine, *args, **kwargs)  # ServerArgs(**kwargs) exports its flags
     finally:
         _flags.restore(previous)
 
@@ -110,7 +127,7 @@ def serving_of(runner: Any) -> Any:
 
 def _around_load_model(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
     try:
-        on = _flags.current()
+        on = _flags.of(getattr(runner, "server_args", None))
     except _flags.FlagError as exc:
         log.error("%s; running SGLang's forward", exc)
         on = None
@@ -159,6 +176,7 @@ _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 HOOKS: tuple[tuple[str, str, Any], ...] = (
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", _after_add_cli_args),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "AROUND", _around_from_cli_args),
+    ("sglang.srt.server_args.ServerArgs.__init__", "AROUND", _around_server_args_init),
     ("sglang.srt.entrypoints.engine.Engine.__init__", "AROUND", _around_engine_init),
     (f"{_MR}.load_model", "AROUND", _around_load_model),
     (f"{_MR}.init_attention_backends", "AFTER", _after_init_attention_backends),
