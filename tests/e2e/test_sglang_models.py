@@ -727,3 +727,107 @@ def test_model_runner_hooks_serve_flagged_runs_only(qn, monkeypatch, caplog, cle
     plugin._after_init_attention_backends(None, r)
     assert sv.active and router_of(model).serving is sv
     assert [type(h) for h in r.capture_tail_hooks] == [CaptureCheck]
+
+
+class CpuStock:
+    """Check mode's stock side with SGLang's own norm / attention-front / o_proj code; SGLang's
+    GDN and MoE forwards need CUDA kernels, so zeros stand in for those two (their
+    comparisons are not asserted)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def gdn_mixer(self, index, x):
+        la = self.real.layers[index].linear_attn
+        return torch.zeros(x.shape[0], la.out_proj.weight.shape[1], dtype=x.dtype)
+
+    def tail(self, index, y, residual):
+        return torch.zeros_like(y), y + residual
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_check_mode_on_a_routed_step_compares_with_sglangs_code(q35, broken, caplog, cleanup):
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    sv, rp, kvp = _active(q35, check=True)
+    real = sv.driver.stock
+    sv.driver.stock = CpuStock(real)
+    attn_i = next(b.index for b in sv.model.layers if b.kind == "full_attention")
+    backend = FakeAttention(rp, kvp, torch.tensor([1, 2, -1], dtype=torch.int32))
+    router = Router(sv, Spy(), attn_backend=backend)
+    install(q35.model, router)
+    cleanup(q35.model)
+    rp.req_to_token[:3, :1] = torch.arange(3)[:, None]
+    fb = _batch("DECODE", 3, ids=torch.tensor([5, 6, 7]), req_pool_indices=torch.arange(3))
+    pos = torch.tensor([0, 0, 0])
+    fb.mrope_positions = pos.expand(3, 3).clone()
+    q_norm = q35.model.model.layers[attn_i].q_norm
+    saved = q_norm.variance_epsilon
+    if broken:  # SGLang's own q norm (its eps, not a bound plane) disagrees with the launch
+        q_norm.variance_epsilon = 10.0
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="mono_ext.decode"),
+            forward_context(ForwardContext(attn_backend=backend)),
+        ):
+            q35.model.forward(fb.input_ids, pos, fb)
+    finally:
+        q_norm.variance_epsilon = saved
+    assert real.positions.shape == (3, 3)  # the model's own (M-RoPE) positions reached it
+    tracker = sv.driver.tracker
+    attn_front = [
+        b for b in tracker.breaches if b.where == f"layer {attn_i}" and b.name.startswith("k1.")
+    ]
+    assert tracker.checks > 0
+    if broken:
+        assert any(b.name.startswith("k1.q.") for b in attn_front), tracker.breaches
+        assert f"layer {attn_i}: k1.q." in caplog.text
+    else:
+        assert attn_front == [], attn_front
+
+
+_TWO_RANKS = """
+import json, sys, types
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def rank(r, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    from mono_ext.core.settings import Settings
+    from mono_ext.engines.sglang.flags import Monokernel
+    from mono_ext.engines.sglang.serving import Serving
+    from mono_ext.models.qwen3_next.configs import get_preset
+    sv = Serving(Monokernel("reference"), group=dist.group.WORLD, tp_rank=r, settings=Settings())
+    sa = types.SimpleNamespace(enable_torch_compile=(r == 1))  # only rank 1 has a reason
+    refusal = sv.accept_config(get_preset("qwen3-next-tiny"), sa, dtype="bfloat16", quantization=None)
+    q.put((r, refusal.message(), sv.off))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.spawn(rank, args=(int(sys.argv[1]), q), nprocs=2)
+    print(json.dumps(sorted([q.get(), q.get()])))
+"""
+
+
+def test_ranks_agree_over_a_real_gloo_group(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])  # [[rank, message, off], ...]
+    assert [r for r, _, _ in got] == [0, 1]
+    assert len({m for _, m, _ in got}) == 1 and all(off for *_, off in got)
+    assert got[0][1].startswith("mono_ext off: [config] ranks 1: --enable-torch-compile")
