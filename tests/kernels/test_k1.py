@@ -382,3 +382,40 @@ def test_attn_front_matches_reference(preset):
         assert_close("q", gate, ref.gate)  # the gate is a plain projection, q's thresholds
         assert rel_l2(r_out.float(), ref.residual_out) <= NUM["k2.residual.rel_l2"]
     assert jit_cache_size(k1_attn_kernel) == n_jit, "K1 compiled a new variant after build"
+
+
+def test_launches_adapter_matches_direct_launch():
+    """``K1Launches`` (the k1_* half of ``launches.LayerLaunches``) over BoundLayer views."""
+    from mono_ext.kernels.triton.k1 import K1Launches
+    from mono_ext.models.qwen3_next.launches import BoundLayer
+
+    md = ModelDims.from_config(_cfg(TINY))
+    gdn, attn = gdn_build(TINY, "bfloat16"), attn_build(TINY)
+    gen = new_gen(21)
+    st = rank_state()
+    adapter = K1Launches(gdn, attn, gdn.workspace(DEV), attn.workspace(DEV), st.ctrl, st.health,
+                         layers_per_step=2, null_slot=0)  # fmt: skip
+    w = {**gdn_weights(md, "interleaved", gen)}
+    conv, ssm = gdn_states(md, "vllm", "bfloat16", gen)
+    conv_r, ssm_r = conv.clone(), ssm.clone()
+    slots = step_slots(3, 0, gen)
+    hid, res = step_inputs(md, 3, gen)
+    o_in = torch.full((3, md.value_dim), float("nan"), dtype=torch.bfloat16, device=DEV)
+    r_out = torch.full_like(hid, float("nan"))
+    st.bump_epoch()
+    adapter.k1_gdn(BoundLayer(0, "linear_attention", w, conv, ssm), hid, res, slots,
+                   o_in=o_in, residual_out=r_out)  # fmt: skip
+    ref = run_ref_gdn(md, hid, res, w, conv_r, ssm_r, slots, "interleaved", "vllm", 0, "vk")
+    ok = _valid(slots, 0)
+    assert_close("out", o_in[ok].float(), ref.o_in[ok])
+    aw = attn_weights(md, gen)
+    pos = torch.randint(0, 4096, (3,), generator=gen, device=DEV)
+    qd, kvd = md.num_heads * md.head_dim, md.num_kv_heads * md.head_dim
+    q, k, v, gate = (torch.full((3, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+                     for n in (qd, kvd, kvd, qd))  # fmt: skip
+    adapter.k1_attn(BoundLayer(1, "full_attention", aw), hid, res, pos, q=q, k=k, v=v, gate=gate,
+                    residual_out=r_out)  # fmt: skip
+    ref_a = attn_front(hid, res, aw["input_layernorm"], aw, md, pos)
+    assert_close("q", q.float(), ref_a.q.reshape(3, -1))
+    assert_close("k", k.float(), ref_a.k.reshape(3, -1))
+    assert_healthy(st)
