@@ -299,6 +299,16 @@ def test_config_stage_names_every_reason_and_model_stays_stock(qn):
     assert "forward" not in qn.model.__dict__
 
 
+def test_unsupported_architecture_is_a_config_reason():
+    sv = Serving(Monokernel("reference"), settings=Settings())
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
+    refusal = sv.accept_config(llama, SimpleNamespace(), dtype=BF16, quantization=None)
+    assert refusal.message() == (
+        "mono_ext off: [config] no mono_ext model spec serves ['LlamaForCausalLM'] "
+        "(specs: qwen3_next)"
+    )
+
+
 def test_config_stage_refuses_unavailable_backend_and_check_mode_under_graphs(qn):
     mc = qn.mc
     graphs = SimpleNamespace(

@@ -46,7 +46,7 @@ launches neither read nor write any state for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,7 +244,7 @@ class CacheBinding:
     kv: dict[int, torch.Tensor]
     num_slots: int
     reasons: list[str]
-    identity: tuple = ()  # (data_ptr, shape) of every bound tensor, to notice a reallocation
+    identity: tuple = ()  # (data_ptr, shape, dtype) of every GDN state, to notice a reallocation
 
     def same_as(self, other: CacheBinding) -> bool:
         return self.identity == other.identity
@@ -280,7 +280,9 @@ def bind_caches(
                 kv[i] = token_to_kv_pool.get_key_buffer(i)
         except Exception as exc:  # a layer missing from a pool: say which, on every rank
             reasons.append(f"layer {i}: cache not found: {type(exc).__name__}: {exc}")
-    ident = tuple(_ident(t) for d in (conv, ssm, kv) for _, t in sorted(d.items()))
+    # Only the GDN states matter for a reallocation check: the launches write them; the KV
+    # buffers belong to the engine's attention (SGLang may resize its KV pool after capture).
+    ident = tuple(_ident(t) for d in (conv, ssm) for _, t in sorted(d.items()))
     return CacheBinding(conv, ssm, kv, int(getattr(pool, "size", 0)), reasons, ident)
 
 
@@ -322,12 +324,3 @@ def step_slots(
     if real is not None and real < rows:
         slots[real:] = -1
     return slots
-
-
-def check_identity(binding: CacheBinding, rebind: Callable[[], CacheBinding]) -> None:
-    """Raise when the pools were reallocated after binding (kernels would write freed memory)."""
-    if not binding.same_as(rebind()):
-        raise RuntimeError(
-            "mono_ext: SGLang reallocated a GDN state or KV buffer after it was bound; the "
-            "launches would read and write freed memory"
-        )

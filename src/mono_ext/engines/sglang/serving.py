@@ -286,10 +286,10 @@ class Serving:
         )
 
     def recheck_caches(self) -> None:
-        """Raise when SGLang reallocated a bound cache since the cache stage."""
+        """Raise when SGLang reallocated a bound GDN state since the cache stage."""
         now = bind_caches(self.req_to_token_pool, self.token_to_kv_pool, self.kinds())
         if not self.caches.same_as(now):
             raise RuntimeError(
-                "mono_ext: SGLang reallocated a GDN state or KV buffer after it was bound; the "
-                "launches would read and write freed memory"
+                "mono_ext: SGLang reallocated a GDN state after it was bound; the launches would "
+                "read and write freed memory"
             )
