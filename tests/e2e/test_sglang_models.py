@@ -275,6 +275,7 @@ def test_config_stage_names_every_reason_and_model_stays_stock(qn):
         enable_torch_compile=True,
         nnodes=2,
         enable_linear_replayssm=True,
+        expert_distribution_recorder_mode="stat",
         cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="breakable")),
     )
     sv = Serving(Monokernel("reference"), settings=Settings())
@@ -292,6 +293,7 @@ def test_config_stage_names_every_reason_and_model_stays_stock(qn):
         "--enable-torch-compile",
         "multi-node tensor parallelism",
         "--enable-linear-replayssm",
+        "expert distribution recorder",
     ):
         assert needle in text, needle
     # later stages do nothing once refused; the model keeps SGLang's forward
@@ -612,6 +614,37 @@ def test_routed_steps_match_the_oracle_and_spare_padded_rows(which, slot_source,
             assert torch.equal(got_c[untouched], before[i][0]), "a padded row touched a state"
             assert torch.equal(got_s[untouched], before[i][1]), "a padded row touched a state"
     assert router.routed_steps == 2 and router.original.calls == []
+
+
+def test_routed_step_keeps_prefix_cache_states_through_sglangs_own_copy(qn, cleanup):
+    """With SGLang's mamba radix cache (extra_buffer) a decode step also copies states to
+    track slots; the routed step asks SGLang's backend to do it for every GDN layer."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    sv, rp, kvp = _active(qn)
+    slots = torch.tensor([1, 2, -1], dtype=torch.int32)
+    backend = FakeAttention(rp, kvp, slots)
+    calls = []
+    backend.linear_attn_backend._track_mamba_state_decode = lambda *a: calls.append(a)
+    router = Router(sv, Spy(), attn_backend=backend)
+    install(qn.model, router)
+    cleanup(qn.model)
+    fb = _batch("DECODE", 3, req_pool_indices=torch.arange(3))
+    fb.mamba_track_mask = torch.tensor([True, False, False])
+    with forward_context(ForwardContext(attn_backend=backend)):
+        qn.model.forward(fb.input_ids, torch.zeros(3, dtype=torch.long), fb)
+    gdn = [b.index for b in sv.model.layers if b.kind == "linear_attention"]
+    assert [c[4] for c in calls] == gdn
+    for fb_seen, conv, ssm, idx, i in calls:
+        assert fb_seen is fb and torch.equal(idx, slots)
+        assert conv.data_ptr() == sv.caches.conv[i].data_ptr()
+        assert ssm.data_ptr() == sv.caches.ssm[i].data_ptr()
+    del backend.linear_attn_backend._track_mamba_state_decode
+    with (
+        pytest.raises(RuntimeError, match="mamba_track_mask"),
+        forward_context(ForwardContext(attn_backend=backend)),
+    ):
+        qn.model.forward(fb.input_ids, torch.zeros(3, dtype=torch.long), fb)
 
 
 def test_pool_slot_source_pads_with_minus_one_and_refuses_under_capture(qn):

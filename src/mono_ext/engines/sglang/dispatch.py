@@ -12,6 +12,7 @@ A routed step, in SGLang's own objects (no math here):
 2. the engine-neutral driver (``models.qwen3_next.decode``) runs K1 -> attention -> K2 for
    every layer, the attention being the layer's own ``RadixAttention`` (it writes the KV
    cache), the GDN slots those SGLang's own kernels would read (:func:`.binding.step_slots`);
+   then SGLang's own prefix-cache state tracking, where the step asks for it;
 3. ``text_model.norm(hidden, residual)`` and ``logits_processor(..., lm_head, ...)``.
 
 After the decode graphs are captured, :class:`CaptureCheck` (a ``capture_tail_hooks``
@@ -142,11 +143,32 @@ class Router:
             # SGLang keeps one slot table for every GDN layer (one MambaPool index per request).
             inputs = StepInputs(hidden=hidden, positions=pos, slots=dict.fromkeys(self._gdn, slots))
             hidden, residual = driver.run(step, inputs, attend)
+            self._track_states(backend, forward_batch, slots)
             hidden, _ = self._text.norm(hidden, residual)
             self.routed_steps += 1
             return self._outer.logits_processor(
                 input_ids, hidden, self._outer.lm_head, forward_batch
             )
+
+    def _track_states(self, backend: Any, forward_batch: Any, slots: torch.Tensor) -> None:
+        """What SGLang's GDN decode does after each layer's update when its prefix cache keeps
+        mamba states (``--mamba-radix-cache-strategy extra_buffer``): copy the rows' states
+        to their track slots. SGLang's own copy, called per GDN layer as its decode calls it
+        (it fuses them into one launch at the last layer); a no-op without a track mask."""
+        if getattr(forward_batch, "mamba_track_mask", None) is None:
+            return
+        linear = getattr(backend, "linear_attn_backend", None)
+        track = getattr(linear, "_track_mamba_state_decode", None)
+        if track is None:
+            raise RuntimeError(
+                "mono_ext: SGLang asks this decode step to keep GDN states for its prefix "
+                "cache (mamba_track_mask), but its linear-attention backend "
+                f"{type(linear).__name__} has no _track_mamba_state_decode; the cache would "
+                "keep stale states"
+            )
+        caches = self.serving.caches
+        for i in self._gdn:
+            track(forward_batch, caches.conv[i], caches.ssm[i], slots, i)
 
 
 def install(model: Any, router: Router) -> None:

@@ -161,6 +161,13 @@ def engine_reasons(sa: Any, *, check_mode: bool = False) -> list[str]:
         )
     if (_get(sa, "cpu_offload_gb", 0) or 0) > 0 or (_get(sa, "offload_group_size", 0) or 0) > 0:
         reasons.append("CPU offload moves weights the kernels read in place")
+    if (_get(sa, "expert_distribution_recorder_mode") or None) is not None or _get(
+        sa, "enable_expert_distribution_metrics"
+    ):
+        reasons.append(
+            "the expert distribution recorder counts routed experts per layer in SGLang's MoE "
+            "code, which routed decode steps do not run"
+        )
     if _get(sa, "mamba_envelope_layout"):
         reasons.append(
             "the envelope mamba layout strides GDN states across slots (kernels read dense slots)"
