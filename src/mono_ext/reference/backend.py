@@ -45,6 +45,12 @@ class ReferenceLaunches:
     layouts: Mapping[str, str]
     null_slot: int | None = None
 
+    def begin_step(self) -> None:
+        """Nothing per step: the reference keeps no device state between launches."""
+
+    def end_step(self) -> None:
+        """Nothing per step: the reference has no device waits to check."""
+
     def _check_rows(self, hidden: torch.Tensor) -> None:
         if hidden.shape[0] != self.key.width:
             raise ValueError(

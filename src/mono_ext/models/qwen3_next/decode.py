@@ -6,7 +6,10 @@ step's embeddings, positions and each GDN layer's state slots (engines may give 
 layers different slot tables: vLLM 0.26 keeps one per KV-cache group) plus an ``attend``
 callback that runs the engine's own paged attention (which writes the KV cache). The driver owns the activation buffers
 (allocated once at the widest width and sliced per step, so graph replays see fixed
-addresses) and chains the layers; it contains no engine code and no kernel code.
+addresses) and chains the layers; it contains no engine code and no kernel code. Each step is
+bracketed by the launches' ``begin_step`` (device side: captured with the step) and
+``end_step`` (host side: a no-op while capturing; an engine replaying a captured step calls it
+after the replay).
 
 Check mode (``MONO_EXT_CHECK=1``, eager only) runs the engine's own layer code
 (:class:`StockLayers`) next to each launch on the same inputs and compares with the spec's
@@ -158,6 +161,7 @@ class DecodeDriver:
         b = self._buf
         valid = self._valid_rows(next(iter(inp.slots.values()))) if self.checking else None
         hidden, residual = inp.hidden, None
+        launches.begin_step()  # e.g. the step epoch: captured with the step, replayed with it
         for n, layer in enumerate(self.layers):
             r1, r2, h2 = b.residual[0][:rows], b.residual[1][:rows], b.hidden[n % 2][:rows]
             if layer.is_gdn:
@@ -188,6 +192,7 @@ class DecodeDriver:
             if self.checking:
                 self._check_k2(layer, o_in, gate, r1, h2, r2, valid)
             hidden, residual = h2, r2
+        launches.end_step()  # host-side health check (a no-op while capturing)
         self.steps += 1
         return hidden, residual
 

@@ -2,10 +2,21 @@
 
 A backend's ``target`` (``core.backends.KernelBackend``) is a :class:`LaunchBuilder`: called
 once per :class:`~mono_ext.core.spec.BuildKey` at start-up, it returns a :class:`LayerLaunches`
-whose three methods the per-step driver (``decode.py``) calls for every decoder layer:
+whose three launch methods the per-step driver (``decode.py``) calls for every decoder layer,
+between the two per-step hooks:
 
+    begin_step()                                    once, before the first layer's launch
     GDN layer:        k1_gdn  ->                                        k2
     attention layer:  k1_attn -> the engine's paged attention (attend) -> k2 (with gate)
+    end_step()                                      once, after the last layer's launch
+
+``begin_step`` is device-side work on the step's stream (a persistent backend bumps its step
+epoch there), so a captured CUDA graph records it and every replay repeats it.
+``end_step`` is host-side bookkeeping (a persistent backend hands its health words to
+FailStop there, which raises :class:`~mono_ext.runtime.failstop.FailStopError` once a wait
+has given up); it does nothing while the stream is being captured, and an engine that
+replays a captured step calls it after each replay. Backends with nothing to do implement
+both as no-ops (the reference backend does).
 
 Launches read the engine's weights and caches in place (a :class:`BoundLayer`), write their
 outputs into caller-owned buffers (allocated once, reused every step, so a captured graph
@@ -114,6 +125,14 @@ class LayerLaunches(Protocol):
     """K1/K2 launches for one build key (one width). See the module's tensor contract."""
 
     key: BuildKey
+
+    def begin_step(self) -> None:
+        """Start of a step, before any launch: device work on the current stream only (it is
+        captured with the step); no host reads of device values."""
+
+    def end_step(self) -> None:
+        """End of a step, after every launch (or after a captured step's replay): host-side
+        health bookkeeping; raises if a device wait gave up; a no-op while capturing."""
 
     def k1_gdn(
         self,
