@@ -12,7 +12,11 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 | name            | shape                 | dtype | layout                                 | writer               |
 |-----------------|-----------------------|-------|----------------------------------------|----------------------|
 | o_in            | [B, in_r]             | bf16  | contiguous rows (GDN: Hv*Dv/tp; attn:  | K1 / engine attention|
-|                 |                       |       | Hq*D/tp, already * sigmoid(gate))      |                      |
+|                 |                       |       | Hq*D/tp, already * sigmoid(gate) unless|                      |
+|                 |                       |       | the build is ``gated``)                |                      |
+| gate            | [B, in_r]             | bf16  | ``gated`` builds only: the pre-sigmoid | K1 (attention)       |
+|                 |                       |       | output gate; S1 reads bf16(o_in *      |                      |
+|                 |                       |       | sigmoid(gate)) (fp32 math, one round)  |                      |
 | residual        | [B, H]                | bf16  | contiguous rows                        | K1 (residual_out)    |
 | out_hidden      | [B, H]                | bf16  | contiguous; MoE out incl. shared expert| this launch (S4)     |
 | out_residual    | [B, H]                | bf16  | contiguous; residual + o_proj(o_in)    | this launch (S1)     |
@@ -198,9 +202,21 @@ def _sum_partials(
     return acc
 
 
+@triton.jit
+def _o_in_tile(o_in_ptr, gate_ptr, offs, mask, GATED: tl.constexpr):
+    """A bf16 tile of out_proj's input; ``GATED``: bf16(o_in * sigmoid(gate)), fp32 math
+    (the attention layers' output gate, folded into S1's load)."""
+    x = tl.load(o_in_ptr + offs, mask=mask, other=0.0)
+    if GATED:
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * tl.sigmoid(g)).to(tl.bfloat16)
+    return x
+
+
 @triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step"])
 def k2_kernel(
     o_in_ptr,
+    gate_ptr,
     res_in_ptr,
     out_h_ptr,
     out_r_ptr,
@@ -263,6 +279,7 @@ def k2_kernel(
     RN: tl.constexpr,
     HP: tl.constexpr,
     PREFETCH: tl.constexpr,
+    GATED: tl.constexpr,
     GLPOW: tl.constexpr,
     IWPOW: tl.constexpr,
     STAGES: tl.constexpr,
@@ -335,11 +352,8 @@ def k2_kernel(
             mask=(hr[:, None] < H) & km[None, :],
             other=0.0,
         )
-        x_t = tl.load(
-            o_in_ptr + rows[None, :] * KO + k[:, None],
-            mask=rmask[None, :] & km[:, None],
-            other=0.0,
-        )
+        x_t = _o_in_tile(o_in_ptr, gate_ptr, rows[None, :] * KO + k[:, None],
+                         rmask[None, :] & km[:, None], GATED)  # fmt: skip
         acc = tl.zeros([BN, BB], dtype=tl.float32)
         for it in range(n_it):
             j = it // KCH1
@@ -356,11 +370,8 @@ def k2_kernel(
                 mask=(nhr[:, None] < H) & nkm[None, :],
                 other=0.0,
             )
-            x_n = tl.load(
-                o_in_ptr + rows[None, :] * KO + nk[:, None],
-                mask=rmask[None, :] & nkm[:, None],
-                other=0.0,
-            )
+            x_n = _o_in_tile(o_in_ptr, gate_ptr, rows[None, :] * KO + nk[:, None],
+                             rmask[None, :] & nkm[:, None], GATED)  # fmt: skip
             acc = tl.dot(w_t, x_t, acc)
             if kc == KCH1 - 1:
                 hr = (t % RB1) * BN + nn
@@ -893,12 +904,15 @@ class K2Launch:
 
     ``co_resident``: how many launches of this kernel spin together on one device (``tp``
     for virtual TP, 1 for real TP). ``kind``: "gdn" reads ``weights["out_proj"]``, "attn"
-    ``weights["o_proj"]``.
+    ``weights["o_proj"]``. ``gated`` (attention only): :meth:`launch` takes the pre-sigmoid
+    output ``gate`` next to the raw attention output and S1 forms bf16(o_in * sigmoid(gate))
+    as it loads (compiled in; no extra launch).
     """
 
     shape: K2Shape
     config: K2Config
     kind: str = "gdn"
+    gated: bool = False
     co_resident: int = 1
     sys_scope: bool = False
     stages: int = STAGES_ALL
@@ -909,6 +923,8 @@ class K2Launch:
         self.shape.validate()
         if self.kind not in ("gdn", "attn"):
             raise ValueError(f"kind must be 'gdn' or 'attn', got {self.kind!r}")
+        if self.gated and self.kind != "attn":
+            raise ValueError("only attention layers have an output gate (gated needs kind 'attn')")
         c = self.config
         if c.bn != 16 * c.num_warps:
             raise ValueError(f"bn={c.bn} must be 16 * num_warps (one M16 slab per warp)")
@@ -925,6 +941,7 @@ class K2Launch:
         return (
             f"k2 {self.kind} h{s.hidden} in{s.in_dim} e{s.experts}k{s.top_k} i{s.moe_inter}"
             f" is{s.shared_inter} tp{s.tp} grid{self.config.grid} w{self.config.num_warps}"
+            + (" gated" if self.gated else "")
         )
 
     @property
@@ -986,6 +1003,7 @@ class K2Launch:
             RN=c.rn,
             HP=_next_pow2(s.hidden),
             PREFETCH=c.prefetch,
+            GATED=self.gated,
             GLPOW=_next_pow2(s.slots + 1),
             IWPOW=_next_pow2(s.act_words),
             STAGES=self.stages,
@@ -995,10 +1013,11 @@ class K2Launch:
 
     # -- build / launch ------------------------------------------------------------------
     def _args(self, o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health, peers,
-              n_rows, layer, layers_per_step):  # fmt: skip
+              n_rows, layer, layers_per_step, gate=None):  # fmt: skip
         w_o = weights["out_proj" if self.kind == "gdn" else "o_proj"]
         return (
             o_in,
+            o_in if gate is None else gate,  # read only by gated builds
             residual,
             out_hidden,
             out_residual,
@@ -1025,7 +1044,7 @@ class K2Launch:
             float(self.shape.eps),
         )
 
-    def check(self, o_in, residual, weights, out_hidden, out_residual) -> int:
+    def check(self, o_in, residual, weights, out_hidden, out_residual, gate=None) -> int:
         """Validate shapes, dtypes, contiguity and 16-byte alignment; returns the width."""
         import torch
 
@@ -1050,6 +1069,13 @@ class K2Launch:
             "out_residual": (out_residual, (b, h)),
         }
         bad = []
+        if self.gated:
+            if gate is None:
+                bad.append("missing gate (a gated build multiplies o_in by sigmoid(gate))")
+            else:
+                acts["gate"] = (gate, (b, s.in_dim))
+        elif gate is not None:
+            bad.append("got a gate, but this build is not gated (o_in must be pre-gated)")
         for name, shp in want.items():
             t = weights.get(name)
             if t is None:
@@ -1103,7 +1129,8 @@ class K2Launch:
         )
         st = RankState.create(0, dev, 1.0)
         peers = torch.zeros(max(s.tp, 2), dtype=torch.int64, device=dev) if s.tp > 1 else None
-        args = self._args(one, one, weights, one, one, ws, st.ctrl, st.health, peers, 2, 0, 1)
+        args = self._args(one, one, weights, one, one, ws, st.ctrl, st.health, peers, 2, 0, 1,
+                          one if self.gated else None)  # fmt: skip
         compiled = k2_kernel.warmup(*args, grid=(self.config.grid,), **self._constexprs())
         res = kernel_resources(compiled)
         check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
@@ -1125,19 +1152,22 @@ class K2Launch:
         layer: int = 0,
         layers_per_step: int = 1,
         validate: bool = True,
+        gate=None,
     ) -> None:
-        """One K2 for ``o_in.shape[0]`` rows. The caller bumps the epoch once per step."""
+        """One K2 for ``o_in.shape[0]`` rows. The caller bumps the epoch once per step.
+        ``gate``: the pre-sigmoid output gate, for (and only for) a ``gated`` build."""
         if self._compiled is None:
             raise RuntimeError(f"{self.label()}: build() at startup before launching")
-        n_rows = (
-            self.check(o_in, residual, weights, out_hidden, out_residual)
-            if validate
-            else o_in.shape[0]
-        )
+        if validate:
+            n_rows = self.check(o_in, residual, weights, out_hidden, out_residual, gate)
+        else:
+            if self.gated != (gate is not None):
+                raise ValueError(f"{self.label()}: gate must be given exactly for gated builds")
+            n_rows = o_in.shape[0]
         if self.shape.tp > 1 and peers is None:
             raise ValueError(f"{self.label()}: TP {self.shape.tp} needs the peer table")
         args = self._args(o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health,
-                          peers, n_rows, layer, layers_per_step)  # fmt: skip
+                          peers, n_rows, layer, layers_per_step, gate)  # fmt: skip
         k2_kernel[(self.config.grid,)](*args, **self._constexprs())
 
 
