@@ -1,0 +1,387 @@
+"""The ``triton`` backend's :class:`~mono_ext.models.qwen3_next.launches.LaunchBuilder`: K1
+(``k1.py``) and K2 (``k2.py``) behind the launch interface, with the runtime state they share.
+
+What one deployment on one device gets (a :class:`TritonRuntime`, made by the first key):
+
+| object              | what                                               | when               |
+|---------------------|----------------------------------------------------|--------------------|
+| K1 GDN / attention  | compiled, loaded, residency-checked; rope table    | first key's build  |
+| K2 GDN / attention  | same; the attention build is ``gated``: its S1     | first key's build  |
+|                     | load forms bf16(attn * sigmoid(gate)) (no extra    |                    |
+|                     | launch, no buffer)                                 |                    |
+| workspaces          | one per launch kind (mailbox scratch, per-CTA rows)| first key's build  |
+| RankState           | ctrl (epoch, deadline, rank) and health words      | first key's build  |
+| FailStop            | pinned health copies, polled after every step      | first key's build  |
+| BuildCache          | every BuildKey (one per served width) of the       | each key; sealed   |
+|                     | deployment                                         | by the first step  |
+
+Every width shares the runtime: the kernels take the row count as a run-time argument (never
+specialised), so a width needs nothing compiled of its own, and since one step runs at a time
+and every mailbox tag is (step epoch, layer), the widths can share workspaces and the epoch.
+Per step the driver calls ``begin_step`` (seals the build cache, bumps the epoch on the
+stream: captured with the step, repeated by every replay), the launches, then ``end_step``
+(hands the health words to FailStop; skipped while capturing: an engine that replays a
+captured step calls ``end_step`` after the replay, and ``release(step)`` before it returns
+that step's tokens). A FailStop that saw a wait give up raises
+:class:`~mono_ext.runtime.failstop.FailStopError`; after that every step raises (no fallback).
+
+``BuildContext.extra`` (all optional): ``ssm_dtype`` ("float32"/"bfloat16"; default the
+config's ``mamba_ssm_dtype``, else the activation dtype), ``a_log_dtype`` ("float32"),
+``dt_bias_dtype`` (the activation dtype), ``positions_dtype`` ("int64"), ``max_positions``
+(RoPE table rows; default ``max_position_embeddings``), ``deadline_s`` (default
+``MONO_EXT_DEADLINE_S``), ``k1_config`` / ``k2_config`` (tiles and grid), ``validate``
+(check every launch's tensors, default True).
+
+Triton and torch are imported when a runtime is built, so :meth:`TritonBuilder.refusals` works
+(and names the missing piece) on a box without them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...core.spec import BuildKey
+from ...core.views import ConfigView
+from ...models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
+
+__all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build"]
+
+#: What a deployment that names none of a layout tag gets (the reference backend's defaults).
+DEFAULT_LAYOUTS = {"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
+STATE_DTYPES = ("float32", "bfloat16")
+MAX_WIDTH = 16  # BLOCK_B of K1 and K2
+
+
+def _layouts(layouts: Mapping[str, str]) -> dict[str, str]:
+    return {**DEFAULT_LAYOUTS, **{k: v for k, v in layouts.items() if k in LAYOUT_KEYS}}
+
+
+def _layout_reasons(layouts: Mapping[str, str]) -> list[str]:
+    reasons = []
+    for name, value in _layouts(layouts).items():
+        allowed = LAYOUT_KEYS[name]
+        if value not in allowed:
+            reasons.append(f"the Triton backend has no {name}={value!r} (has {allowed})")
+    return reasons
+
+
+def _state_dtype(text_config: Mapping[str, Any], extra: Mapping[str, Any], dtype: str) -> str:
+    return str(extra.get("ssm_dtype") or text_config.get("mamba_ssm_dtype") or dtype)
+
+
+def _shape_reasons(text_config: Mapping[str, Any], tp: int) -> list[str]:
+    """What K1/K2 (as compiled for this config's per-rank shapes) cannot read."""
+    from ...models.qwen3_next.configs import is_moe_layer
+    from ...models.qwen3_next.dims import Dims
+    from .k1 import K1AttnShape, K1GdnShape
+    from .k2 import K2Shape
+
+    try:
+        d = Dims.from_config(text_config, tp=tp)
+    except (KeyError, TypeError, ValueError) as exc:
+        return [f"the Triton backend cannot read the config's sizes: {exc}"]
+    reasons = []
+    kinds = set(d.kinds)
+    if "linear_attention" in kinds:
+        g = K1GdnShape.from_dims(d)
+        reasons += [f"K1 (GDN): {r}" for r in g.refusals()]
+        if g.qkvz_rows % 16:
+            reasons.append(f"K1 (GDN): in_proj_qkvz rows {g.qkvz_rows} are not a multiple of 16")
+    if "full_attention" in kinds:
+        a = K1AttnShape.from_dims(d)
+        reasons += [f"K1 (attention): {r}" for r in a.refusals()]
+        if a.qkv_rows % 16:
+            reasons.append(f"K1 (attention): qkv_proj rows {a.qkv_rows} are not a multiple of 16")
+    for kind, name in (("gdn", "linear_attention"), ("attn", "full_attention")):
+        if name not in kinds:
+            continue
+        try:
+            K2Shape.from_dims(d, kind).validate()
+        except ValueError as exc:
+            reasons.append(f"K2 ({kind}): {exc}")
+    if d.shared_inter_r < 1:
+        reasons.append("K2 always adds the gated shared expert; this model has none")
+    dense = [i for i in range(d.num_layers) if not is_moe_layer(dict(text_config), i)]
+    if dense:
+        reasons.append(f"K2 has no dense-MLP tail; layers {dense[:8]} are dense")
+    return reasons
+
+
+def _wait_namer(layouts: list[Any]):
+    """Health records carry (region id, index) without the program: name every candidate."""
+
+    def name_of(region: int, index: int) -> str:
+        names = [
+            lay.describe(region, index) for lay in layouts if 0 <= region < len(lay.program.regions)
+        ]
+        return " or ".join(names) or f"region#{region}[{index}]"
+
+    return name_of
+
+
+@dataclass
+class TritonRuntime:
+    """Everything the launches of one deployment on one device share (see the module doc)."""
+
+    device: Any
+    dims: Any  # models.qwen3_next.dims.Dims, this rank's
+    layouts: Mapping[str, str]
+    null_slot: int | None
+    validate: bool
+    state: Any  # runtime.peers.RankState
+    failstop: Any  # runtime.failstop.FailStop
+    k1: Any  # k1.K1Launches over the two K1 builds and their workspaces
+    k2_gdn: Any  # k2.K2Launch or None
+    k2_attn: Any  # k2.K2Launch (gated) or None
+    k2_gdn_ws: Any
+    k2_attn_ws: Any
+    cache: Any  # runtime.build_cache.BuildCache of TritonLaunches
+    steps: int = 0  # host-side count of finished steps (FailStop's step numbers)
+    compiled: dict[str, Any] = field(default_factory=dict)  # label -> KernelResources
+
+    @property
+    def layers_per_step(self) -> int:
+        return self.dims.num_layers
+
+    @classmethod
+    def create(cls, key: BuildKey, ctx: BuildContext) -> TritonRuntime:
+        import torch
+
+        from ...core.settings import load_settings
+        from ...models.qwen3_next.dims import Dims
+        from ...runtime.build_cache import BuildCache
+        from ...runtime.failstop import CudaHealthSource, FailStop
+        from ...runtime.peers import RankState
+        from . import k1 as k1m
+        from . import k2 as k2m
+
+        dev = torch.device(ctx.device)
+        if dev.type != "cuda":
+            raise ValueError(f"{key.label()}: the Triton backend runs on CUDA devices, got {dev}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        extra = dict(ctx.extra)
+        text = dict(ctx.text_config)
+        settings = load_settings()
+        d = Dims.from_config(text, tp=key.tp_size)
+        layouts = _layouts(dict(key.layouts))
+        sm = torch.cuda.get_device_properties(dev).multi_processor_count
+        k1_cfg = extra.get("k1_config") or k1m.K1Config(grid=sm)
+        k2_cfg = extra.get("k2_config") or k2m.K2Config(grid=sm)
+        kinds = set(d.kinds)
+        gdn = attn = k2_gdn = k2_attn = None
+        if "linear_attention" in kinds:
+            gdn = k1m.K1GdnLaunch(
+                k1m.K1GdnShape.from_dims(d),
+                k1_cfg,
+                packing=layouts["qkvz_packing"],
+                state_dtype=_state_dtype(text, extra, key.dtype),
+                ssm_layout=layouts["ssm_layout"],
+                conv_dtype=key.dtype,
+                a_log_dtype=str(extra.get("a_log_dtype", "float32")),
+                dt_bias_dtype=str(extra.get("dt_bias_dtype", key.dtype)),
+            )
+            k2_gdn = k2m.K2Launch(k2m.K2Shape.from_dims(d, "gdn"), k2_cfg, kind="gdn")
+        if "full_attention" in kinds:
+            attn = k1m.K1AttnLaunch(
+                k1m.K1AttnShape.from_dims(d),
+                k1_cfg,
+                max_positions=int(
+                    extra.get("max_positions") or text.get("max_position_embeddings") or 8192
+                ),
+                positions_dtype=str(extra.get("positions_dtype", "int64")),
+            )
+            k2_attn = k2m.K2Launch(
+                k2m.K2Shape.from_dims(d, "attn"), k2_cfg, kind="attn", gated=True
+            )
+        compiled = {}
+        for launch in (gdn, attn, k2_gdn, k2_attn):  # compile + load + residency, now
+            if launch is not None:
+                launch.build(dev)
+                compiled[launch.label()] = launch.resources
+        deadline = float(extra.get("deadline_s") or settings.deadline_s)
+        state = RankState.create(ctx.tp_rank, dev, deadline)
+        layouts_of = [x.layout for x in (gdn, attn, k2_gdn, k2_attn) if x is not None]
+        failstop = FailStop(
+            CudaHealthSource(state.health),
+            rank=ctx.tp_rank,
+            agree_every=settings.agree_every,
+            name_of=_wait_namer(layouts_of),
+        )
+        validate = bool(extra.get("validate", True))
+        k1 = k1m.K1Launches(
+            gdn,
+            attn,
+            gdn.workspace(dev) if gdn is not None else None,
+            attn.workspace(dev) if attn is not None else None,
+            state.ctrl,
+            state.health,
+            layers_per_step=d.num_layers,
+            null_slot=ctx.null_slot,
+            validate=validate,
+        )
+        rt = cls(
+            device=dev,
+            dims=d,
+            layouts=layouts,
+            null_slot=ctx.null_slot,
+            validate=validate,
+            state=state,
+            failstop=failstop,
+            k1=k1,
+            k2_gdn=k2_gdn,
+            k2_attn=k2_attn,
+            k2_gdn_ws=k2_gdn.workspace(dev) if k2_gdn is not None else None,
+            k2_attn_ws=k2_attn.workspace(dev) if k2_attn is not None else None,
+            cache=None,
+            compiled=compiled,
+        )
+        rt.cache = BuildCache(lambda k: TritonLaunches(k, rt), sources=(k1m, k2m))
+        torch.cuda.synchronize(dev)  # workspaces zeroed before any step can see them
+        return rt
+
+    # -- per step ----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        if self.failstop.error is not None:
+            raise self.failstop.error  # sticky: no step runs after a failure
+        self.cache.seal()  # start-up is over: a key not built by now never will be
+        self.state.bump_epoch()
+
+    def end_step(self) -> None:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return  # the engine calls end_step after each replay instead
+        self.steps += 1
+        self.failstop.after_launch(self.steps)
+
+    def release(self, step: int | None = None) -> bool:
+        """May the tokens of ``step`` (default: the last finished one) be returned?"""
+        return self.failstop.release(self.steps if step is None else step)
+
+
+@dataclass
+class TritonLaunches:
+    """:class:`~mono_ext.models.qwen3_next.launches.LayerLaunches` of one build key over the
+    deployment's shared :class:`TritonRuntime`."""
+
+    key: BuildKey
+    runtime: TritonRuntime
+
+    def begin_step(self) -> None:
+        self.runtime.begin_step()
+
+    def end_step(self) -> None:
+        self.runtime.end_step()
+
+    def release(self, step: int | None = None) -> bool:
+        return self.runtime.release(step)
+
+    def _rows(self, x: Any) -> None:
+        if x.shape[0] != self.key.width:
+            raise ValueError(
+                f"{self.key.label()}: got {x.shape[0]} rows, built for {self.key.width}"
+            )
+
+    def k1_gdn(self, layer: BoundLayer, hidden, residual, slots, *, o_in, residual_out) -> None:
+        self._rows(hidden)
+        self.runtime.k1.k1_gdn(layer, hidden, residual, slots, o_in=o_in,
+                               residual_out=residual_out)  # fmt: skip
+
+    def k1_attn(self, layer: BoundLayer, hidden, residual, positions, *, q, k, v, gate,
+                residual_out) -> None:  # fmt: skip
+        self._rows(hidden)
+        self.runtime.k1.k1_attn(layer, hidden, residual, positions, q=q, k=k, v=v, gate=gate,
+                                residual_out=residual_out)  # fmt: skip
+
+    def k2(self, layer: BoundLayer, o_in, residual, gate, *, hidden_out, residual_out) -> None:
+        self._rows(o_in)
+        rt = self.runtime
+        if layer.is_gdn:
+            if gate is not None:
+                raise ValueError(f"layer {layer.index}: a GDN layer's K2 takes no gate")
+            launch, ws = rt.k2_gdn, rt.k2_gdn_ws
+        else:
+            if gate is None:
+                raise ValueError(f"layer {layer.index}: an attention layer's K2 needs its gate")
+            launch, ws = rt.k2_attn, rt.k2_attn_ws
+        if launch is None:
+            raise RuntimeError(f"{self.key.label()}: no K2 build for layer {layer.index}")
+        launch.launch(o_in, residual, layer.weights, hidden_out, residual_out, ws=ws,
+                      ctrl=rt.state.ctrl, health=rt.state.health, layer=layer.index,
+                      layers_per_step=rt.layers_per_step, validate=rt.validate,
+                      gate=gate)  # fmt: skip
+
+
+class TritonBuilder:
+    """The backend's ``target``: ``build(key, ctx)`` -> :class:`TritonLaunches`.
+
+    Keys of one deployment (same device, rank, config, dtype, layouts and ``extra``) share one
+    :class:`TritonRuntime`, made (and compiled) by the first of them.
+    """
+
+    def __init__(self) -> None:
+        self.runtimes: dict[tuple, TritonRuntime] = {}
+
+    def refusals(self, cfg: ConfigView, layouts: Mapping[str, str]) -> list[str]:
+        reasons = []
+        if cfg.tp_size != 1:
+            reasons.append(
+                f"TP {cfg.tp_size}: the Triton K2 all-reduces run through peer buffers "
+                "(runtime.peers.IpcPeers) that no engine adapter opens yet; the Triton backend "
+                "serves TP 1 only"
+            )
+        if cfg.dtype != "bfloat16":
+            reasons.append(f"dtype {cfg.dtype}: the Triton K1/K2 read and write bfloat16")
+        if cfg.quantization is not None:
+            reasons.append(f"quantization {cfg.quantization!r}: the Triton K1/K2 read bf16 planes")
+        reasons += _layout_reasons(layouts)
+        text = dict(cfg.hf_config)
+        ssm = text.get("mamba_ssm_dtype")
+        if ssm is not None and ssm not in STATE_DTYPES:
+            reasons.append(f"mamba_ssm_dtype {ssm!r}: K1 reads {STATE_DTYPES} recurrent states")
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return [*reasons, "triton is not installed"]
+        return reasons + _shape_reasons(text, max(1, cfg.tp_size))
+
+    def _runtime_key(self, key: BuildKey, ctx: BuildContext) -> tuple:
+        def frozen(m: Mapping[str, Any]) -> str:
+            return json.dumps({k: repr(v) for k, v in m.items()}, sort_keys=True)
+
+        return (
+            str(ctx.device),
+            ctx.tp_rank,
+            ctx.null_slot,
+            key.spec,
+            key.dtype,
+            key.tp_size,
+            key.layouts,
+            frozen(ctx.text_config),
+            frozen(ctx.extra),
+        )
+
+    def __call__(self, key: BuildKey, ctx: BuildContext) -> TritonLaunches:
+        if key.tp_size != 1:
+            raise ValueError(f"{key.label()}: the Triton backend serves TP 1 only (see refusals)")
+        if key.dtype != "bfloat16":
+            raise ValueError(f"{key.label()}: the Triton K1/K2 are built for bfloat16")
+        if not 1 <= key.width <= MAX_WIDTH:
+            raise ValueError(f"{key.label()}: widths 1..{MAX_WIDTH} only")
+        bad = _layout_reasons(dict(key.layouts))
+        if bad:
+            raise ValueError(f"{key.label()}: " + "; ".join(bad))
+        rk = self._runtime_key(key, ctx)
+        rt = self.runtimes.get(rk)
+        if rt is None:
+            rt = self.runtimes[rk] = TritonRuntime.create(key, ctx)
+        rt.cache.build_all([key])  # NotBuiltError once the first step has sealed it
+        return rt.cache.get(key)
+
+
+#: ``KernelBackend.target`` of the ``triton`` backend (``mono_ext.kernels.triton.backend:build``).
+build = TritonBuilder()
