@@ -1,11 +1,13 @@
-"""Entry-point plugin (group ``mono_ext``) registering the ``triton`` backend (NVIDIA sm_90)."""
+"""Entry-point plugin (group ``mono_ext``) registering the ``triton`` backend (NVIDIA sm_90).
+
+Its target is :data:`mono_ext.kernels.triton.backend.build` (K1/K2 behind the launch interface;
+a whole-model decode step through it is checked on the H200 by
+``tests/kernels/test_triton_backend.py``). The probe says usable where triton imports and an
+sm_90 device is visible; what a deployment needs beyond that is the builder's ``refusals``.
+"""
 
 from ..core.backends import KernelBackend
 from ..core.hookspecs import hookimpl
-
-# Flipped to True by the change that lands the K1/K2 launches (issues 4 and 5);
-# until then the probe says so instead of letting a deployment pick it.
-LAYER_KERNELS_BUILT = False
 
 
 def _probe() -> tuple[bool, str]:
@@ -22,8 +24,6 @@ def _probe() -> tuple[bool, str]:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         return False, f"device is sm_{major}{minor}; the Triton backend is verified on sm_90 only"
-    if not LAYER_KERNELS_BUILT:
-        return False, "the K1/K2 Triton launches are not built yet"
     return True, f"{torch.cuda.get_device_name()} (sm_90)"
 
 
@@ -33,7 +33,7 @@ def mono_ext_kernel_backends():
         KernelBackend(
             name="triton",
             description="persistent Triton K1/K2 launches (NVIDIA Hopper, sm_90)",
-            target="mono_ext.kernels.triton",
+            target="mono_ext.kernels.triton.backend:build",
             probe=_probe,
             auto_priority=10,
         )
