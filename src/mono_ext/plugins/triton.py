@@ -9,6 +9,13 @@ sm_90 device is visible; what a deployment needs beyond that is the builder's ``
 from ..core.backends import KernelBackend
 from ..core.hookspecs import hookimpl
 
+# The launches pass on their own (tests/kernels), but inside vLLM/SGLang on the GPU the
+# adapters do not yet poll FailStop after each CUDA-graph replay, so a step whose wait gave up
+# could return its tokens. Until that is wired and an engine run on the H200 proves it, no
+# deployment may pick this backend (by name or through auto). The change that wires it flips
+# this and says so.
+ENGINE_FAILSTOP_WIRED = False
+
 
 def _probe() -> tuple[bool, str]:
     try:
@@ -24,6 +31,11 @@ def _probe() -> tuple[bool, str]:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         return False, f"device is sm_{major}{minor}; the Triton backend is verified on sm_90 only"
+    if not ENGINE_FAILSTOP_WIRED:
+        return False, (
+            "not yet enabled in engines: FailStop is not polled after CUDA-graph replays, so a "
+            "failed step could return tokens"
+        )
     return True, f"{torch.cuda.get_device_name()} (sm_90)"
 
 
