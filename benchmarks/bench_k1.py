@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import statistics
 import sys
@@ -164,42 +165,63 @@ def _graph(body):
     return g
 
 
-SWEEP = (  # (bn, bk, ns, preload): tiles, pipeline stages, S2 state preload (--sweep)
-    (32, 512, 4, True),
-    (32, 512, 4, False),
-    (64, 256, 4, True),
-    (64, 256, 4, False),
-    (64, 256, 3, True),
-    (32, 512, 3, True),
+# --sweep: K1Config overrides (each applied to both kernels), timed at width 1; the first is
+# the code default. Scored as 3 x GDN + attention (80B-A3B: 36 GDN and 12 attention layers).
+SWEEP = (
+    {},
+    {"ns": 4},
+    {"num_warps": 16, "cvl": True},
+    {"cvl": True},
+    {"dvs": 1},
+    {"wt": False, "dvs": 1},  # x as the 16-row MMA operand (the first version's)
 )
 
 
-def sweep_gdn(widths, copies, reps, cfg, bw_copy, rows_out) -> K1Config:
-    """Time each SWEEP config (K1 only) at ``widths``; returns the fastest at the first."""
+def _conf(grid: int, over: dict) -> K1Config:
+    return K1Config(grid=grid, **over)
+
+
+def sweep(widths, copies, reps, cfg, bw_copy, rows_out) -> dict:
+    """Time each SWEEP config (GDN and attention K1) at ``widths``; returns the overrides with
+    the lowest 3 x GDN + attention time at the first width."""
     md = ModelDims.from_config(cfg)
-    shape = K1GdnShape.from_dims(Dims.from_config(cfg))
+    gshape = K1GdnShape.from_dims(Dims.from_config(cfg))
+    ashape = K1AttnShape.from_dims(Dims.from_config(cfg))
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
     gen = torch.Generator(device=DEV).manual_seed(2)
     st = RankState.create(0, DEV, float(os.environ.get("MONO_EXT_DEADLINE_S", "2")))
     best = None
-    for bn, bk, ns, preload in SWEEP:
-        conf = K1Config(grid=grid, bn=bn, bk=bk, ns=ns, preload=preload)
-        k1 = K1GdnLaunch(shape, conf)
-        k1.build(DEV)
+    for over in SWEEP:
+        conf = _conf(grid, over)
+        t0 = time.time()
+        try:
+            k1 = K1GdnLaunch(gshape, conf)
+            k1.build(DEV)
+            ka = K1AttnLaunch(ashape, conf, max_positions=8192)
+            ka.build(DEV)
+        except Exception as e:  # a config that does not build (resources): skip it
+            print(f"config {over} failed to build: {e!r}", flush=True)
+            continue
+        built_s = time.time() - t0
+        ws = ka.workspace(DEV)
         for width in widths:
             row = _gdn_width(md, width, copies, reps, {STAGES_ALL: k1}, st, gen, bw_copy, False)
+            arow = _attn_width(md, ka, ws, st, gen, width, copies, reps, bw_copy)
             row.update(
                 kind="gdn_sweep",
-                bn=bn,
-                bk=bk,
-                ns=ns,
-                preload=preload,
+                config=json.dumps(over, sort_keys=True),
                 regs=k1.resources.regs_per_thread,
+                attn_us=arow["k1_us"],
+                attn_pct_copy_bw=arow["pct_copy_bw"],
+                attn_regs=ka.resources.regs_per_thread,
+                build_s=round(built_s, 1),
             )
             rows_out.append(row)
             print(row, flush=True)
-            if width == widths[0] and (best is None or row["k1_us"] < best[0]):
-                best = (row["k1_us"], conf)
+            score = 3 * row["k1_us"] + arow["k1_us"]
+            if width == widths[0] and (best is None or score < best[0]):
+                best = (score, over)
+        del k1, ka, ws
         torch.cuda.empty_cache()
     return best[1]
 
@@ -269,11 +291,11 @@ def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too) -
     return row
 
 
-def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out):
+def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None):
     md = ModelDims.from_config(cfg)
     shape = K1AttnShape.from_dims(Dims.from_config(cfg))
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
-    k1 = K1AttnLaunch(shape, K1Config(grid=grid), max_positions=8192)
+    k1 = K1AttnLaunch(shape, conf or K1Config(grid=grid), max_positions=8192)
     k1.build(DEV)
     print(f"built {k1.label()} ({k1.resources})", flush=True)
     ws = k1.workspace(DEV)
@@ -353,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s1-only", action="store_true", help="also time S1 alone (diagnosis)")
     ap.add_argument("--no-attn", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="try SWEEP configs, table with best")
+    ap.add_argument("--sweep-widths", default="1")
+    ap.add_argument("--config", default=None, help="K1Config overrides (JSON) for the table")
+    ap.add_argument("--best-json", default=None, help="write the sweep's best overrides here")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--ncu", action="store_true", help="3 eager width-1 launches (for ncu), exit")
     args = ap.parse_args(argv)
@@ -366,13 +391,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"HBM: copy {bw_copy:.0f} GB/s (read + write), read-only {bw_read:.0f} GB/s", flush=True)
     rows: list[dict] = []
     variants = [STAGES_ALL, S1] if args.s1_only else [STAGES_ALL]
-    conf = None
+    over = json.loads(args.config) if args.config else {}
     if args.sweep:
-        conf = sweep_gdn([widths[0], widths[-1]], args.copies, args.reps, cfg, bw_copy, rows)
-        print(f"fastest at width {widths[0]}: {conf}", flush=True)
+        sw = [int(w) for w in args.sweep_widths.split(",")]
+        over = sweep(sw, args.copies, args.reps, cfg, bw_copy, rows)
+        print(f"BEST {json.dumps(over, sort_keys=True)} (3 x GDN + attn at width {sw[0]})",
+              flush=True)  # fmt: skip
+        if args.best_json:
+            with open(args.best_json, "w") as f:
+                json.dump(over, f, sort_keys=True)
+    conf = _conf(props.multi_processor_count, over)
+    print(f"table config: {conf}", flush=True)
     bench_gdn(widths, args.copies, args.reps, cfg, variants, bw_copy, rows, conf)
     if not args.no_attn:
-        bench_attn(widths, args.copies, args.reps, cfg, bw_copy, rows)
+        bench_attn(widths, args.copies, args.reps, cfg, bw_copy, rows, conf)
+    sweep_rows = [r for r in rows if r["kind"] == "gdn_sweep"]
+    if sweep_rows:
+        print("\n| config (K1Config overrides) | width | GDN us | % BW | attn us | attn % BW | regs "
+              "GDN/attn |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for r in sweep_rows:
+            print(f"| {r['config']} | {r['width']} | {r['k1_us']} | {r['pct_copy_bw']} | "
+                  f"{r['attn_us']} | {r['attn_pct_copy_bw']} | {r['regs']}/{r['attn_regs']} |")  # fmt: skip
     print(f"\nK1 at {PRESET} shapes; HBM copy {bw_copy:.0f} GB/s, read {bw_read:.0f} GB/s")
     print("| kind | width | MB moved | K1 us | S1 only us | torch chain us | K1 speedup | GB/s "
           "| % copy BW |")  # fmt: skip

@@ -13,11 +13,13 @@ by ``runtime.layout.check_handoffs`` at build):
 
 - prologue, every CTA: residual add + input norm of the B rows (redundant, so no hand-off),
   kept in a private bf16 buffer as the dot operand; CTA 0 writes ``residual_out``.
-- S1, over the grid: the projection rows in tiles of ``BN`` rows x all of H (one
-  flattened loop over (tile, K chunk), next chunk's loads in flight while this one
-  multiplies; weights streamed with ``evict_first``). Epilogue per tile: GDN: the conv
-  update for the conv channels in the tile (read K-1 cached values, write the shifted
-  window back, SiLU), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention:
+- S1, over the grid: the projection rows in tiles of ``BN`` rows x all of H, whole rounds
+  of the grid, then the rest in smaller tiles so that no CTA streams much more than its
+  share (:func:`s1_tiles`); GDN: ``in_proj_ba`` first (every S2 task needs beta and g). One
+  flattened loop over (tile, K chunk); each chunk is ``acc^T = W x^T`` with the weight tile
+  as wgmma's M operand (``K1Config.wt``); weights streamed with ``evict_first``. Epilogue
+  per tile: GDN: the conv update for the conv channels in the tile (read K-1 cached
+  values, write the shifted window back, SiLU), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention:
   gate and v go straight to their outputs. Everything a later stage needs goes into one
   tagged mailbox region (fp32 bits). The loop is software-pipelined (``ns`` stages of async
   copies); what an epilogue reads (conv window, taps, A_log, dt_bias) is loaded at the
@@ -26,8 +28,10 @@ by ``runtime.layout.check_handoffs`` at build):
 - S2, over the grid: GDN: one task per (row, value head): wait for its q, k (the key
   head's), v, z, beta, g words, L2-norm q/k, decay + delta-rule update of the
   [Dv, Dk] state tile (fp32 math, stored back in the state's dtype), o = S q, gated RMSNorm;
-  one bounded wait covers every word of a task. The first task's state tile is loaded
-  into registers before S1 (``preload``), later ones are L2-prefetched one task ahead.
+  one bounded wait covers every word of a task; the state tile in ``dvs`` row slices
+  (registers). Tasks run from the last CTA down (the first CTAs carry the extra S1 tiles).
+  The first task's state is L2-prefetched before S1 and its first slice loaded into
+  registers (``preload``); later ones are L2-prefetched one task ahead.
   Attention: one task per q or k head (all rows): wait, Gemma norm, RoPE from a cos/sin
   table (positions, cos/sin and norm weights are loaded before S1).
 
@@ -107,6 +111,7 @@ __all__ = [
     "k1_gdn_kernel",
     "k1_gdn_program",
     "rope_table",
+    "s1_tiles",
 ]
 
 BLOCK_B = 16  # rows per launch (tl.dot needs M >= 16); widths 1..16 mask the rest
@@ -168,21 +173,32 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _prefetch_w(w_ptr, w2_ptr, it, n_it, pid, G, KCH, T1, LIM1, LIM2, H: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+def _tile(t, FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr):
+    """Row-space start and row count of S1 tile ``t``: ``FT`` tiles of ``BN`` rows (whole
+    rounds of the grid), then tiles of ``HB`` rows (the rest, spread over the grid)."""
+    full = t < FT
+    r0 = tl.where(full, t * BN, FT * BN + (t - FT) * HB)
+    nr = tl.where(full, BN, HB)
+    return r0, nr
+
+
+@triton.jit
+def _prefetch_w(w_ptr, w2_ptr, it, n_it, pid, G, KCH, NA, LIM1, LIM2, H: tl.constexpr,
+                FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """L2-prefetch the bf16 weight chunk of flattened iteration ``it`` (one 128-byte line per
-    thread): tiles ``t < T1`` are rows of ``w_ptr`` (``LIM1`` rows), later ones of ``w2_ptr``."""
+    thread): row-space rows ``< NA`` are rows of ``w_ptr`` (``LIM1`` rows), later ones of
+    ``w2_ptr``."""
     LPR: tl.constexpr = BK // 64  # 128-byte lines per row of a [BN, BK] bf16 chunk
     j = it // KCH
     kc = it - j * KCH
-    t = pid + j * G
-    first = t < T1
-    r0 = tl.where(first, t * BN, (t - T1) * BN)
+    r0, nr = _tile(pid + j * G, FT, BN, HB)
+    first = r0 < NA
     wb = tl.where(first, w_ptr, w2_ptr)
     lim = tl.where(first, LIM1, LIM2)
     li = tl.arange(0, BN * LPR)
-    r = r0 + li // LPR
-    _prefetch_l2(wb + r * H + kc * BK + (li % LPR) * 64, (it < n_it) & (r < lim))
+    rr = li // LPR
+    r = tl.where(first, r0, r0 - NA) + rr
+    _prefetch_l2(wb + r * H + kc * BK + (li % LPR) * 64, (it < n_it) & (rr < nr) & (r < lim))
 
 
 @triton.jit
@@ -282,6 +298,26 @@ def _conv_inputs(
 
 
 @triton.jit
+def _prefetch_conv_inputs(
+    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t,
+    cs_c, CONV: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, KC: tl.constexpr,
+):  # fmt: skip
+    """L2-prefetch what :func:`_conv_inputs` will read (no registers, nothing waits)."""
+    is_conv = (dest >= 0) & (dest < CONV)
+    is_a = dest >= CONV + VD + HV
+    ch = tl.where(is_conv, dest, 0)
+    ha = tl.where(is_a, dest - (CONV + VD + HV), 0)
+    cm = rvalid[:, None] & is_conv[None, :]
+    cbase = conv_ptr + slot64[:, None] * cs_slot + ch[None, :] * cs_c
+    _prefetch_l2(cbase, cm)
+    _prefetch_l2(cbase + cs_t, cm)
+    _prefetch_l2(cbase + 2 * cs_t, cm)
+    _prefetch_l2(convw_ptr + ch * KC, is_conv)
+    _prefetch_l2(alog_ptr + ha, is_a)
+    _prefetch_l2(dtb_ptr + ha, is_a)
+
+
+@triton.jit
 def _gdn_epilogue(
     acc, dest, s0, s1, s2, w0, w1, w2, w3, alog, dtb, rows, rmask, rvalid, slot64, proj_ptr,
     conv_ptr, cs_slot, cs_t, cs_c, tag,
@@ -311,6 +347,17 @@ def _gdn_epilogue(
     )
     off = rows[:, None] * WROW + dest[None, :]
     _put(proj_ptr, off, val, rmask[:, None] & (dest >= 0)[None, :], tag, INTERP)
+
+
+@triton.jit
+def _delta_rule(S, qv, kv, vvec, beta, decay):
+    """Rows of the gated delta rule: S <- decay S + beta (v - decay S k) k^T; o = S q."""
+    S = S * decay
+    ks = tl.sum(S * kv[None, :], axis=1)
+    delta = (vvec - ks) * beta
+    S = S + delta[:, None] * kv[None, :]
+    o = tl.sum(S * qv[None, :], axis=1)
+    return S, o
 
 
 @triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step", "has_res", "null_slot",
@@ -362,10 +409,16 @@ def k1_gdn_kernel(
     BB: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    FT: tl.constexpr,
+    HB: tl.constexpr,
+    NT: tl.constexpr,
     CH: tl.constexpr,
     NS: tl.constexpr,
     PRE: tl.constexpr,
     PRELOAD: tl.constexpr,
+    DVS: tl.constexpr,
+    WT: tl.constexpr,
+    CVL: tl.constexpr,
     WB: tl.constexpr,
     STAGES: tl.constexpr,
     INTERP: tl.constexpr,
@@ -386,35 +439,45 @@ def k1_gdn_kernel(
     rows = tl.arange(0, BB)
     rmask = rows < n_rows
     n_tasks = n_rows * HV
+    # S2 tasks run from the last CTA down: the first S1 tiles go to the first CTAs, so the
+    # CTAs with one S1 tile fewer start the recurrence (width 1: 32 tasks) soonest
+    first = G - 1 - pid
     ln = tl.arange(0, LINES)
-    vv = tl.arange(0, DV)
+    VH: tl.constexpr = DV // DVS  # state rows per slice (DVS = 2: half the registers)
+    vh = tl.arange(0, VH)
     kq = tl.arange(0, DK)
     if SSM_KV:  # noqa: SIM108 (a constexpr branch)
-        soff = kq[None, :] * DV + vv[:, None]
+        soff = kq[None, :] * DV + vh[:, None]
     else:
-        soff = vv[:, None] * DK + kq[None, :]
+        soff = vh[:, None] * DK + kq[None, :]
+    SL_OFF: tl.constexpr = VH if SSM_KV else VH * DK  # offset of the second slice
 
-    # S2's first task (t = pid): its state tile is loaded now, in registers, so the load
-    # hides behind S1 instead of following it.
+    # S2's first task: its whole state tile starts moving into L2 now and (PRELOAD) its
+    # first slice is loaded into registers, so both hide behind S1 instead of following it.
+    b0 = first // HV
+    s0 = tl.load(slots_ptr + b0, mask=first < n_tasks, other=-1)
+    ok0 = (first < n_tasks) & (s0 >= 0) & (s0 != null_slot)
+    st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + (first - b0 * HV) * (DV * DK)
+    if (STAGES & 2) and not INTERP:
+        _prefetch_l2(ssm_ptr + st0 + ln * EPL, ok0 & (ln < LINES))
     if PRELOAD:
-        b0 = pid // HV
-        s0 = tl.load(slots_ptr + b0, mask=pid < n_tasks, other=-1)
-        ok0 = (pid < n_tasks) & (s0 >= 0) & (s0 != null_slot)
-        st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + (pid - b0 * HV) * (DV * DK)
-        m0 = ok0 & (vv[:, None] < DV) & (kq[None, :] < DK)
+        m0 = ok0 & (vh[:, None] < VH) & (kq[None, :] < DK)
         S_first = tl.load(ssm_ptr + st0 + soff, mask=m0, other=0.0).to(tl.float32)
-    gw = tl.load(gnw_ptr + vv).to(tl.float32)
+    gw0 = tl.load(gnw_ptr + vh).to(tl.float32)
+    gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
 
     if STAGES & 1:
-        # ---- S1: projection tiles (qkvz tiles, then ba tiles), flattened over K chunks
-        TQ: tl.constexpr = PQ // BN
-        NT: tl.constexpr = TQ + (PBA + BN - 1) // BN
+        # ---- S1: projection tiles (ba tiles first: every S2 task needs beta and g, then
+        # qkvz tiles), flattened over K chunks
+        # row space: in_proj_ba rows (padded to NA), then in_proj_qkvz rows; tiles from _tile
+        NA: tl.constexpr = (PBA + BN - 1) // BN * BN
         KCH: tl.constexpr = H // BK
         n_my = tl.where(pid < NT, (NT - 1 - pid) // G + 1, 0)
         n_it = n_my * KCH
         if PRE:  # the first chunks start moving into L2 while the norm runs
             for pi in tl.static_range(NS - 1):
-                _prefetch_w(wq_ptr, wba_ptr, pi, n_it, pid, G, KCH, TQ, PQ, PBA, H, BN, BK)
+                _prefetch_w(wba_ptr, wq_ptr, pi, n_it, pid, G, KCH, NA, PBA, PQ, H, FT, BN, HB,
+                            BK)  # fmt: skip
 
         xs_base = xs_ptr + pid * (BB * H)
         _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
@@ -426,7 +489,10 @@ def k1_gdn_kernel(
 
         kk = tl.arange(0, BK)
         nn = tl.arange(0, BN)
-        acc = tl.zeros([BB, BN], dtype=tl.float32)
+        if WT:  # noqa: SIM108 (constexpr) acc^T = W x^T: weight rows as the MMA's M
+            acc = tl.zeros([BN, BB], dtype=tl.float32)
+        else:  # acc = x W^T: x is a 16-row M operand every warp re-reads
+            acc = tl.zeros([BB, BN], dtype=tl.float32)
         # a tile's epilogue inputs, loaded at its first chunk: their latency hides behind the
         # tile's other chunks instead of stalling the pipeline at the tile's end
         c0 = tl.zeros([BB, BN], dtype=tl.float32)
@@ -443,34 +509,62 @@ def k1_gdn_kernel(
         for it in tl.range(0, n_it, num_stages=NS):
             j = it // KCH
             kc = it - j * KCH
-            t = pid + j * G
-            is_q = t < TQ
-            r_in = tl.where(is_q, t * BN, (t - TQ) * BN) + nn
-            wb = tl.where(is_q, wq_ptr, wba_ptr)
-            lim = tl.where(is_q, PQ, PBA)
+            r0, nr = _tile(pid + j * G, FT, BN, HB)
+            is_ba = r0 < NA
+            rs = r0 + nn
+            r_in = tl.where(is_ba, rs, rs - NA)
+            wb = tl.where(is_ba, wba_ptr, wq_ptr)
+            lim = tl.where(is_ba, PBA, PQ)
+            live = (nn < nr) & (r_in < lim)
             k = kc * BK + kk
             wt = tl.load(
                 wb + r_in[:, None] * H + k[None, :],
-                mask=r_in[:, None] < lim,
+                mask=live[:, None],
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None], other=0.0)
-            p = tl.where(is_q, t * BN, PQ + (t - TQ) * BN) + nn
-            dest = _payload_word(p, PQ, PBA, HV, DK, DV, RR, INTERLEAVED)
+            p = tl.where(is_ba, PQ + rs, rs - NA)
+            dest = tl.where(live, _payload_word(p, PQ, PBA, HV, DK, DV, RR, INTERLEAVED), -1)
             if kc == 0:
-                c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
-                    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
-                    cs_t, cs_c, CONV, VD, HV, KC,
-                )  # fmt: skip
-            acc = tl.dot(xa, tl.trans(wt), acc)
+                if CVL:  # start moving them into L2; loaded at the tile's last chunk
+                    if not INTERP:
+                        _prefetch_conv_inputs(
+                            dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr,
+                            cs_slot, cs_t, cs_c, CONV, VD, HV, KC,
+                        )  # fmt: skip
+                else:
+                    c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
+                        dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
+                        cs_t, cs_c, CONV, VD, HV, KC,
+                    )  # fmt: skip
+            if WT:
+                xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :],
+                             other=0.0)  # fmt: skip
+                acc = tl.dot(wt, xt, acc)
+            else:
+                xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None],
+                             other=0.0)  # fmt: skip
+                acc = tl.dot(xa, tl.trans(wt), acc)
             if kc == KCH - 1:
+                if WT:  # noqa: SIM108 (a constexpr branch)
+                    acc_r = tl.trans(acc)
+                else:
+                    acc_r = acc
+                if CVL:
+                    e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb = _conv_inputs(
+                        dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
+                        cs_t, cs_c, CONV, VD, HV, KC,
+                    )  # fmt: skip
+                else:
+                    e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb = (
+                        c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb,
+                    )  # fmt: skip
                 _gdn_epilogue(
-                    acc, dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask, rvalid,
+                    acc_r, dest, e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb, rows, rmask, rvalid,
                     slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag,
                     CONV, VD, HV, WROW, INTERP,
                 )  # fmt: skip
-                acc = tl.zeros([BB, BN], dtype=tl.float32)
+                acc = tl.zeros_like(acc)
 
     # ---- S2: one task per (row, value head): gated delta rule + gated norm
     if STAGES & 2:
@@ -479,7 +573,7 @@ def k1_gdn_kernel(
         NW: tl.constexpr = 2 * DK + 2 * DV + 2
         wi = tl.arange(0, WB)
         slots_all = tl.load(slots_ptr + rows, mask=rmask, other=-1)
-        for t in range(pid, n_tasks, G):
+        for t in range(first, n_tasks, G):
             b = t // HV
             h = t - b * HV
             gk = h // RR
@@ -493,10 +587,10 @@ def k1_gdn_kernel(
                 okn = (tn < n_tasks) & (sn >= 0) & (sn != null_slot)
                 stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + (tn - bn_ * HV) * (DV * DK)
                 _prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
-            smask = valid & (vv[:, None] < DV) & (kq[None, :] < DK)
+            smask = valid & (vh[:, None] < VH) & (kq[None, :] < DK)
             if PRELOAD:
-                S = tl.load(sbase + soff, mask=smask & (t != pid), other=0.0).to(tl.float32)
-                S = tl.where(t == pid, S_first, S)
+                S = tl.load(sbase + soff, mask=smask & (t != first), other=0.0).to(tl.float32)
+                S = tl.where(t == first, S_first, S)
             else:
                 S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
             row = b * WROW
@@ -520,27 +614,38 @@ def k1_gdn_kernel(
             _wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr,
                       RID_PROJ, INTERP)  # fmt: skip
             mk = valid & (kq < DK)
-            mv = valid & (vv < DV)
+            mv = valid & (vh < VH)
+            # every word of the task read at once (one round trip)
             qv = _read_f32(proj_ptr, row + gk * DK + kq, mk)
             kv = _read_f32(proj_ptr, row + KD + gk * DK + kq, mk)
-            vvec = _read_f32(proj_ptr, row + 2 * KD + h * DV + vv, mv)
-            zvec = _read_f32(proj_ptr, row + CONV + h * DV + vv, mv)
             bg = _read_f32(proj_ptr, row + CONV + VD + h + two * HV, valid & (two < 2))
+            v0 = _read_f32(proj_ptr, row + 2 * KD + h * DV + vh, mv)
+            z0 = _read_f32(proj_ptr, row + CONV + h * DV + vh, mv)
+            if DVS > 1:
+                v1 = _read_f32(proj_ptr, row + 2 * KD + h * DV + VH + vh, mv)
+                z1 = _read_f32(proj_ptr, row + CONV + h * DV + VH + vh, mv)
             beta = tl.sum(tl.where(two == 0, bg, 0.0), axis=0)
             gdec = tl.sum(tl.where(two == 1, bg, 0.0), axis=0)
             qv = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + L2NORM_EPS) * qscale
             kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + L2NORM_EPS)
-            S = S * tl.exp(gdec)
-            ks = tl.sum(S * kv[None, :], axis=1)
-            delta = (vvec - ks) * beta
-            S = S + delta[:, None] * kv[None, :]
-            o = tl.sum(S * qv[None, :], axis=1)
+            decay = tl.exp(gdec)
+            S, o0 = _delta_rule(S, qv, kv, v0, beta, decay)
             tl.store(sbase + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
+            ss = tl.sum(o0 * o0, axis=0)
+            if DVS > 1:  # the second half of the rows, after the first is stored
+                S = tl.load(sbase + SL_OFF + soff, mask=smask, other=0.0).to(tl.float32)
+                S, o1 = _delta_rule(S, qv, kv, v1, beta, decay)
+                tl.store(sbase + SL_OFF + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
+                ss += tl.sum(o1 * o1, axis=0)
             # gated RMSNorm: w * o * rsqrt(mean(o^2) + eps) * silu(z)
-            rstd = tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)
-            y = gw * o * rstd * (zvec * tl.sigmoid(zvec))
+            rstd = tl.rsqrt(ss / DV + eps)
+            y = gw0 * o0 * rstd * (z0 * tl.sigmoid(z0))
             y = tl.where(valid, y, 0.0)
-            tl.store(oin_ptr + b * VD + h * DV + vv, y.to(oin_ptr.dtype.element_ty))
+            tl.store(oin_ptr + b * VD + h * DV + vh, y.to(oin_ptr.dtype.element_ty))
+            if DVS > 1:
+                y = gw1 * o1 * rstd * (z1 * tl.sigmoid(z1))
+                y = tl.where(valid, y, 0.0)
+                tl.store(oin_ptr + b * VD + h * DV + VH + vh, y.to(oin_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step", "has_res", "max_pos"])
@@ -578,9 +683,13 @@ def k1_attn_kernel(
     BB: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    FT: tl.constexpr,
+    HB: tl.constexpr,
+    NT: tl.constexpr,
     CH: tl.constexpr,
     NS: tl.constexpr,
     PRE: tl.constexpr,
+    WT: tl.constexpr,
     STAGES: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -614,24 +723,27 @@ def k1_attn_kernel(
     wk_p = tl.load(kn_ptr + part).to(tl.float32)
 
     if STAGES & 1:
-        NT: tl.constexpr = PA // BN
         KCH: tl.constexpr = H // BK
         n_my = tl.where(pid < NT, (NT - 1 - pid) // G + 1, 0)
         n_it = n_my * KCH
         if PRE:
             for pi in tl.static_range(NS - 1):
-                _prefetch_w(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, NT, PA, PA, H, BN, BK)
+                _prefetch_w(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, BN, HB,
+                            BK)  # fmt: skip
         xs_base = xs_ptr + pid * (BB * H)
         _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
                     H, BB, CH)  # fmt: skip
         kk = tl.arange(0, BK)
         nn = tl.arange(0, BN)
-        acc = tl.zeros([BB, BN], dtype=tl.float32)
+        if WT:  # noqa: SIM108 (constexpr) acc^T = W x^T, as in the GDN kernel
+            acc = tl.zeros([BN, BB], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BB, BN], dtype=tl.float32)
         for it in tl.range(0, n_it, num_stages=NS):  # pipelined, as in the GDN kernel
             j = it // KCH
             kc = it - j * KCH
-            t = pid + j * G
-            r = t * BN + nn
+            r0, nr = _tile(pid + j * G, FT, BN, HB)
+            r = tl.where(nn < nr, r0 + nn, PA)  # PA: no row (masked, no output)
             k = kc * BK + kk
             wt = tl.load(
                 wqkv_ptr + r[:, None] * H + k[None, :],
@@ -639,10 +751,20 @@ def k1_attn_kernel(
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None], other=0.0)
-            acc = tl.dot(xa, tl.trans(wt), acc)
+            if WT:
+                xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :],
+                             other=0.0)  # fmt: skip
+                acc = tl.dot(wt, xt, acc)
+            else:
+                xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None],
+                             other=0.0)  # fmt: skip
+                acc = tl.dot(xa, tl.trans(wt), acc)
             if kc == KCH - 1:
-                p = t * BN + nn
+                if WT:  # noqa: SIM108 (a constexpr branch)
+                    acc_r = tl.trans(acc)
+                else:
+                    acc_r = acc
+                p = r
                 head = p // (2 * D)
                 o = p - head * (2 * D)
                 is_q = (p < QG) & (o < D)
@@ -652,21 +774,21 @@ def k1_attn_kernel(
                 m2 = rmask[:, None]
                 tl.store(
                     gate_ptr + rows[:, None] * (HQ * D) + (head * D + o - D)[None, :],
-                    acc.to(gate_ptr.dtype.element_ty),
+                    acc_r.to(gate_ptr.dtype.element_ty),
                     mask=m2 & is_gate[None, :],
                 )
                 tl.store(
                     v_ptr + rows[:, None] * KVD + (p - QG - KVD)[None, :],
-                    acc.to(v_ptr.dtype.element_ty),
+                    acc_r.to(v_ptr.dtype.element_ty),
                     mask=m2 & is_v[None, :],
                 )
                 dest = tl.where(is_q, head * D + o, HQ * D + (p - QG))
-                _put(qk_ptr, rows[:, None] * WA + dest[None, :], acc,
+                _put(qk_ptr, rows[:, None] * WA + dest[None, :], acc_r,
                      m2 & (is_q | is_k)[None, :], tag, INTERP)  # fmt: skip
-                acc = tl.zeros([BB, BN], dtype=tl.float32)
+                acc = tl.zeros_like(acc)
 
     if STAGES & 2:
-        for t in range(pid, HQ + HKV, G):
+        for t in range(G - 1 - pid, HQ + HKV, G):  # last CTAs first: they have fewer S1 rows
             is_k = t >= HQ
             idx = rows[:, None] * WA + t * D + dd[None, :]
             flat = tl.reshape(idx, (BB * D,))
@@ -786,16 +908,28 @@ class K1AttnShape:
 
 @dataclass(frozen=True)
 class K1Config:
-    """Grid and tiles (one build per config; none of it changes per step)."""
+    """Grid and tiles (one build per config; none of it changes per step).
+
+    With ``wt`` every projection is ``acc^T [bn, Bb] = W [bn, bk] @ x^T [bk, Bb]``: the
+    weight tile is the MMA's M (wgmma, 64 rows per warpgroup of 4 warps; with 8 warps the
+    two warpgroups split the batch columns), the batch rows its N. Without it, x is a 16-row
+    M operand (mma.sync) that every warp re-reads (the first version; kept for comparison).
+    The defaults are the fastest tested on H200 at the 80B-A3B shapes (docs/perf.md, K1):
+    8 warps (4: 1.7x slower, 16: 8-25% slower), 3 stages (2 and 4-5 slower).
+    """
 
     grid: int
     num_warps: int = 8
-    bn: int = 32  # projection rows per S1 tile (at most; a power of two dividing the rows)
-    bk: int = 512  # K chunk of a tile (at most; a power of two dividing H)
+    bn: int = 64  # projection rows per S1 tile (at most; a power of two dividing the rows)
+    bk: int = 256  # K chunk of a tile (at most; a power of two dividing H)
     ch: int = 512  # norm chunk
-    ns: int = 4  # software-pipeline stages of the projection loop (async copies in flight)
+    ns: int = 3  # software-pipeline stages of the projection loop (async copies in flight)
     pre: bool = False  # L2-prefetch the first ns - 1 weight chunks before the input norm
-    preload: bool = True  # GDN: load the first S2 task's state tile before S1 (registers)
+    preload: bool = True  # GDN: load the first S2 task's state (first slice) before S1
+    wt: bool = True  # weight tile as the MMA's M operand (see above)
+    dvs: int = 2  # GDN: the [Dv, Dk] state tile in dvs row slices (1 or 2; registers / 2)
+    cvl: bool = False  # GDN: conv inputs L2-prefetched at a tile's first chunk, loaded at its
+    # last (else loaded at the first, where the load waits); helps 16 warps, not 8
 
 
 def k1_gdn_program(shape: K1GdnShape) -> Program:
@@ -850,6 +984,20 @@ def rope_table(shape: K1AttnShape, max_positions: int, device: Any = "cpu") -> A
     pos = torch.arange(max_positions, device=device)
     cos, sin = rope_cos_sin(pos, shape.rotary_dim, shape.rope_theta)
     return torch.cat([cos, sin], dim=-1).contiguous()
+
+
+def s1_tiles(rows: int, grid: int, bn: int) -> tuple[int, int, int]:
+    """S1 tiling of ``rows`` projection rows over ``grid`` CTAs: (full tiles, rows of a tail
+    tile, tiles). Whole rounds of ``grid`` tiles of ``bn`` rows, then the rest in tiles of the
+    fewest rows (a power of two, 16..bn) that still fit one round, so that no CTA streams
+    more than about its share (80B-A3B GDN, 132 CTAs: 132 x 64 rows + 122 x 32 rows instead
+    of 193 x 64, of which 61 CTAs took two)."""
+    full = rows // (grid * bn) * grid
+    rest = rows - full * bn
+    hb = bn
+    while hb > 16 and -(-rest // (hb // 2)) <= grid:
+        hb //= 2
+    return full, hb, full + -(-rest // hb)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -945,6 +1093,8 @@ class K1GdnLaunch:
             bad.append(f"ssm_layout {self.ssm_layout!r} is not 'vk' or 'kv'")
         if self.shape.qkvz_rows % 16:
             bad.append(f"qkvz rows {self.shape.qkvz_rows} are not a multiple of 16")
+        if self.config.dvs not in (1, 2) or self.shape.dv // self.config.dvs < 16:
+            bad.append(f"dvs={self.config.dvs}: 1 or 2 state slices of at least 16 rows")
         if bad:
             raise ValueError("K1 GDN refused: " + "; ".join(bad))
         self.layout = plan_layout(k1_gdn_program(self.shape))
@@ -953,7 +1103,8 @@ class K1GdnLaunch:
         s, c = self.shape, self.config
         return (
             f"k1 gdn h{s.hidden} hk{s.hk} hv{s.hv} dk{s.dk} dv{s.dv} {self.state_dtype} "
-            f"{self.ssm_layout} grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk}"
+            f"{self.ssm_layout} grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk} ns{c.ns} "
+            f"{'wt' if c.wt else 'xm'} dvs{c.dvs}"
         )
 
     def workspace(self, device: Any) -> K1Workspace:
@@ -961,6 +1112,9 @@ class K1GdnLaunch:
 
     def _constexprs(self) -> dict:
         s, c, lay = self.shape, self.config, self.layout
+        bn = _pow2_divisor(s.qkvz_rows, c.bn)
+        na = -(-2 * s.hv // bn) * bn  # in_proj_ba rows first, padded to whole tiles
+        ft, hb, nt = s1_tiles(na + s.qkvz_rows, c.grid, bn)
         return dict(
             H=s.hidden,
             HK=s.hk,
@@ -975,12 +1129,18 @@ class K1GdnLaunch:
             INTERLEAVED=self.packing == "interleaved",
             STATE_BYTES=4 if self.state_dtype == "float32" else 2,
             BB=BLOCK_B,
-            BN=_pow2_divisor(s.qkvz_rows, c.bn),
+            BN=bn,
             BK=_pow2_divisor(s.hidden, c.bk),
+            FT=ft,
+            HB=hb,
+            NT=nt,
             CH=min(c.ch, _next_pow2(s.hidden)),
             NS=c.ns,
             PRE=_pre(c, s.hidden),
             PRELOAD=c.preload and self.stages == STAGES_ALL and not self._split(),
+            DVS=c.dvs,
+            WT=c.wt,
+            CVL=c.cvl,
             WB=_next_pow2(2 * s.dk + 2 * s.dv + 2),
             STAGES=self.stages,
             INTERP=_interp(),
@@ -1167,7 +1327,7 @@ class K1AttnLaunch:
         s, c = self.shape, self.config
         return (
             f"k1 attn h{s.hidden} hq{s.hq} hkv{s.hkv} d{s.head_dim} rd{s.rotary_dim} "
-            f"grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk}"
+            f"grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk} ns{c.ns} {'wt' if c.wt else 'xm'}"
         )
 
     def workspace(self, device: Any) -> K1Workspace:
@@ -1175,6 +1335,8 @@ class K1AttnLaunch:
 
     def _constexprs(self) -> dict:
         s, c, lay = self.shape, self.config, self.layout
+        bn = _pow2_divisor(s.qkv_rows, c.bn)
+        ft, hb, nt = s1_tiles(s.qkv_rows, c.grid, bn)
         return dict(
             H=s.hidden,
             HQ=s.hq,
@@ -1184,11 +1346,15 @@ class K1AttnLaunch:
             OFF_QK=lay.offsets["qk"],
             RID_QK=lay.region_id("qk"),
             BB=BLOCK_B,
-            BN=_pow2_divisor(s.qkv_rows, c.bn),
+            BN=bn,
             BK=_pow2_divisor(s.hidden, c.bk),
+            FT=ft,
+            HB=hb,
+            NT=nt,
             CH=min(c.ch, _next_pow2(s.hidden)),
             NS=c.ns,
             PRE=_pre(c, s.hidden),
+            WT=c.wt,
             STAGES=self.stages,
             INTERP=_interp(),
             num_warps=c.num_warps,
