@@ -44,6 +44,7 @@ def _worker(rank: int, world: int, port: int, reasons: list[list[str]], stages, 
     except RuntimeError as exc:
         out[rank] = ("error", [str(exc)])
     finally:
+        dist.barrier()  # leave together: a lone teardown can abort the peer (see failstop test)
         dist.destroy_process_group()
 
 
