@@ -847,6 +847,10 @@ def rank(r, port, q):
     sa = types.SimpleNamespace(enable_torch_compile=(r == 1))  # only rank 1 has a reason
     refusal = sv.accept_config(get_preset("qwen3-next-tiny"), sa, dtype="bfloat16", quantization=None)
     q.put((r, refusal.message(), sv.off))
+    # leave together and tear gloo down explicitly: exiting with the group alive (or alone)
+    # can abort the process ("terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 
 if __name__ == "__main__":
     ctx = mp.get_context("spawn")
