@@ -46,13 +46,14 @@ from typing import Any
 from ...core.spec import BuildKey
 from ...core.views import ConfigView
 from ...models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
+from .limits import BLOCK_B
 
 __all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build"]
 
 #: What a deployment that names none of a layout tag gets (the reference backend's defaults).
 DEFAULT_LAYOUTS = {"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
 STATE_DTYPES = ("float32", "bfloat16")
-MAX_WIDTH = 16  # BLOCK_B of K1 and K2
+MAX_WIDTH = BLOCK_B  # K1 and K2 are built for up to BLOCK_B rows
 
 
 def _layouts(layouts: Mapping[str, str]) -> dict[str, str]:

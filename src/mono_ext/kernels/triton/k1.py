@@ -86,6 +86,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
 from mono_ext.kernels.triton.primitives import (
     mailbox_put,
     pack_tagged,
@@ -114,8 +115,6 @@ __all__ = [
     "s1_tiles",
 ]
 
-BLOCK_B = 16  # rows per launch (tl.dot needs M >= 16); widths 1..16 mask the rest
-PER_STEP_ARGS = ("n_rows", "layer", "layers_per_step")
 S1 = 1  # prologue + projections (+ conv); the interpreter runs S1 and S2 as two launches
 S2 = 2  # recurrence + gated norm (GDN) / norm + RoPE (attention)
 STAGES_ALL = 3

@@ -66,6 +66,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
 from mono_ext.kernels.triton.primitives import (
     mailbox_put,
     pack_tagged,
@@ -87,8 +88,6 @@ __all__ = [
     "STAGES_ALL",
 ]
 
-BLOCK_B = 16  # rows per launch (tl.dot needs M >= 16); widths 1..16 mask the rest
-PER_STEP_ARGS = ("n_rows", "layer", "layers_per_step")
 META_EXTRA = 2  # meta words after the union list: U, n_pairs
 
 # Stage bits (a debugging aid and the CPU interpreter path: run one stage per launch).
