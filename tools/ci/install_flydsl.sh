@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# A CPU venv that compiles the flydsl backend's kernels for gfx950 offline, for tests/flydsl.
+#
+#   tools/ci/install_flydsl.sh [VENV]            (default: .venv-flydsl; ~1 min, ~1.7 GB)
+#   VENV/bin/python -m pytest -q tests/flydsl    (the compile sweep: a few minutes on 2 cores)
+#
+# FlyDSL (PyPI flydsl, cp310+ manylinux wheel, MLIR/LLVM inside) imports torch at start-up
+# but needs no GPU with COMPILE_ONLY=1 ARCH=gfx950; its last step links the code object with
+# $ROCM_PATH/llvm/bin/ld.lld. There is no ROCm here: ziglang's wheel bundles LLD, and
+# mono_ext.kernels.flydsl.toolchain.ensure_lld writes a two-line shim that runs it
+# (<venv>/mono_ext-rocm/llvm/bin/ld.lld). No ROCm device library is linked: the kernels
+# call intrinsics directly.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VENV=${1:-.venv-flydsl}
+PY=${PYTHON:-python3}
+
+"$PY" -m venv "$VENV"
+P="$VENV/bin/python -m pip"
+$P install -q --upgrade pip
+$P install -q torch==2.13.0  # the CPU build, as in the base venv (FlyDSL imports torch)
+$P install -q flydsl==0.5.0 ziglang==0.17.1 pytest
+$P install -q -e .
+
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+import subprocess
+
+from mono_ext.kernels.flydsl.toolchain import ensure_lld
+
+lld = ensure_lld() / "llvm" / "bin" / "ld.lld"
+ver = subprocess.run([str(lld), "--version"], check=True, capture_output=True, text=True)
+print(f"flydsl {md.version('flydsl')}, {ver.stdout.strip()} via {lld}")
+PY
