@@ -8,8 +8,15 @@ callback that runs the engine's own paged attention (which writes the KV cache).
 (allocated once at the widest width and sliced per step, so graph replays see fixed
 addresses) and chains the layers; it contains no engine code and no kernel code. Each step is
 bracketed by the launches' ``begin_step`` (device side: captured with the step) and
-``end_step`` (host side: a no-op while capturing; an engine replaying a captured step calls it
-after the replay).
+``end_step`` (host side: a no-op while capturing).
+
+After every step that ran launches on the device, and before the engine hands that step's
+tokens out, the adapter calls :meth:`DecodeDriver.after_step` from an eager point of its engine
+(vLLM: ``compute_logits``; SGLang: after ``ModelRunner.forward``): for a replayed CUDA graph it
+calls ``end_step`` (the replay never entered Python, so nobody else did), and for every step it
+asks the launches' ``release`` whether the step's tokens may be returned; a step whose device
+wait gave up raises :class:`~mono_ext.runtime.failstop.FailStopError` there, so the engine stops
+instead of returning its tokens.
 
 Check mode (``MONO_EXT_CHECK=1``, eager only) runs the engine's own layer code
 (:class:`StockLayers`) next to each launch on the same inputs and compares with the spec's
@@ -30,12 +37,34 @@ import torch
 
 from ...core.numerics import CheckTracker
 from ...core.spec import Step
+from ...runtime.failstop import FailStopError
 from .dims import Dims
 from .launches import BoundLayer, LayerLaunches
 
-__all__ = ["Attend", "StockLayers", "StepInputs", "DecodeDriver"]
+__all__ = ["Attend", "StockLayers", "StepInputs", "DecodeDriver", "StepWithheld", "is_capturing"]
 
 log = logging.getLogger("mono_ext.decode")
+
+
+def is_capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class StepWithheld(FailStopError):
+    """The launches refused to release a step's tokens (a device wait gave up on this rank and
+    the TP ranks have not agreed yet): the engine must not return them, so it stops here."""
+
+    def __init__(self, step: Step) -> None:
+        RuntimeError.__init__(
+            self,
+            f"mono_ext FailStop: the launches withheld the tokens of a decode step of width "
+            f"{step.width}: a device wait gave up on this rank (MONO_EXT_DEADLINE_S). The engine "
+            "stops: no tokens from a failed step are returned and there is no fallback after a "
+            "failure.",
+        )
+        self.summaries = ()
+        self.step = None
 
 
 class Attend(Protocol):
@@ -123,7 +152,9 @@ class DecodeDriver:
         self.null_slot = null_slot
         self.stock = stock
         self.tracker = CheckTracker(numerics) if stock is not None else None
-        self.steps = 0
+        self.steps = 0  # run() calls (captures included)
+        self.replays = 0  # replayed graphs handed to after_step
+        self.capturing = is_capturing  # replaceable (tests)
         w, h, d = max(self.launches), dims.hidden, dims
 
         def buf(cols: int) -> torch.Tensor:
@@ -195,6 +226,33 @@ class DecodeDriver:
         launches.end_step()  # host-side health check (a no-op while capturing)
         self.steps += 1
         return hidden, residual
+
+    def after_step(self, step: Step, *, replayed: bool) -> bool:
+        """The host side of a step that ran on the device; call it before the engine returns
+        the step's tokens (vLLM: ``compute_logits``; SGLang: after ``ModelRunner.forward``).
+
+        ``replayed``: the step was a replay of a captured graph (its ``run`` happened at
+        capture, where ``end_step`` does nothing), so ``end_step`` runs now, once per replay;
+        an eager step's ``run`` already called it. Then the launches' ``release`` (where the
+        backend has one) must let the step's tokens go: a failed device wait raises
+        :class:`~mono_ext.runtime.failstop.FailStopError` (or :class:`StepWithheld` while TP
+        ranks have not agreed yet). Does nothing while a graph is being captured (no step ran:
+        returns False); True once the step's tokens may be returned.
+        """
+        if self.capturing():
+            return False
+        launches = self.launches.get(step.width)
+        if launches is None:
+            raise KeyError(
+                f"no launches built for width {step.width} (built: {sorted(self.launches)})"
+            )
+        if replayed:
+            launches.end_step()
+            self.replays += 1
+        release = getattr(launches, "release", None)
+        if release is not None and not release():
+            raise StepWithheld(step)
+        return True
 
     # -- check mode ----------------------------------------------------------------------
     def _valid_rows(self, slots: torch.Tensor) -> torch.Tensor:

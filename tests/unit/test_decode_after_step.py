@@ -1,0 +1,233 @@
+"""``DecodeDriver.after_step``: the host side of a step that an engine calls after every eager
+step and every graph replay, before it returns the step's tokens.
+
+The launches here are the reference backend's (so the driver computes a real step) with the
+per-step hooks of a persistent backend over a real :class:`FailStop` reading a fake health
+block: ``end_step`` counts the step and hands the health words to FailStop (a no-op while
+capturing), ``release`` asks FailStop whether the step's tokens may go. A "replay" is what a
+CUDA graph replay does on the host: nothing of the driver runs, only ``after_step``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mono_ext.core.backends import load_target  # noqa: E402
+from mono_ext.core.spec import Deployment  # noqa: E402
+from mono_ext.core.views import ConfigView, StepView  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.decode import (  # noqa: E402
+    DecodeDriver,
+    StepInputs,
+    StepWithheld,
+)
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
+from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext  # noqa: E402
+from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
+from mono_ext.runtime import health as h  # noqa: E402
+from mono_ext.runtime.failstop import FAILED, SUSPECT, FailStop, FailStopError  # noqa: E402
+
+BF16 = torch.bfloat16
+SLOTS, NULL = 6, 0
+
+
+class FakeSource:
+    """A health block the test can fail; every submitted copy lands at once."""
+
+    def __init__(self) -> None:
+        self.words = h.health_init_words()
+        self.pending: list = []
+
+    def fail(self) -> None:
+        self.words[h.H_FAILED] += 1
+        base = h.H_RECORDS
+        self.words[base : base + h.RECORD_WORDS] = [0, 17, 5, 4, 2, 0, 3, 10**6]
+
+    def submit(self, step: int) -> None:
+        self.pending.append((step, list(self.words)))
+
+    def ready(self, until_step=None):
+        out, self.pending = self.pending, []
+        return out
+
+
+class Runtime:
+    """The per-step hooks of a persistent backend (as the Triton runtime has them)."""
+
+    def __init__(self, world: int = 1) -> None:
+        self.source = FakeSource()
+        self.failstop = FailStop(self.source, agree_every=16, name_of=lambda r, i: f"k2.ar[{i}]")
+        self.failstop.world = world  # > 1: a local failure waits for the ranks' agreement
+        self.capturing = False
+        self.steps = 0
+        self.begins = 0
+        self.releases = 0
+
+    def begin_step(self) -> None:
+        if self.failstop.error is not None:
+            raise self.failstop.error
+        self.begins += 1
+
+    def end_step(self) -> None:
+        if self.capturing:
+            return
+        self.steps += 1
+        self.failstop.after_launch(self.steps)
+
+    def release(self, step=None) -> bool:
+        self.releases += 1
+        return self.failstop.release(self.steps if step is None else step)
+
+
+class Launches:
+    """Reference K1/K2 with the persistent hooks of ``runtime``."""
+
+    def __init__(self, inner, runtime: Runtime) -> None:
+        self.inner, self.runtime, self.key = inner, runtime, inner.key
+
+    def begin_step(self) -> None:
+        self.runtime.begin_step()
+
+    def end_step(self) -> None:
+        self.runtime.end_step()
+
+    def release(self, step=None) -> bool:
+        return self.runtime.release(step)
+
+    def k1_gdn(self, *a, **k) -> None:
+        self.inner.k1_gdn(*a, **k)
+
+    def k1_attn(self, *a, **k) -> None:
+        self.inner.k1_attn(*a, **k)
+
+    def k2(self, *a, **k) -> None:
+        self.inner.k2(*a, **k)
+
+
+def _setup(world: int = 1, persistent: bool = True):
+    cfg = get_preset("qwen3-next-tiny")
+    dims = Dims.from_config(cfg)
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for i, kind in enumerate(dims.kinds):
+        w = {}
+        for name, shape in dims.planes(kind).items():
+            t = 0.05 * torch.randn(shape, generator=g)
+            w[name] = t if name == "A_log" else t.to(BF16)
+        conv = ssm = None
+        if kind == "linear_attention":
+            conv = torch.zeros(SLOTS, dims.conv_k - 1, dims.conv_dim_r, dtype=BF16)
+            ssm = torch.zeros(SLOTS, dims.hv_r, dims.dv, dims.dk)
+        layers.append(BoundLayer(i, kind, w, conv, ssm))
+    spec = Qwen3NextSpec()
+    assert not spec.accept_config(ConfigView(hf_config=cfg))
+    spec.deploy(
+        Deployment(
+            backend="reference",
+            dtype="bfloat16",
+            tp_size=1,
+            widths=(1, 2),
+            layouts={"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"},
+        )
+    )
+    builder = load_target("mono_ext.reference.backend:build")
+    ctx = BuildContext(text_config=cfg, null_slot=NULL)
+    rt = Runtime(world)
+    launches = {
+        k.width: (Launches(builder(k, ctx), rt) if persistent else builder(k, ctx))
+        for k in spec.build_keys()
+    }
+    driver = DecodeDriver(
+        layers,
+        launches,
+        dims,
+        dtype=BF16,
+        device="cpu",
+        null_slot=NULL,
+        numerics=spec.NUMERICS,
+    )
+    driver.capturing = lambda: rt.capturing
+    step = spec.plan(StepView("decode", 2))
+    hd = dims.hidden
+    gdn = [lay.index for lay in layers if lay.is_gdn]
+
+    def run() -> None:
+        inp = StepInputs(
+            torch.randn(2, hd, generator=g).to(BF16),
+            torch.tensor([4, 7]),
+            {i: torch.tensor([2, 3], dtype=torch.int32) for i in gdn},
+        )
+        driver.run(step, inp, lambda i, q, k, v: torch.zeros_like(q))
+
+    return driver, rt, step, run
+
+
+def test_eager_steps_are_counted_by_run_and_released_by_after_step():
+    driver, rt, step, run = _setup()
+    for _ in range(3):
+        run()
+        assert driver.after_step(step, replayed=False)
+    assert (rt.begins, rt.steps, rt.releases, driver.replays) == (3, 3, 3, 0)
+
+
+def test_a_replay_counts_its_step_once_and_nothing_runs_while_capturing():
+    driver, rt, step, run = _setup()
+    rt.capturing = True
+    run()  # the capture: begin_step recorded with the graph, end_step a no-op
+    assert driver.after_step(step, replayed=True) is False  # no step ran: nothing to check
+    assert (rt.steps, rt.releases, driver.replays) == (0, 0, 0)
+    rt.capturing = False
+    for n in range(1, 5):  # each replay: the device repeats the step; the host sees only this
+        assert driver.after_step(step, replayed=True)
+        assert (rt.steps, rt.releases, driver.replays) == (n, n, n)
+    assert rt.source.pending == [] and rt.failstop.last_seen_step == 4
+
+
+def test_a_failed_wait_in_a_replayed_step_raises_instead_of_releasing_its_tokens():
+    driver, rt, step, run = _setup()
+    rt.capturing = True
+    run()
+    rt.capturing = False
+    assert driver.after_step(step, replayed=True)
+    rt.source.fail()  # the next replay's wait gives up
+    with pytest.raises(FailStopError, match=r"k2\.ar\[17\]") as exc:
+        driver.after_step(step, replayed=True)
+    assert exc.value.step == 2 and rt.failstop.state == FAILED
+    with pytest.raises(FailStopError):  # sticky: every later step raises, replayed or eager
+        driver.after_step(step, replayed=True)
+    with pytest.raises(FailStopError):
+        run()
+
+
+def test_a_failed_wait_in_an_eager_step_raises_at_after_step():
+    driver, rt, step, run = _setup()
+    run()
+    driver.after_step(step, replayed=False)
+    rt.source.fail()
+    with pytest.raises(FailStopError):
+        run()  # end_step sees it first (world 1)
+    with pytest.raises(FailStopError):
+        driver.after_step(step, replayed=False)
+
+
+def test_a_step_the_ranks_have_not_agreed_on_yet_is_withheld():
+    driver, rt, step, run = _setup(world=2)
+    run()
+    assert driver.after_step(step, replayed=False)
+    rt.source.fail()
+    run()  # SUSPECT: agreement only every 16 steps, so end_step does not raise
+    assert rt.failstop.state == SUSPECT
+    with pytest.raises(StepWithheld, match="withheld the tokens") as exc:
+        driver.after_step(step, replayed=False)
+    assert isinstance(exc.value, FailStopError)
+
+
+def test_launches_without_release_just_count():
+    driver, _, step, run = _setup(persistent=False)
+    run()
+    assert driver.after_step(step, replayed=False)
+    assert driver.after_step(step, replayed=True) and driver.replays == 1
+    with pytest.raises(KeyError, match="width 3"):
+        driver.after_step(type(step)(width=3, key=step.key), replayed=True)
