@@ -223,11 +223,20 @@ def test_config_stage_names_every_reason(tiny_checkpoint, caplog):
     assert any(r.getMessage() == message for r in caplog.records)
 
 
-def _caches(model, dims, slots=6, conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16):
+def _caches(
+    model,
+    dims,
+    slots=6,
+    conv_dtype=torch.bfloat16,
+    kv_dtype=torch.bfloat16,
+    ssm_dtype=None,  # default: what vLLM allocates for this config (as the launches expect)
+):
+    if ssm_dtype is None:
+        ssm_dtype = getattr(torch, model.mono.build_extra.get("ssm_dtype", "float32"))
     for layer in model.model.layers:
         if layer.layer_type == "linear_attention":
             conv = torch.zeros(slots, dims.conv_k - 1, dims.conv_dim_r, dtype=conv_dtype)
-            ssm = torch.zeros(slots, dims.hv_r, dims.dv, dims.dk)
+            ssm = torch.zeros(slots, dims.hv_r, dims.dv, dims.dk, dtype=ssm_dtype)
             layer.linear_attn.kv_cache = [conv, ssm]
         else:
             kv = torch.zeros(4, dims.hkv_r, 16, 2 * dims.head_dim, dtype=kv_dtype)

@@ -132,6 +132,8 @@ def test_plan_routes_pure_decode_of_served_widths_only(engines):
     assert r["stock"].get("prefill", 0) >= 1, r["stock"]
     assert r["stock"].get("mixed", 0) >= 1, r["stock"]
     assert r["stock"].get("decode width 18", 0) >= 1, r["stock"]
+    # every routed (eager) step went through compute_logits' FailStop release before sampling
+    assert r["released"] == sum(_fused(r).values()) and r["replayed"] == {}, r
 
 
 def test_greedy_tokens_equal_the_flag_off_run(engines):

@@ -9,6 +9,20 @@ engine-neutral driver, then vLLM's final norm; every other step runs vLLM's own 
 outer forward is outside vLLM's compiled region, so a FULL decode CUDA graph captures the
 launches (the plan is checked to answer the same whenever a captured batch shape runs again).
 
+FailStop after every step, replayed or not: vLLM's V1 GPU model runner (0.26
+``GPUModelRunner.execute_model``) calls ``model.compute_logits`` eagerly right after the forward
+(outside the forward context and any graph), and samples only after it returns, in every
+scheduling mode (with async scheduling, sampling is a later ``sample_tokens`` call and the
+tokens reach the scheduler later still). The replacement classes' ``compute_logits`` therefore
+calls :meth:`Dispatch.after_forward` after vLLM's own logits: an eager planned step (its forward
+ran here and already called ``end_step``) is released; a step whose forward never entered
+Python was a FULL graph replay, and if the graph vLLM replays for that many requests was
+captured on the planned path (:meth:`PlanLedger.replayed`), ``end_step`` runs for it now, once,
+then ``release``. A failed wait raises :class:`~mono_ext.runtime.failstop.FailStopError` out of
+``compute_logits``: vLLM's engine core stops with it and the step's tokens are never sampled.
+The release waits (on the host) for that step's health copy, i.e. for the forward to finish:
+under async scheduling the host no longer prepares the next step while the GPU runs this one.
+
 Refusal stages: config in ``__init__`` (after vLLM built the modules), model at the first
 forward (vLLM's profile run, after weights are loaded and processed), caches whenever the
 bound cache tensors change (checked at each planned step from their addresses). TP ranks
@@ -19,6 +33,7 @@ once and the whole model runs stock from then on.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +47,7 @@ from ...core.refusal import Refusal, Stage, agree
 from ...core.registry import get_registry
 from ...core.settings import load_settings
 from ...core.spec import Deployment, Step
-from ...models.qwen3_next.decode import DecodeDriver, StepInputs
+from ...models.qwen3_next.decode import DecodeDriver, StepInputs, is_capturing
 from ...models.qwen3_next.launches import BuildContext
 from . import flags, views
 
@@ -56,7 +71,8 @@ class PlanLedger:
     """
 
     def __init__(self) -> None:
-        self.captured: dict[Any, Any] = {}
+        self.captured: dict[Any, Any] = {}  # descriptor -> BuildKey or None, at capture
+        self.steps: dict[Any, Step | None] = {}  # descriptor -> the Step planned at capture
 
     def observe(self, descriptor: Any, capturing: bool, step: Step | None) -> None:
         if descriptor is None:
@@ -66,12 +82,33 @@ class PlanLedger:
         if prev is _MISSING:
             if capturing:
                 self.captured[descriptor] = decision
+                self.steps[descriptor] = step
             return
         if prev != decision:
             raise RuntimeError(
                 f"mono_ext: plan() answered {prev} when {descriptor} was captured and "
                 f"{decision} now; plan() must depend on host facts that a replay keeps"
             )
+
+    def replayed(self, rows: int) -> Step | None:
+        """The planned step of the FULL graph vLLM replays for ``rows`` requests of one token,
+        or None (a stock graph, or none captured that large).
+
+        vLLM pads a batch to the smallest captured size that holds it
+        (``CudagraphDispatcher.dispatch``), so the replayed graph is a captured descriptor with
+        the fewest tokens >= ``rows``. Where descriptors of that size disagree (uniform and
+        mixed FULL graphs), the planned answer wins: an extra health check is harmless, a
+        missed one is not.
+        """
+        sizes = [n for n in (getattr(d, "num_tokens", None) for d in self.steps) if n is not None]
+        fits = [n for n in sizes if n >= rows]
+        if not fits:
+            return None
+        least = min(fits)
+        for d, step in self.steps.items():
+            if step is not None and getattr(d, "num_tokens", None) == least:
+                return step
+        return None
 
 
 class VllmStockLayers:
@@ -123,18 +160,27 @@ class Dispatch:
         vllm_config: Any,
         text_model: torch.nn.Module,
         embed: Callable[[torch.Tensor], torch.Tensor],
+        model_cls: type | None = None,
     ) -> None:
         self.vllm_config = vllm_config
         self.text_model = text_model
         self.embed = embed
+        self.model_cls = model_cls  # the outer class: vLLM's GDN state dtypes for this config
         self.state = "off"
         self.refusals: list[str] = []
-        self.fused: Counter[int] = Counter()
+        self.fused: Counter[int] = Counter()  # planned forwards that ran here (eager, capture)
+        self.replayed: Counter[int] = Counter()  # planned FULL-graph replays, by graph width
         self.stock: Counter[str] = Counter()
+        self.released = 0  # planned steps whose tokens FailStop let go (after_step)
         self.ledger = PlanLedger()
         self.driver: DecodeDriver | None = None
         self.stock_layers: VllmStockLayers | None = None
+        self.build_extra: dict[str, Any] = {}
         self._cache_sig: Any = None
+        # what the last forward that entered Python was, until compute_logits takes it:
+        # ("eager", step) / ("stock", None); a capture leaves nothing (no step ran)
+        self._pending: tuple[str, Step | None] | None = None
+        self._last_out: Any = None  # weakref to that forward's output
         value = flags.requested(vllm_config.additional_config)
         if value is None:  # the class was named without the flag: behave as vLLM's own
             return
@@ -199,11 +245,13 @@ class Dispatch:
             return
         self.weights = weights
         self.plane_sources = Counter(sources.values())
+        self.build_extra = views.build_extra(self.vllm_config, self.model_cls, weights)
         ctx = BuildContext(
             text_config=self.text_config,
             device=str(self.text_model.embed_tokens.weight.device),
             null_slot=views.NULL_SLOT,
             tp_rank=self._rank,
+            extra=self.build_extra,
         )
         self.launches = {key.width: self.builder(key, ctx) for key in self.spec.build_keys()}
         self.state = "caches"
@@ -225,9 +273,9 @@ class Dispatch:
             return False
         if sig == self._cache_sig:
             return True
-        refusal = agree(
-            self.spec.refuse_caches(views.cache_view(self.text_model, self.layouts)), self._group
-        )
+        refusal = self.spec.refuse_caches(views.cache_view(self.text_model, self.layouts))
+        built = views.state_dtype_reasons(self.text_model, self.build_extra)
+        refusal = agree(refusal.merged(Refusal.of(Stage.CACHES, built)), self._group)
         if refusal:
             self._off(refusal)
             return False
@@ -292,7 +340,50 @@ class Dispatch:
         )
         self.fused[rows] += 1
         out, _ = text.norm(h, r)
+        if self.driver.capturing():
+            self._pending, self._last_out = None, None  # captured, not run: a replay runs it
+        else:
+            self._pending, self._last_out = ("eager", step), weakref.ref(out)
         return out
+
+    def saw_stock(self, out: Any) -> None:
+        """The class's forward ran vLLM's own forward for this step."""
+        if self.driver is None:
+            return
+        if is_capturing():
+            self._pending, self._last_out = None, None
+        else:
+            self._pending = ("stock", None)
+            self._last_out = weakref.ref(out) if isinstance(out, torch.Tensor) else None
+
+    def after_forward(self, hidden: torch.Tensor) -> None:
+        """``compute_logits``' hook, after vLLM's logits of a step and before it samples them.
+
+        An eager planned step is released; a step whose forward did not enter Python was a
+        FULL-graph replay: if that graph was captured planned, ``end_step`` runs for it (once)
+        and then ``release``. Either raises FailStopError where a device wait gave up.
+        """
+        driver = self.driver
+        if driver is None:
+            return
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            kind, step = pending
+            if kind == "eager" and driver.after_step(step, replayed=False):
+                self.released += 1
+            return
+        if self._same_output(hidden):
+            return  # a further compute_logits of the step just taken (prompt logprobs)
+        step = self.ledger.replayed(int(hidden.shape[0]))
+        if step is not None and driver.after_step(step, replayed=True):
+            self.replayed[step.width] += 1
+            self.released += 1
+
+    def _same_output(self, hidden: torch.Tensor) -> bool:
+        last = self._last_out() if self._last_out is not None else None
+        if last is None or not isinstance(hidden, torch.Tensor):
+            return False
+        return hidden.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
 
     def report(self) -> dict[str, Any]:
         tracker = self.driver.tracker if self.driver is not None else None
@@ -301,6 +392,12 @@ class Dispatch:
             "backend": getattr(getattr(self, "backend", None), "name", None),
             "refusals": list(self.refusals),
             "fused": {int(k): v for k, v in sorted(self.fused.items())},
+            "replayed": {int(k): v for k, v in sorted(self.replayed.items())},
+            "released": self.released,
+            "captured": {
+                str(d): (None if s is None else s.width) for d, s in self.ledger.steps.items()
+            },
+            "build_extra": {k: str(v) for k, v in self.build_extra.items()},
             "stock": dict(self.stock),
             "layouts": dict(getattr(self, "layouts", {})),
             "plane_sources": dict(getattr(self, "plane_sources", {})),
@@ -321,13 +418,19 @@ class MonoQwen3NextForCausalLM(Qwen3NextForCausalLM):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.mono = Dispatch(vllm_config, self.model, self.model.embed_input_ids)
+        self.mono = Dispatch(vllm_config, self.model, self.model.embed_input_ids, type(self))
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
         out = self.mono.forward(input_ids, positions, inputs_embeds)
         if out is None:
             out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+            self.mono.saw_stock(out)
         return out
+
+    def compute_logits(self, hidden_states, *args, **kwargs):
+        logits = super().compute_logits(hidden_states, *args, **kwargs)
+        self.mono.after_forward(hidden_states)  # FailStop: raises instead of letting it sample
+        return logits
 
 
 class MonoQwen3_5MoeForConditionalGeneration(Qwen3_5MoeForConditionalGeneration):
@@ -336,7 +439,7 @@ class MonoQwen3_5MoeForConditionalGeneration(Qwen3_5MoeForConditionalGeneration)
     def __init__(self, *, vllm_config: Any, prefix: str = "model") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         lm = self.language_model
-        self.mono = Dispatch(vllm_config, lm.model, lm.embed_input_ids)
+        self.mono = Dispatch(vllm_config, lm.model, lm.embed_input_ids, type(self))
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
         out = None
@@ -344,4 +447,10 @@ class MonoQwen3_5MoeForConditionalGeneration(Qwen3_5MoeForConditionalGeneration)
             out = self.mono.forward(input_ids, positions, inputs_embeds)
         if out is None:
             out = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+            self.mono.saw_stock(out)
         return out
+
+    def compute_logits(self, hidden_states, *args, **kwargs):
+        logits = super().compute_logits(hidden_states, *args, **kwargs)
+        self.mono.after_forward(hidden_states)
+        return logits

@@ -76,6 +76,8 @@ __all__ = [
     "layouts",
     "hold_weights",
     "bind_weights",
+    "build_extra",
+    "state_dtype_reasons",
     "cache_signature",
     "cache_view",
     "bind_layers",
@@ -212,6 +214,12 @@ def config_reasons(vllm_config: Any, backend: KernelBackend, check: bool) -> lis
         reasons.append(
             f"no decode CUDA graphs (--enforce-eager or cudagraph_mode NONE): the {backend.name} "
             "launches need a captured step (set MONO_EXT_CHECK=1 to run them eagerly)"
+        )
+    if graphs and getattr(vllm_config, "use_v2_model_runner", False):
+        reasons.append(
+            "vLLM's V2 GPU model runner (VLLM_USE_V2_MODEL_RUNNER=1): mono_ext checks FailStop "
+            "after FULL-graph replays the way the V1 runner captures and calls compute_logits; "
+            "a replay under V2 could return the tokens of a failed step"
         )
     if pc.use_ubatching:
         reasons.append("dual-batch overlap / micro-batching splits a step's rows over launches")
@@ -377,6 +385,48 @@ def bind_weights(
         reasons,
         sources,
     )
+
+
+def build_extra(
+    vllm_config: Any, model_cls: Any, weights: list[dict[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """``BuildContext.extra``: what a backend builds for that only vLLM knows (keys as
+    ``kernels/triton/backend.py`` reads them).
+
+    ``ssm_dtype`` / ``conv_dtype``: the GDN state dtypes vLLM allocates for this deployment
+    (the model class's ``get_mamba_state_dtype_from_config``: ``--mamba-cache-dtype``,
+    ``--mamba-ssm-cache-dtype``, else the model dtype), known before the caches exist;
+    ``a_log_dtype`` / ``dt_bias_dtype``: the loaded GDN parameters'; ``positions_dtype``: the
+    runner's positions buffer (int64); ``max_positions``: ``max_model_len`` (no position
+    reaches it).
+    """
+    extra: dict[str, Any] = {}
+    dtypes = getattr(model_cls, "get_mamba_state_dtype_from_config", None)
+    if dtypes is not None:
+        conv, ssm = dtypes(vllm_config)
+        extra["conv_dtype"], extra["ssm_dtype"] = _dtype(torch.empty(0, dtype=conv)), _dtype(
+            torch.empty(0, dtype=ssm)
+        )
+    gdn = next((w for w in weights if "A_log" in w and "dt_bias" in w), None)
+    if gdn is not None:
+        extra["a_log_dtype"] = _dtype(gdn["A_log"])
+        extra["dt_bias_dtype"] = _dtype(gdn["dt_bias"])
+    extra["positions_dtype"] = "int64"
+    extra["max_positions"] = int(vllm_config.model_config.max_model_len)
+    return extra
+
+
+def state_dtype_reasons(text_model: torch.nn.Module, extra: Mapping[str, Any]) -> list[str]:
+    """The bound GDN states must have the dtypes the launches were built for."""
+    reasons = []
+    for i, layer in enumerate(text_model.layers):
+        for name, key in (("conv_state", "conv_dtype"), ("ssm_state", "ssm_dtype")):
+            t, want = _caches(layer).get(name), extra.get(key)
+            if isinstance(t, torch.Tensor) and want is not None and _dtype(t) != want:
+                reasons.append(
+                    f"layer {i}: {name} is {_dtype(t)}, the launches were built for {want}"
+                )
+    return reasons
 
 
 # -- caches ----------------------------------------------------------------------------
