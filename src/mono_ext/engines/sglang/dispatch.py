@@ -17,6 +17,14 @@ A routed step, in SGLang's own objects (no math here):
 
 After the decode graphs are captured, :class:`CaptureCheck` (a ``capture_tail_hooks``
 entry) refuses a deployment none of whose graphs routes to the kernels.
+
+FailStop: SGLang samples a step's tokens after ``ModelRunner.forward`` returns (the logits come
+out of the forward, replayed graph or not). An after-hook on ``ModelRunner.forward`` calls
+:meth:`Router.after_forward`: an eager routed step (its forward ran here and called
+``end_step``) is released; a decode step that replayed a graph without entering the router is
+looked up by the graph's padded batch size (``decode_cuda_graph_runner.bs``) in the plans
+recorded at capture, and a routed one gets ``end_step`` (once) and ``release``. A failed device
+wait raises :class:`~mono_ext.runtime.failstop.FailStopError` there, before sampling.
 """
 
 from __future__ import annotations
@@ -82,8 +90,12 @@ class Router:
         self.original = original
         self.attn_backend = attn_backend  # used when no forward context is set
         self.captured: dict[int, Step | None] = {}  # batch size -> plan chosen while capturing
-        self.routed_steps = 0
+        self.routed_steps = 0  # routed forwards that ran here (eager and captures)
+        self.replayed_steps = 0  # replays of routed graphs, checked in after_forward
+        self.released = 0  # routed steps whose tokens FailStop let go
         self.capturing: Callable[[], bool] = is_capturing
+        # the last forward that entered the router, until after_forward takes it
+        self._pending: tuple[str, Step | None] | None = None
         bound = serving.model
         self._outer, self._text = bound.outer, bound.text
         self._attn = {b.index: b.module.attn for b in bound.layers if b.kind == "full_attention"}
@@ -98,11 +110,35 @@ class Router:
 
     def __call__(self, input_ids, positions, forward_batch, *args, **kwargs):
         step = self.plan(forward_batch, *args, **kwargs)
-        if self.capturing():
+        capturing = self.capturing()
+        if capturing:
             self.captured[int(forward_batch.batch_size)] = step
+        # a capture runs nothing: the replays are checked in after_forward
+        self._pending = None if capturing else ("stock" if step is None else "eager", step)
         if step is None:
             return self.original(input_ids, positions, forward_batch, *args, **kwargs)
         return self.run(step, input_ids, positions, forward_batch)
+
+    def after_forward(self, forward_batch: Any, output: Any, graph_runner: Any) -> None:
+        """After ``ModelRunner.forward`` and before SGLang samples the step (see the module
+        doc); raises FailStopError where a device wait of the step gave up."""
+        driver = self.serving.driver
+        pending, self._pending = self._pending, None
+        if driver is None:
+            return
+        if pending is not None:
+            kind, step = pending
+            if kind == "eager" and driver.after_step(step, replayed=False):
+                self.released += 1
+            return
+        mode = getattr(forward_batch, "forward_mode", None)
+        if not getattr(output, "can_run_graph", False) or mode is None or not mode.is_decode():
+            return
+        bs = getattr(graph_runner, "bs", None)
+        step = None if bs is None else self.captured.get(int(bs))
+        if step is not None and driver.after_step(step, replayed=True):
+            self.replayed_steps += 1
+            self.released += 1
 
     # -- running ---------------------------------------------------------------------------
     def positions_of(self, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:

@@ -26,6 +26,9 @@ model_executor.model_runner.ModelRunner.load_model      around  config stage bef
 model_executor.model_runner.ModelRunner                 after   cache stage (MambaPool states,
 .init_attention_backends                                        KV buffers) and the check after
                                                                 decode CUDA-graph capture
+model_executor.model_runner.ModelRunner.forward         after   FailStop: releases each routed
+                                                                step (eager or graph replay)
+                                                                before SGLang samples it
 ======================================================  ======  ===============================
 
 With the flag off every hook returns at once and the model keeps SGLang's own forward.
@@ -171,6 +174,17 @@ def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwarg
         )
 
 
+def _after_forward(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    from .dispatch import router_of
+
+    router = router_of(getattr(runner, "model", None))
+    if router is None:
+        return None
+    forward_batch = args[0] if args else kwargs.get("forward_batch")
+    router.after_forward(forward_batch, result, getattr(runner, "decode_cuda_graph_runner", None))
+    return None  # keep SGLang's result
+
+
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 #: (target, hook type name, hook) in registration order.
 HOOKS: tuple[tuple[str, str, Any], ...] = (
@@ -180,6 +194,7 @@ HOOKS: tuple[tuple[str, str, Any], ...] = (
     ("sglang.srt.entrypoints.engine.Engine.__init__", "AROUND", _around_engine_init),
     (f"{_MR}.load_model", "AROUND", _around_load_model),
     (f"{_MR}.init_attention_backends", "AFTER", _after_init_attention_backends),
+    (f"{_MR}.forward", "AFTER", _after_forward),
 )
 
 

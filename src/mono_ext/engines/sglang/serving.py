@@ -34,7 +34,16 @@ from ...core.spec import Deployment, ModelSpec
 from ...core.views import ConfigView
 from .binding import CacheBinding, ModelBinding, bind_caches, bind_model
 from .flags import Monokernel
-from .views import LAYOUTS, cache_view, config_view, engine_reasons, features_of, model_view
+from .views import (
+    LAYOUTS,
+    build_extra,
+    cache_view,
+    config_view,
+    engine_reasons,
+    features_of,
+    model_view,
+    state_dtype_reasons,
+)
 
 __all__ = ["Serving", "FAMILY_PACKING"]
 
@@ -92,7 +101,10 @@ class Serving:
         self.model: ModelBinding | None = None
         self.caches: CacheBinding | None = None
         self.launches: dict[int, Any] = {}
+        self.build_extra: dict[str, Any] = {}
         self.driver: Any = None
+        self._hf_config: Any = None
+        self._server_args: Any = None
         self.settings: Settings = settings or Settings()
 
     # -- common ------------------------------------------------------------------------
@@ -128,6 +140,7 @@ class Serving:
         quantization: str | None,
     ) -> Refusal:
         """Everything knowable before the weights load; on acceptance the spec is deployed."""
+        self._hf_config, self._server_args = hf_config, server_args  # for the build's extra
         return self._decide(
             Stage.CONFIG,
             _guarded(
@@ -218,11 +231,14 @@ class Serving:
     def _build(self) -> list[str]:
         from ...models.qwen3_next.launches import BuildContext
 
+        planes = {b.index: b.planes for b in self.model.layers}
+        self.build_extra = build_extra(self._hf_config, self._server_args, planes)
         ctx = BuildContext(
             text_config=self.cfg.hf_config,
             device=str(self._device()),
             null_slot=None,  # SGLang pads with slot -1
             tp_rank=self.tp_rank,
+            extra=self.build_extra,
         )
         self.launches = {key.width: self.builder(key, ctx) for key in self.spec.build_keys()}
         return []
@@ -246,6 +262,7 @@ class Serving:
         caches = bind_caches(req_to_token_pool, token_to_kv_pool, self.kinds())
         reasons = list(caches.reasons)
         reasons += list(self.spec.refuse_caches(cache_view(caches, self.kinds())).reasons)
+        reasons += state_dtype_reasons(caches, self.build_extra)
         if reasons:
             return reasons
         self.caches = caches

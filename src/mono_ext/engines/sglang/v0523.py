@@ -124,7 +124,15 @@ def _config_reasons(backend: str, cfg: Any, hf_config: Any) -> list[str]:
         dtype=_resolved_dtype(cfg, hf_config),
         quantization=getattr(cfg, "quantization", None),
     )
-    return list(refusal.reasons)
+    reasons = list(refusal.reasons)
+    chosen = serving.backend
+    if chosen is not None and not chosen.testing_only:
+        reasons.append(
+            f"backend {chosen.name}: through SGLang 0.5.23's kernel-plugin API mono_ext does not "
+            "yet check FailStop after decode-graph replays (0.5.17's --monokernel does), so a "
+            "failed step could return tokens"
+        )
+    return reasons
 
 
 def _model_reasons(backend: str, model: Any, hf_config: Any) -> list[str]:

@@ -270,3 +270,50 @@ def step_view(forward_batch: Any) -> StepView:
     if rows > 0 and ids is not None and int(ids.shape[0]) % rows:
         tokens = 0  # ragged rows: never a pure decode step
     return StepView(mode=step_mode(forward_batch.forward_mode), rows=rows, tokens_per_row=tokens)
+
+
+def gdn_state_dtypes(hf_config: Any) -> tuple[str, str] | None:
+    """(conv, ssm) dtypes SGLang's MambaPool will allocate for this model, before it exists:
+    SGLang's own ``mamba2_state_dtype`` (``SGLANG_MAMBA_CONV_DTYPE``; ssm from
+    ``SGLANG_MAMBA_SSM_DTYPE``, else the config's ``mamba_ssm_dtype``, else fp32)."""
+    try:
+        from sglang.srt.configs.mamba_utils import mamba2_state_dtype
+    except ImportError:
+        return None
+    d = mamba2_state_dtype(hf_config)
+    return _dtype_name(d.conv), _dtype_name(d.temporal)
+
+
+def build_extra(
+    hf_config: Any, server_args: Any, planes: Mapping[int, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """``BuildContext.extra`` (keys as ``kernels/triton/backend.py`` reads them): the GDN state
+    dtypes SGLang allocates, the loaded A_log / dt_bias dtypes, int64 positions, and the
+    largest position a request can reach (``--context-length``, else the config's
+    ``max_position_embeddings``)."""
+    extra: dict[str, Any] = {}
+    states = gdn_state_dtypes(hf_config)
+    if states is not None:
+        extra["conv_dtype"], extra["ssm_dtype"] = states
+    gdn = next((p for p in planes.values() if "A_log" in p and "dt_bias" in p), None)
+    if gdn is not None:
+        extra["a_log_dtype"] = _dtype_name(gdn["A_log"].dtype)
+        extra["dt_bias_dtype"] = _dtype_name(gdn["dt_bias"].dtype)
+    extra["positions_dtype"] = "int64"
+    limit = _get(server_args, "context_length") or hf_dict(hf_config).get("max_position_embeddings")
+    if limit:
+        extra["max_positions"] = int(limit)
+    return extra
+
+
+def state_dtype_reasons(caches: CacheBinding, extra: Mapping[str, Any]) -> list[str]:
+    """The bound GDN states must have the dtypes the launches were built for."""
+    reasons = []
+    for name, key, states in (("conv_state", "conv_dtype", caches.conv), ("ssm_state",
+                              "ssm_dtype", caches.ssm)):  # fmt: skip
+        want = extra.get(key)
+        for i, t in sorted(states.items()):
+            if want is not None and _dtype_name(t.dtype) != want:
+                reasons.append(f"layer {i}: {name} is {_dtype_name(t.dtype)}, the launches were "
+                               f"built for {want}")  # fmt: skip
+    return reasons

@@ -1,0 +1,157 @@
+"""FailStop in the SGLang 0.5.17 adapter: the after-hook on ``ModelRunner.forward`` releases
+every routed step (eager, or a decode-graph replay found by the graph's padded batch size)
+before SGLang samples it, or raises; and the build gets SGLang's GDN state dtypes.
+
+SGLang's own model classes are built on CPU (``test_sglang_models``' helpers); the driver's
+launches get the per-step hooks of a persistent backend over a real :class:`FailStop` reading a
+fake health block. A "replay" is what SGLang does on the host for one: ``ModelRunner.forward``
+returns ``can_run_graph=True`` without entering the router.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+torch = pytest.importorskip("torch")
+
+from test_sglang_models import Spy, _active, _batch, _load, _pools, _serving  # noqa: E402
+
+from mono_ext.core.spec import Step  # noqa: E402
+from mono_ext.engines.sglang import plugin  # noqa: E402
+from mono_ext.engines.sglang.dispatch import Router, install, uninstall  # noqa: E402
+from mono_ext.runtime import health as h  # noqa: E402
+from mono_ext.runtime.failstop import FailStop, FailStopError  # noqa: E402
+from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qn(tmp_path_factory):
+    return _load(make_checkpoint(tmp_path_factory.mktemp("qn"), "qwen3-next-tiny"))
+
+
+class Source:
+    def __init__(self) -> None:
+        self.words = h.health_init_words()
+        self.pending: list = []
+
+    def fail(self) -> None:
+        self.words[h.H_FAILED] += 1
+        base = h.H_RECORDS
+        self.words[base : base + h.RECORD_WORDS] = [0, 9, 5, 4, 1, 0, 3, 10**6]
+
+    def submit(self, step):
+        self.pending.append((step, list(self.words)))
+
+    def ready(self, until_step=None):
+        out, self.pending = self.pending, []
+        return out
+
+
+class Persistent:
+    def __init__(self, inner, shared) -> None:
+        self.inner, self.shared, self.key = inner, shared, inner.key
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def end_step(self) -> None:
+        self.shared["steps"] += 1
+        self.shared["fs"].after_launch(self.shared["steps"])
+
+    def release(self, step=None) -> bool:
+        self.shared["releases"] += 1
+        return self.shared["fs"].release(self.shared["steps"] if step is None else step)
+
+
+@pytest.fixture
+def routed(qn):
+    sv, *_ = _active(qn)
+    src = Source()
+    shared = dict(fs=FailStop(src, agree_every=16), steps=0, releases=0, src=src)
+    sv.driver.launches = {w: Persistent(x, shared) for w, x in sv.driver.launches.items()}
+    router = Router(sv, Spy())
+    install(qn.model, router)
+    # what capturing decode graphs of batch sizes 1, 2, 4, 8, 16, 24 records
+    router.captured = {
+        bs: (Step(bs, sv.spec.build_key(bs)) if bs <= 16 else None) for bs in (1, 2, 4, 8, 16, 24)
+    }
+    yield router, shared
+    uninstall(qn.model)
+
+
+def _forward(qn, *, mode="DECODE", bs=3, graph_bs=4, can_run_graph=True):
+    """The after-hook as SGLang's hook registry calls it after ModelRunner.forward."""
+    runner = SimpleNamespace(model=qn.model, decode_cuda_graph_runner=SimpleNamespace(bs=graph_bs))
+    out = SimpleNamespace(can_run_graph=can_run_graph, logits_output=None)
+    return plugin._after_forward(out, runner, _batch(mode, bs))
+
+
+def test_the_forward_hook_is_registered():
+    assert (
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        "AFTER",
+        plugin._after_forward,
+    ) in plugin.HOOKS
+
+
+def test_each_replay_of_a_routed_graph_is_checked_once(qn, routed):
+    router, shared = routed
+    for bs, graph_bs in ((3, 4), (1, 1), (8, 8), (3, 4)):
+        assert _forward(qn, bs=bs, graph_bs=graph_bs) is None  # SGLang's result is kept
+    assert (shared["steps"], shared["releases"]) == (4, 4)
+    assert (router.replayed_steps, router.released) == (4, 4)
+    _forward(qn, bs=20, graph_bs=24)  # a stock graph
+    _forward(qn, mode="EXTEND", bs=2, can_run_graph=True)  # a prefill graph: never routed
+    _forward(qn, bs=3, can_run_graph=False)  # an eager decode the router did not see: stock
+    assert (shared["steps"], shared["releases"]) == (4, 4)
+
+
+def test_a_failed_wait_raises_before_sglang_samples(qn, routed):
+    router, shared = routed
+    _forward(qn, bs=2, graph_bs=2)
+    shared["src"].fail()
+    with pytest.raises(FailStopError, match="gave up"):
+        _forward(qn, bs=2, graph_bs=2)
+    with pytest.raises(FailStopError):  # sticky
+        _forward(qn, bs=1, graph_bs=1)
+    assert router.released == 1
+
+
+def test_eager_steps_seen_by_the_router(qn, routed):
+    router, shared = routed
+    fb = _batch("EXTEND", 2, tokens_per_row=3)
+    qn.model.forward(fb.input_ids, torch.zeros(6, dtype=torch.long), fb)  # stock, eager
+    _forward(qn, mode="EXTEND", bs=2, can_run_graph=False)
+    assert (shared["steps"], shared["releases"]) == (0, 0)
+    step = router.captured[4]
+    router.serving.driver.launches[4].end_step()  # as the driver's run() does, eagerly
+    router._pending = ("eager", step)  # as Router.__call__ leaves a routed eager step
+    _forward(qn, bs=4, can_run_graph=False)
+    assert (shared["steps"], shared["releases"], router.released) == (1, 1, 1)
+    assert router.replayed_steps == 0
+
+
+def test_without_a_router_the_hook_does_nothing(qn):
+    runner = SimpleNamespace(model=qn.model, decode_cuda_graph_runner=None)
+    assert plugin._after_forward("result", runner, _batch("DECODE", 1)) is None
+
+
+def test_build_extra_has_sglangs_state_dtypes_and_a_wrong_state_is_refused(qn, monkeypatch):
+    sv, *_ = _active(qn)
+    extra = sv.build_extra
+    assert extra["conv_dtype"] == "bfloat16" and extra["ssm_dtype"] == "float32"
+    assert extra["a_log_dtype"] == "float32" and extra["positions_dtype"] == "int64"
+    assert extra["max_positions"] == (
+        qn.sa.context_length or qn.mc.hf_config.max_position_embeddings
+    )
+    rp, kvp = _pools(qn.mc)  # SGLang's pools as allocated by default: fp32 ssm
+    monkeypatch.setenv("SGLANG_MAMBA_SSM_DTYPE", "bfloat16")  # a build for bf16 states
+    sv = _serving(qn)
+    assert sv.build_extra["ssm_dtype"] == "bfloat16"
+    refusal = sv.accept_caches(rp, kvp)
+    assert refusal and "ssm_state is float32, the launches were built for bfloat16" in str(
+        refusal.message()
+    )
