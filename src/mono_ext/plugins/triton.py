@@ -9,12 +9,13 @@ sm_90 device is visible; what a deployment needs beyond that is the builder's ``
 from ..core.backends import KernelBackend
 from ..core.hookspecs import hookimpl
 
-# The launches pass on their own (tests/kernels), but inside vLLM/SGLang on the GPU the
-# adapters do not yet poll FailStop after each CUDA-graph replay, so a step whose wait gave up
-# could return its tokens. Until that is wired and an engine run on the H200 proves it, no
-# deployment may pick this backend (by name or through auto). The change that wires it flips
-# this and says so.
-ENGINE_FAILSTOP_WIRED = False
+# Engines release every step through FailStop before sampling it, graph replays included:
+# vLLM 0.26 in the replacement classes' compute_logits, SGLang 0.5.17 in an after-hook on
+# ModelRunner.forward (both through DecodeDriver.after_step; SGLang 0.5.23's kernel-plugin path
+# still refuses this backend). Tested on CPU with fake health words (tests/unit,
+# tests/e2e/test_*_failstop.py); tests/e2e/test_vllm_gpu.py is the H200 engine run. With this
+# False no deployment may pick the backend (by name or through auto).
+ENGINE_FAILSTOP_WIRED = True
 
 
 def _probe() -> tuple[bool, str]:
