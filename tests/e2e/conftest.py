@@ -59,6 +59,8 @@ BATCHES = [
     {"prompts": [[30 + i, 40 + i, 50 + i, 60 + i] for i in range(18)], "max_tokens": [3] * 18},
 ]
 
+LOGPROBS = 2  # top-k logprobs returned per generated token
+
 FLAG = {"additional_config": {"monokernel_backend": "reference"}}
 NO_PLUGINS = {"VLLM_PLUGINS": ""}  # vLLM's allow-list: load no general plugin at all
 CHECK = {"MONO_EXT_CHECK": "1"}
@@ -116,7 +118,7 @@ class Engines:
         llm["model"] = str(_checkpoint(self.root, preset))
         if preset.startswith("qwen3.5"):
             llm["limit_mm_per_prompt"] = {"image": 0, "video": 0}
-        spec = {"llm": llm, "kwarg_flag": kwarg_flag, "batches": BATCHES}
+        spec = {"llm": llm, "kwarg_flag": kwarg_flag, "batches": BATCHES, "logprobs": LOGPROBS}
         spec_path, out_path = self.root / f"{name}.json", self.root / f"{name}.out.json"
         spec_path.write_text(json.dumps(spec))
         env = {

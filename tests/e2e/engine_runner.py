@@ -4,7 +4,7 @@ Usage: python engine_runner.py SPEC.json OUT.json
 
 SPEC: {"llm": {LLM keyword arguments}, "kwarg_flag": backend or null (passed as
 ``LLM(monokernel_backend=...)`` after loading vLLM's plugins), "batches": [{"prompts":
-[[token ids], ...], "max_tokens": [n, ...]}, ...]}. Each engine gets fresh engine-core and
+[[token ids], ...], "max_tokens": [n, ...]}, ...], "logprobs": k (top-k per step, default 2)}. Each engine gets fresh engine-core and
 worker processes, so engines never share a model registry or plugin state.
 
 OUT: greedy token ids and top-2 logprobs per batch, the worker reports
@@ -40,7 +40,11 @@ def main(spec_path: str, out_path: str) -> None:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
         params = [
             SamplingParams(
-                temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=2
+                temperature=0.0,
+                max_tokens=n,
+                ignore_eos=True,
+                detokenize=False,
+                logprobs=spec.get("logprobs", 2),
             )
             for n in batch["max_tokens"]
         ]
