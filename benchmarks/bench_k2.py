@@ -64,8 +64,9 @@ DENSE = (
 # name -> K2Config overrides (grid is set from the device)
 VARIANTS = {
     "k2": {},
-    "k2 2cta/SM": {"ctas_per_sm": 2},
-    "k2 2cta/SM bi4=256": {"ctas_per_sm": 2, "bi4": 256},
+    "k2 no-bal3": {"bal3": False},
+    "k2 bi4=128": {"bi4": 128},
+    "k2 rn=2": {"rn": 2},
     "k2 no-prefetch": {"prefetch": False},
 }
 PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (all)
@@ -244,6 +245,30 @@ def k2_body(k2: K2Launch, su: Setup, b: int, state: RankState, ws):
     return body
 
 
+TRACE_POINTS = (
+    "start", "S1 pushed", "S1 reduced", "norm done", "router done", "top-k done",
+    "gate_up done", "act waited", "down pushed", "end",
+)  # fmt: skip
+
+
+def print_trace(su: Setup, sms: int, state: RankState, vname: str, b: int) -> None:
+    """Run the rotation once (weights cold in L2, as timed) with a ``trace`` build and print,
+    per stamp of the last launch, min / median / max over CTAs of microseconds since the
+    first CTA started."""
+    k = build_k2(su, sms, trace=True, **dict(VARIANTS[vname]))
+    ws = k.workspace("cuda")
+    body = k2_body(k, su, b, state, ws)
+    for _ in range(3):
+        body()
+    torch.cuda.synchronize()
+    t = ws.trace.cpu().double()
+    t0 = t[:, 0].min()
+    print(f"  trace {vname} width {b} (us since the first CTA started: min / median / max)")
+    for i, name in enumerate(TRACE_POINTS):
+        col = (t[:, i] - t0) / 1e3
+        print(f"    {i} {name:<13} {col.min():7.1f} {col.median():7.1f} {col.max():7.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
@@ -251,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--prefixes", action="store_true", help="time stage prefixes too")
+    ap.add_argument(
+        "--trace", action="store_true",
+        help="per-CTA %%globaltimer stamps of each variant (where the time goes)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     widths = [int(x) for x in args.widths.split(",")]
     name = torch.cuda.get_device_name()
@@ -284,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
             med, best = time_graph(k2_body(k, su, b, state, wsv))
             rows.append((b, vname, med, best))
             print(f"  {vname:<16} w{b:<2} {med:8.1f} us")
+    if args.trace:
+        for b in (1, 16):  # the first variant named
+            print_trace(su, sms, state, args.variants.split(",")[0], b)
     if args.prefixes:
         for pname, bits in PREFIXES.items():
             k = build_k2(su, sms, stages=bits)

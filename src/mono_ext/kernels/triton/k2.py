@@ -68,6 +68,7 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
 from mono_ext.kernels.triton.primitives import (
+    global_timer_ns,
     mailbox_put,
     pack_tagged,
     seq_tag,
@@ -139,6 +140,15 @@ def _prefetch_l2(ptrs, nbytes, mask):
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def _stamp(trace_ptr, i: tl.constexpr, TRACE: tl.constexpr):
+    """``TRACE`` builds only: this CTA's %globaltimer when all its threads reach point i
+    (benchmarks/bench_k2.py --trace reads them to place time inside the launch)."""
+    if TRACE:
+        tl.debug_barrier()
+        tl.store(trace_ptr + tl.program_id(0) * 16 + i, global_timer_ns())
 
 
 @triton.jit
@@ -236,6 +246,7 @@ def k2_kernel(
     peers_ptr,
     ctrl_ptr,
     health_ptr,
+    trace_ptr,
     n_rows,
     layer,
     layers_per_step,
@@ -265,6 +276,8 @@ def k2_kernel(
     # tiles
     BB: tl.constexpr,
     BN: tl.constexpr,
+    BN3: tl.constexpr,
+    BN4: tl.constexpr,
     BK1: tl.constexpr,
     KSPL1: tl.constexpr,
     KS2: tl.constexpr,
@@ -282,6 +295,13 @@ def k2_kernel(
     GLPOW: tl.constexpr,
     IWPOW: tl.constexpr,
     STAGES: tl.constexpr,
+    PIPE1: tl.constexpr,
+    PIPE3: tl.constexpr,
+    PIPE4: tl.constexpr,
+    JM3: tl.constexpr,
+    TRACE: tl.constexpr,
+    BAL3: tl.constexpr,
+    TASK_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -289,6 +309,7 @@ def k2_kernel(
     tag = seq_tag(seq)
     parity = (seq & 1).to(tl.int32)
     rank = tl.load(ctrl_ptr + 2).to(tl.int32)  # CTRL_RANK (runtime.health)
+    _stamp(trace_ptr, 0, TRACE)
 
     UM: tl.constexpr = E if E < BB * TOPK else BB * TOPK  # routed slots; slot UM = shared
     PM: tl.constexpr = BB * TOPK  # routed (row, pick) pairs; shared pairs follow
@@ -306,7 +327,7 @@ def k2_kernel(
     W_P: tl.constexpr = BB * H  # words per partials slot (p1 / p4)
     NS1: tl.constexpr = RANKS * KSPL1  # out_proj partial slots per parity
     NS4: tl.constexpr = RANKS * NG  # MoE partial slots per parity
-    BI3: tl.constexpr = BN // 2  # gate rows (and up rows) per expert task
+    BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
     GSH: tl.constexpr = E % NG  # the shared expert's group
 
     rows = tl.arange(0, BB)
@@ -340,47 +361,30 @@ def k2_kernel(
     if STAGES & 1:
         n_it = tl.where(pid < T1, (T1 - 1 - pid) // G + 1, 0) * KCH1
         kk = tl.arange(0, BK1)
-        # iteration 0's tiles (task t = pid + j * G: row block t % RB1, K split t // RB1)
-        t = pid
-        hr = (t % RB1) * BN + nn
-        k = (t // RB1) * KSP1 + kk
-        ld = n_it > 0
-        km = ld & (k < KO)
-        w_t = tl.load(
-            w_o_ptr + hr[:, None] * KO + k[None, :],
-            mask=(hr[:, None] < H) & km[None, :],
-            other=0.0,
-        )
-        x_t = _o_in_tile(o_in_ptr, gate_ptr, rows[None, :] * KO + k[:, None],
-                         rmask[None, :] & km[:, None], GATED)  # fmt: skip
         acc = tl.zeros([BN, BB], dtype=tl.float32)
-        for it in range(n_it):
+        # task t = pid + j * G: row block t % RB1, K split t // RB1; Triton's pipeliner keeps
+        # PIPE1 chunks in flight across task boundaries (one flat loop: the stream never drains)
+        for it in tl.range(0, n_it, num_stages=PIPE1):
             j = it // KCH1
             kc = it - j * KCH1
             t = pid + j * G
-            nit = it + 1
-            nj = nit // KCH1
-            nt = pid + nj * G
-            nhr = (nt % RB1) * BN + nn
-            nk = (nt // RB1) * KSP1 + (nit - nj * KCH1) * BK1 + kk
-            nkm = (nit < n_it) & (nk < KO) & (nk < (nt // RB1 + 1) * KSP1)
-            w_n = tl.load(
-                w_o_ptr + nhr[:, None] * KO + nk[None, :],
-                mask=(nhr[:, None] < H) & nkm[None, :],
+            hr = (t % RB1) * BN + nn
+            k = (t // RB1) * KSP1 + kc * BK1 + kk
+            km = (k < KO) & (k < (t // RB1 + 1) * KSP1)
+            w_t = tl.load(
+                w_o_ptr + hr[:, None] * KO + k[None, :],
+                mask=(hr[:, None] < H) & km[None, :],
                 other=0.0,
             )
-            x_n = _o_in_tile(o_in_ptr, gate_ptr, rows[None, :] * KO + nk[:, None],
-                             rmask[None, :] & nkm[:, None], GATED)  # fmt: skip
+            x_t = _o_in_tile(o_in_ptr, gate_ptr, rows[None, :] * KO + k[:, None],
+                             rmask[None, :] & km[:, None], GATED)  # fmt: skip
             acc = tl.dot(w_t, x_t, acc)
             if kc == KCH1 - 1:
-                hr = (t % RB1) * BN + nn
                 _put_partial(
                     scratch_ptr, peers_ptr, OFF_P1, slot1 + rank * KSPL1 + t // RB1, acc, hr,
                     rows, rmask[None, :] & (hr[:, None] < H), tag, RANKS, W_P, H, SYS,
                 )  # fmt: skip
                 acc = tl.zeros([BN, BB], dtype=tl.float32)
-            w_t = w_n
-            x_t = x_n
         if PREFETCH:
             # weights the next stages surely read, pulled into L2 during the hand-offs
             lane = tl.arange(0, 128)
@@ -398,6 +402,8 @@ def k2_kernel(
                 (sgu_ptr + part * (ch_s // 2)).to(tl.pointer_type(tl.int8)), nb_s, nb_s > 0
             )
 
+    _stamp(trace_ptr, 1, TRACE)
+
     # ------------------ S1 reduce: out_proj partials (all ranks, K splits) + residual
     TR: tl.constexpr = (H + CB - 1) // CB
     if STAGES & 2:
@@ -412,6 +418,8 @@ def k2_kernel(
             r = tl.load(res_in_ptr + off, mask=cm, other=0.0).to(tl.float32) + s1
             tl.store(out_r_ptr + off, r.to(tl.bfloat16), mask=cm)
             mailbox_put(resid_ptr, off, _fp32_bits(r), cm, tag, False)
+
+    _stamp(trace_ptr, 2, TRACE)
 
     # -------------------------------------- S2: norm (every CTA) + router^T slices
     NEB: tl.constexpr = (E + BN - 1) // BN
@@ -440,6 +448,7 @@ def k2_kernel(
             sg = tl.sigmoid(tl.sum(xn * sg_w[None, :], axis=1))
             tl.store(wsc_base + UM * BB + rws, sg, mask=rws < n_rows)
         tl.debug_barrier()  # xs written by this CTA's threads, read by all of them
+        _stamp(trace_ptr, 3, TRACE)
 
         kk2 = tl.arange(0, BK2)
         for t in range(pid, NEB * KS2, G):
@@ -473,6 +482,8 @@ def k2_kernel(
             mailbox_put(
                 logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, False
             )
+
+    _stamp(trace_ptr, 4, TRACE)
 
     # ------------------------------------- S3: top-k + union, gate_up -> activations
     NB: tl.constexpr = (IR + BI3 - 1) // BI3
@@ -539,9 +550,15 @@ def k2_kernel(
             tl.store(meta_base + M_GC + g, n_g)
         tl.store(ppos_base + UM * BB + rows, tl.where(rmask, PM + rows, -1))
         tl.debug_barrier()  # pw read back by other threads
-        # pass 2: per (slot, row) routing weight and pair row (rows that did not pick: 0, -1)
+        # pass 2: per (slot, row) routing weight and pair row (rows that did not pick: 0, -1).
+        # Rows past the width get (0, -1) by plain stores; only live rows take the loop
+        # (each of its iterations waits a round trip for pw).
+        dead = pk[:, None] & (rows >= n_rows)[None, :]
+        so_d = slot_of[:, None] * BB + rows[None, :]
+        tl.store(wsc_base + so_d, tl.zeros([EP, BB], dtype=tl.float32), mask=dead)
+        tl.store(ppos_base + so_d, tl.full([EP, BB], -1, dtype=tl.int32), mask=dead)
         run = tl.zeros([EP], dtype=tl.int32)
-        for r0 in range(0, BB, RB):
+        for r0 in range(0, n_rows, RB):
             rws = r0 + rr
             live = (rws < n_rows)[:, None]
             pwc = tl.load(pw_base + rws[:, None] * EP + offs_e[None, :], mask=live, other=-1.0)
@@ -552,62 +569,72 @@ def k2_kernel(
             tl.store(ppos_base + so, tl.where(si > 0, pair, -1), mask=pk[None, :])
             run += tl.sum(si, axis=0)
         tl.debug_barrier()  # meta / wsc / ppos are read back by every thread of this CTA
+        _stamp(trace_ptr, 5, TRACE)
 
-        # tasks: shared blocks first, then (routed slot, block); tile rows: BI3 gate, BI3 up
-        T3 = NBS + n_u * NB
+        # tasks: shared blocks first, then (routed slot, block) of L3 gate rows (+ the same up
+        # rows) in a tile of BI3 + BI3. L3 (even, <= BI3) is picked per step so that the
+        # busiest CTA streams the fewest rows: at width 1, 11 planes of 512 rows as 176 tiles
+        # of 32 leave 44 CTAs with two tiles; 264 tiles of 22 give every CTA two smaller ones.
+        L3 = BI3
+        nbs3 = NBS
+        nb3 = NB
+        if BAL3:
+            best = 2147483647
+            for c in tl.static_range(BI3 // 4 + 1):  # heights BI3 .. BI3 / 2 (JM bounds it)
+                lc = BI3 - 2 * c
+                nbs_c = (ISR + lc - 1) // lc
+                nb_c = (IR + lc - 1) // lc
+                cost = ((nbs_c + n_u * nb_c + G - 1) // G) * (lc + TASK_ROWS)
+                take = cost < best
+                L3 = tl.where(take, lc, L3)
+                nbs3 = tl.where(take, nbs_c, nbs3)
+                nb3 = tl.where(take, nb_c, nb3)
+                best = tl.where(take, cost, best)
+        T3 = nbs3 + n_u * nb3
         n_it3 = tl.where(pid < T3, (T3 - 1 - pid) // G + 1, 0) * KCH3
         kk3 = tl.arange(0, BK3)
-        half = nn // BI3  # 0: gate row, 1: up row
-        ri = nn % BI3
-        t = pid
-        sh = t < NBS
-        ex = tl.load(meta_base + tl.where(sh, 0, tl.minimum((t - NBS) // NB, UM - 1)))
-        wb = tl.where(sh, sgu_ptr, w13_ptr + ex.to(tl.int64) * (2 * IR * H))
-        isl = tl.where(sh, ISR, IR)
-        ib = tl.where(sh, t, (t - NBS) % NB)
-        gr = ib * BI3 + ri
-        wrow = half * isl + gr
-        km = (n_it3 > 0) & (kk3 < H)
-        w_t = tl.load(
-            wb + wrow[:, None] * H + kk3[None, :], mask=(gr < isl)[:, None] & km[None, :], other=0.0
+        nn3 = tl.arange(0, BN3)
+        half = nn3 // BI3  # 0: gate row, 1: up row
+        ri = nn3 % BI3
+        acc3 = tl.zeros([BN3, BB], dtype=tl.float32)
+        # The expert of each of this CTA's tasks, held in registers: a load inside the loop
+        # that another load's address depends on makes Triton's pipeliner wait for every
+        # copy in flight at each iteration (async_wait 0: no pipelining at all).
+        jv = tl.arange(0, JM3)
+        tv = pid + jv * G
+        ex_v = tl.load(
+            meta_base + tl.minimum(tl.maximum(tv - nbs3, 0) // nb3, UM - 1),
+            mask=(tv >= nbs3) & (tv < T3),
+            other=0,
         )
-        x_t = tl.load(
-            xs_base + rows[None, :] * H + kk3[:, None],
-            mask=rmask[None, :] & km[:, None],
-            other=0.0,
-        )
-        acc3 = tl.zeros([BN, BB], dtype=tl.float32)
-        for it in range(n_it3):
+        # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
+        for it in tl.range(0, n_it3, num_stages=PIPE3):
             j = it // KCH3
             kc = it - j * KCH3
             t = pid + j * G
-            nit = it + 1
-            nj = nit // KCH3
-            nt = pid + nj * G
-            nsh = nt < NBS
-            nex = tl.load(meta_base + tl.where(nsh, 0, tl.minimum((nt - NBS) // NB, UM - 1)))
-            nwb = tl.where(nsh, sgu_ptr, w13_ptr + nex.to(tl.int64) * (2 * IR * H))
-            nisl = tl.where(nsh, ISR, IR)
-            nib = tl.where(nsh, nt, (nt - NBS) % NB)
-            ngr = nib * BI3 + ri
-            nwrow = half * nisl + ngr
-            nk = (nit - nj * KCH3) * BK3 + kk3
-            nkm = (nit < n_it3) & (nk < H)
-            w_n = tl.load(
-                nwb + nwrow[:, None] * H + nk[None, :],
-                mask=(ngr < nisl)[:, None] & nkm[None, :],
+            sh = t < nbs3
+            ex = tl.sum(tl.where(jv == j, ex_v, 0), axis=0)
+            wb = tl.where(sh, sgu_ptr, w13_ptr + ex.to(tl.int64) * (2 * IR * H))
+            isl = tl.where(sh, ISR, IR)
+            ib = tl.where(sh, t, (t - nbs3) % nb3)
+            gr = ib * L3 + ri
+            live3 = (ri < L3) & (gr < isl)
+            wrow = half * isl + gr
+            k3 = kc * BK3 + kk3
+            km = k3 < H
+            w_t = tl.load(
+                wb + wrow[:, None] * H + k3[None, :],
+                mask=live3[:, None] & km[None, :],
                 other=0.0,
             )
-            x_n = tl.load(
-                xs_base + rows[None, :] * H + nk[:, None],
-                mask=rmask[None, :] & nkm[:, None],
+            x_t = tl.load(
+                xs_base + rows[None, :] * H + k3[:, None],
+                mask=rmask[None, :] & km[:, None],
                 other=0.0,
             )
             acc3 = tl.dot(w_t, x_t, acc3)
             if kc == KCH3 - 1:
-                sh = t < NBS
-                slot = tl.where(sh, UM, (t - NBS) // NB)
-                ib = tl.where(sh, t, (t - NBS) % NB)
+                slot = tl.where(sh, UM, (t - nbs3) // nb3)
                 wr3 = tl.load(wsc_base + slot * BB + rows)
                 pr3 = tl.load(ppos_base + slot * BB + rows)
                 g3, u3 = tl.split(tl.permute(tl.reshape(acc3, (2, BI3, BB)), (1, 2, 0)))
@@ -615,16 +642,19 @@ def k2_kernel(
                 lo, hi = tl.split(tl.permute(tl.reshape(h3, (BI3 // 2, 2, BB)), (0, 2, 1)))
                 lo_b = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 hi_b = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
-                c2 = ib * (BI3 // 2) + tl.arange(0, BI3 // 2)
+                cl = tl.arange(0, BI3 // 2)
+                c2 = ib * (L3 // 2) + cl
                 off3 = pr3[None, :] * IW + c2[:, None]
-                am3 = (pr3[None, :] >= 0) & (c2[:, None] < tl.where(sh, IWS, IWR))
+                am3 = (pr3[None, :] >= 0) & ((cl < L3 // 2) & (c2 < tl.where(sh, IWS, IWR)))[
+                    :, None
+                ]
                 mailbox_put(act_ptr, off3, hi_b | lo_b, am3, tag, False)
-                acc3 = tl.zeros([BN, BB], dtype=tl.float32)
-            w_t = w_n
-            x_t = x_n
+                acc3 = tl.zeros([BN3, BB], dtype=tl.float32)
+
+    _stamp(trace_ptr, 6, TRACE)
 
     # ---------------------------------------- S4: down^T (H block, expert group) tasks
-    RB4: tl.constexpr = (H + BN - 1) // BN
+    RB4: tl.constexpr = (H + BN4 - 1) // BN4
     T4: tl.constexpr = RB4 * NG
     IMAX: tl.constexpr = IR if IR > ISR else ISR
     KCH4: tl.constexpr = (IMAX + BI4 - 1) // BI4
@@ -644,10 +674,10 @@ def k2_kernel(
                 pshs = ps == UM
                 base_w = tl.where(
                     pshs,
-                    sdown_ptr + hb * BN * ISR,
-                    w2_ptr + pex.to(tl.int64) * (H * IR) + hb * BN * IR,
+                    sdown_ptr + hb * BN4 * ISR,
+                    w2_ptr + pex.to(tl.int64) * (H * IR) + hb * BN4 * IR,
                 )
-                nb = tl.where(pshs, ISR, IR) * 2 * tl.minimum(BN, H - hb * BN)
+                nb = tl.where(pshs, ISR, IR) * 2 * tl.minimum(BN4, H - hb * BN4)
                 _prefetch_l2(base_w.to(tl.pointer_type(tl.int8)), nb, (gl < png) & (nb % 16 == 0))
         if pid < T4:
             # every activation row this CTA reads: one bounded wait per chunk of pair rows
@@ -661,66 +691,59 @@ def k2_kernel(
             aidx = (PM + rows)[:, None] * IW + cwa[None, :]
             am4 = rmask[:, None] & (cwa[None, :] < IWS)
             _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, BB, IWP)
+        _stamp(trace_ptr, 7, TRACE)
         for t in range(pid, T4, G):
             grp = t // RB4
-            hr = (t % RB4) * BN + nn
+            hr = (t % RB4) * BN4 + tl.arange(0, BN4)
             hm = hr < H
-            n_it4 = tl.load(meta_base + M_GC + grp) * KCH4
+            n_g4 = tl.load(meta_base + M_GC + grp)
+            n_it4 = n_g4 * KCH4
             glb = meta_base + M_GL + grp * GL
-            # iteration 0's tiles
-            s4 = tl.load(glb)
-            sh4 = s4 == UM
-            ex4 = tl.load(meta_base + tl.minimum(s4, UM - 1)).to(tl.int64)
-            wb4 = tl.where(sh4, sdown_ptr, w2_ptr + ex4 * (H * IR))
-            isl4 = IR if IR == ISR else tl.where(sh4, ISR, IR)
-            pr4 = tl.load(ppos_base + s4 * BB + rows)
-            w4 = tl.load(
-                wb4 + hr[:, None] * isl4 + ci[None, :],
-                mask=hm[:, None] & (ci[None, :] < isl4) & (n_it4 > 0),
-                other=0.0,
-            )
-            a4 = tl.load(
-                act_ptr + pr4[None, :] * IW + cw[:, None],
-                mask=(pr4[None, :] >= 0) & (cw[:, None] < (isl4 + 1) // 2) & (n_it4 > 0),
-                other=0,
-                volatile=True,
-            )
-            acc4 = tl.zeros([BN, BB], dtype=tl.float32)
-            for it in range(n_it4):
-                nit = it + 1
-                nj = nit // KCH4
-                nic = nit - nj * KCH4
-                nld = nit < n_it4
-                ns = tl.load(glb + tl.minimum(nj, GL - 1))
-                nsh4 = ns == UM
-                nex4 = tl.load(meta_base + tl.minimum(ns, UM - 1)).to(tl.int64)
-                nwb4 = tl.where(nsh4, sdown_ptr, w2_ptr + nex4 * (H * IR))
-                nisl = IR if IR == ISR else tl.where(nsh4, ISR, IR)
-                npr = tl.load(ppos_base + ns * BB + rows)
-                nci = nic * BI4 + ci
-                ncw = nic * (BI4 // 2) + cw
-                w_n4 = tl.load(
-                    nwb4 + hr[:, None] * nisl + nci[None, :],
-                    mask=nld & hm[:, None] & (nci[None, :] < nisl),
+            acc4 = tl.zeros([BN4, BB], dtype=tl.float32)
+            # this group's slots, experts and pair rows, held in registers (see S3: no load
+            # inside the pipelined loop may feed another load's address)
+            gl4 = tl.arange(0, GLP)
+            if NG == 1:
+                s_v = tl.where(gl4 < n_g4 - 1, gl4, UM)  # one group: every slot, then shared
+            else:
+                s_v = tl.load(glb + gl4, mask=gl4 < n_g4, other=UM)
+            ex_v4 = tl.load(meta_base + tl.minimum(s_v, UM - 1))
+            pr_v = tl.load(ppos_base + s_v[:, None] * BB + rows[None, :])
+            # the activations were waited for above: plain (L2) loads the pipeliner can issue
+            # PIPE4 chunks ahead, with the down-plane chunks
+            for it in tl.range(0, n_it4, num_stages=PIPE4):
+                jj = it // KCH4
+                ic = it - jj * KCH4
+                pick = gl4 == jj
+                sh4 = tl.sum(tl.where(pick, s_v, 0), axis=0) == UM
+                ex4 = tl.sum(tl.where(pick, ex_v4, 0), axis=0)
+                pr4 = tl.sum(tl.where(pick[:, None], pr_v, 0), axis=0)
+                wb4 = tl.where(sh4, sdown_ptr, w2_ptr + ex4.to(tl.int64) * (H * IR))
+                isl4 = IR if IR == ISR else tl.where(sh4, ISR, IR)
+                c4 = ic * BI4 + ci
+                cw4 = ic * (BI4 // 2) + cw
+                w4 = tl.load(
+                    wb4 + hr[:, None] * isl4 + c4[None, :],
+                    mask=hm[:, None] & (c4[None, :] < isl4),
                     other=0.0,
                 )
-                a_n4 = tl.load(
-                    act_ptr + npr[None, :] * IW + ncw[:, None],
-                    mask=nld & (npr[None, :] >= 0) & (ncw[:, None] < (nisl + 1) // 2),
+                a4 = tl.load(
+                    act_ptr + pr4[None, :] * IW + cw4[:, None],
+                    mask=(pr4[None, :] >= 0) & (cw4[:, None] < (isl4 + 1) // 2),
                     other=0,
-                    volatile=True,
+                    cache_modifier=".cg",
                 )
                 v4 = unpack_value(a4)  # [BI4 / 2, BB] bf16 pairs along I
                 lo4 = (v4 << 16).to(tl.float32, bitcast=True)
                 hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
                 a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
                 acc4 = tl.dot(w4, a_m.to(tl.bfloat16), acc4)
-                w4 = w_n4
-                a4 = a_n4
             _put_partial(
                 scratch_ptr, peers_ptr, OFF_P4, slot4 + rank * NG + grp, acc4, hr, rows,
                 rmask[None, :] & hm[:, None], tag, RANKS, W_P, H, SYS,
             )  # fmt: skip
+
+    _stamp(trace_ptr, 8, TRACE)
 
     # ------------------------------ S4 reduce: MoE partials (all ranks, groups) -> out
     if STAGES & 32:
@@ -733,6 +756,8 @@ def k2_kernel(
             )  # fmt: skip
             off = rows[:, None] * H + cols[None, :]
             tl.store(out_h_ptr + off, s4.to(tl.bfloat16), mask=cm)
+
+    _stamp(trace_ptr, 9, TRACE)
 
 
 # ------------------------------------------------------------------------------- host side
@@ -814,27 +839,40 @@ class K2Config:
 
     grid: int
     num_warps: int = 4
-    bn: int = 64  # weight rows per MMA tile
+    bn: int = 64  # weight rows per MMA tile (out_proj, router)
+    bn3: int = 64  # gate_up rows per task (half gate, half up): smaller = finer balance
+    bn4: int = 64  # down: H rows per task (with ng expert groups per H block)
     bk1: int = 256  # out_proj K chunk
     kspl1: int | None = None  # out_proj K splits (power of two)
     ks2: int = 8  # router K splits (partial logits summed in order by every CTA)
     bk2: int = 256
     bk3: int = 256  # gate_up K chunk
-    bi4: int = 128  # down I chunk
+    bi4: int = 256  # down I chunk
     ng: int | None = None  # expert groups of the down projection (power of two)
     cb: int = 16  # columns per reduce task
     rb: int = 1  # rows per top-k wait (each covers every K split of the logits)
     pch: int = 8  # activation pair rows per wait
     rn: int = 1  # rows per norm wait (each wait covers all of H)
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
+    ns1: int = 4  # weight chunks in flight (Triton pipeline stages): out_proj
+    ns3: int = 4  # gate_up
+    ns4: int = 4  # down
+    trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
+    bal3: bool = True  # gate_up tile height picked per step for the busiest CTA
+    task_rows: int = 4  # what one more gate_up task costs, in rows, when picking its height
 
     def splits(self, shape: K2Shape) -> tuple[int, int]:
         """(kspl1, ng) for this shape: about one task per CTA in S1 and S4."""
-        blocks = -(-shape.hidden // self.bn)
-        auto = 1 << max(0, (max(1, self.grid // blocks)).bit_length() - 1)
-        kspl1 = self.kspl1 or min(auto, max(1, _next_pow2(-(-shape.in_dim // self.bk1))))
-        ng = self.ng or min(auto, 8)
-        for name, v in (("kspl1", kspl1), ("ng", ng)):
+
+        def per_block(rows: int) -> int:
+            blocks = -(-shape.hidden // rows)
+            return 1 << max(0, (max(1, self.grid // blocks)).bit_length() - 1)
+
+        kspl1 = self.kspl1 or min(
+            per_block(self.bn), max(1, _next_pow2(-(-shape.in_dim // self.bk1)))
+        )
+        ng = self.ng or min(per_block(self.bn4), 8)
+        for name, v in (("kspl1", kspl1), ("ng", ng), ("bn3", self.bn3), ("bn4", self.bn4)):
             if v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
         return kspl1, ng
@@ -880,6 +918,7 @@ class K2Workspace:
     wsc: Any  # fp32 [G, Um + 1, Bb]
     ppos: Any  # int32 [G, Um + 1, Bb]
     meta: Any  # int32 [G, Um + 2]
+    trace: Any = None  # int64 [G, 16] (``trace`` builds only)
 
 
 def _next_pow2(n: int) -> int:
@@ -927,6 +966,9 @@ class K2Launch:
         c = self.config
         if c.bn != 16 * c.num_warps:
             raise ValueError(f"bn={c.bn} must be 16 * num_warps (one M16 slab per warp)")
+        for name in ("bn3", "bn4"):
+            if not 16 <= getattr(c, name) <= 64:
+                raise ValueError(f"{name}={getattr(c, name)} must be 16, 32 or 64 (MMA rows)")
         self.kspl1, self.ng = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
 
@@ -961,7 +1003,18 @@ class K2Launch:
             wsc=torch.zeros(g, s.slots + 1, BLOCK_B, dtype=torch.float32, device=device),
             ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),
             meta=torch.zeros(g, self.meta_words, dtype=torch.int32, device=device),
+            trace=(
+                torch.zeros(g, 16, dtype=torch.int64, device=device) if self.config.trace else None
+            ),
         )
+
+    def _max_tasks3(self) -> int:
+        """gate_up tasks of the widest step: the shared expert and every routed slot, at the
+        smallest tile height ``bal3`` may pick (half the tile)."""
+        s, c = self.shape, self.config
+        bi3 = c.bn3 // 2
+        low = max(2, bi3 // 2) if c.bal3 else bi3
+        return -(-s.shared_inter // low) + s.slots * -(-s.moe_inter // low)
 
     def _constexprs(self) -> dict:
         s, c, lay = self.shape, self.config, self.layout
@@ -989,6 +1042,8 @@ class K2Launch:
             SYS=self.sys_scope,
             BB=BLOCK_B,
             BN=c.bn,
+            BN3=c.bn3,
+            BN4=c.bn4,
             BK1=min(c.bk1, max(16, _next_pow2(-(-s.in_dim // self.kspl1)))),
             KSPL1=self.kspl1,
             KS2=c.ks2,
@@ -1006,6 +1061,13 @@ class K2Launch:
             GLPOW=_next_pow2(s.slots + 1),
             IWPOW=_next_pow2(s.act_words),
             STAGES=self.stages,
+            PIPE1=c.ns1,
+            PIPE3=c.ns3,
+            PIPE4=c.ns4,
+            JM3=_next_pow2(-(-(self._max_tasks3()) // c.grid)),
+            TRACE=c.trace,
+            BAL3=c.bal3,
+            TASK_ROWS=c.task_rows,
             num_warps=c.num_warps,
             num_stages=1,
         )
@@ -1037,6 +1099,7 @@ class K2Launch:
             ctrl if peers is None else peers,
             ctrl,
             health,
+            ws.meta if ws.trace is None else ws.trace,
             n_rows,
             layer,
             layers_per_step,
@@ -1125,6 +1188,7 @@ class K2Launch:
             torch.zeros(16, dtype=torch.float32, device=dev),
             torch.zeros(16, dtype=torch.int32, device=dev),
             torch.zeros(16, dtype=torch.int32, device=dev),
+            torch.zeros(16, dtype=torch.int64, device=dev) if self.config.trace else None,
         )
         st = RankState.create(0, dev, 1.0)
         peers = torch.zeros(max(s.tp, 2), dtype=torch.int64, device=dev) if s.tp > 1 else None
