@@ -64,7 +64,7 @@ DENSE = (
 # name -> K2Config overrides (grid is set from the device)
 VARIANTS = {
     "k2": {},
-    "k2 no-bal3": {"bal3": False},
+    "k2 bal3": {"bal3": True},
     "k2 bi4=128": {"bi4": 128},
     "k2 rn=2": {"rn": 2},
     "k2 no-prefetch": {"prefetch": False},

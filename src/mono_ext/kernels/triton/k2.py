@@ -858,7 +858,7 @@ class K2Config:
     ns3: int = 4  # gate_up
     ns4: int = 4  # down
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
-    bal3: bool = True  # gate_up tile height picked per step for the busiest CTA
+    bal3: bool = False  # gate_up tile height picked per step (measured slower: off)
     task_rows: int = 4  # what one more gate_up task costs, in rows, when picking its height
 
     def splits(self, shape: K2Shape) -> tuple[int, int]:
