@@ -562,10 +562,13 @@ def k2_kernel(
             rws = r0 + rr
             live = (rws < n_rows)[:, None]
             pwc = tl.load(pw_base + rws[:, None] * EP + offs_e[None, :], mask=live, other=-1.0)
-            si = (pwc >= 0.0).to(tl.int32)
+            # a picked weight can be NaN (a CUDA-graph padding row whose attention saw no keys
+            # is NaN in vLLM): pass 1 counted that pick, so it must get its pair row here too,
+            # or the down stage waits for a pair no task writes. NaN then stays in that row.
+            si = ((pwc >= 0.0) | (pwc != pwc)).to(tl.int32)
             pair = base[None, :] + run[None, :] + tl.cumsum(si, axis=0) - si
             so = slot_of[None, :] * BB + rws[:, None]
-            tl.store(wsc_base + so, tl.maximum(pwc, 0.0), mask=pk[None, :])
+            tl.store(wsc_base + so, tl.where(si > 0, pwc, 0.0), mask=pk[None, :])
             tl.store(ppos_base + so, tl.where(si > 0, pair, -1), mask=pk[None, :])
             run += tl.sum(si, axis=0)
         tl.debug_barrier()  # meta / wsc / ppos are read back by every thread of this CTA
