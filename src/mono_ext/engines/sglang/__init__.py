@@ -11,6 +11,7 @@ binding       weights, GDN states and step slots bound in place
 serving       the three refusal stages, the build and the driver, per model and rank
 dispatch      the dispatching ``model.forward`` and the check after CUDA-graph capture
 check         check mode's calls into SGLang's own layer code
+report        what mono_ext did on each rank, written on ``collective_rpc("mono_ext_report")``
 ============  ================================================================================
 
 Importing this package imports neither SGLang nor torch.

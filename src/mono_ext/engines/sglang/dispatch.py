@@ -72,6 +72,11 @@ def _attn_backend(fallback: Any) -> Any:
     return get_attn_backend() if has_forward_context() else fallback
 
 
+def _is_decode(forward_batch: Any) -> bool:
+    mode = getattr(forward_batch, "forward_mode", None)
+    return mode is not None and bool(mode.is_decode())
+
+
 def plan_step(spec: Any, forward_batch: Any, args: tuple, kwargs: dict) -> Step | None:
     """The spec's plan for a model forward's step; None (stock) when the call carries inputs a
     routed step cannot honour (extra positional arguments, embeddings, pipeline tensors)."""
@@ -92,7 +97,9 @@ class Router:
         self.captured: dict[int, Step | None] = {}  # batch size -> plan chosen while capturing
         self.routed_steps = 0  # routed forwards that ran here (eager and captures)
         self.replayed_steps = 0  # replays of routed graphs, checked in after_forward
+        self.replayed: dict[int, int] = {}  # those replays by the graph's (padded) batch size
         self.released = 0  # routed steps whose tokens FailStop let go
+        self.stock_decode = 0  # decode steps (eager or replayed) that ran SGLang's forward
         self.capturing: Callable[[], bool] = is_capturing
         # the last forward that entered the router, until after_forward takes it
         self._pending: tuple[str, Step | None] | None = None
@@ -130,14 +137,18 @@ class Router:
             kind, step = pending
             if kind == "eager" and driver.after_step(step, replayed=False):
                 self.released += 1
+            elif kind == "stock" and _is_decode(forward_batch):
+                self.stock_decode += 1
             return
-        mode = getattr(forward_batch, "forward_mode", None)
-        if not getattr(output, "can_run_graph", False) or mode is None or not mode.is_decode():
+        if not getattr(output, "can_run_graph", False) or not _is_decode(forward_batch):
             return
         bs = getattr(graph_runner, "bs", None)
         step = None if bs is None else self.captured.get(int(bs))
-        if step is not None and driver.after_step(step, replayed=True):
+        if step is None:
+            self.stock_decode += 1
+        elif driver.after_step(step, replayed=True):
             self.replayed_steps += 1
+            self.replayed[int(bs)] = self.replayed.get(int(bs), 0) + 1
             self.released += 1
 
     # -- running ---------------------------------------------------------------------------

@@ -29,6 +29,9 @@ model_executor.model_runner.ModelRunner                 after   cache stage (Mam
 model_executor.model_runner.ModelRunner.forward         after   FailStop: releases each routed
                                                                 step (eager or graph replay)
                                                                 before SGLang samples it
+managers.scheduler.Scheduler.handle_rpc_request         around  answers ``Engine.collective_
+                                                                rpc("mono_ext_report", path=
+                                                                ...)`` (:mod:`.report`)
 ======================================================  ======  ===============================
 
 With the flag off every hook returns at once and the model keeps SGLang's own forward.
@@ -36,6 +39,7 @@ With the flag off every hook returns at once and the model keeps SGLang's own fo
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any
@@ -185,6 +189,17 @@ def _after_forward(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     return None  # keep SGLang's result
 
 
+def _around_handle_rpc_request(original: Any, scheduler: Any, recv_req: Any, *a, **kw) -> Any:
+    """SGLang's RPC calls the scheduler method named by the request: give the scheduler
+    :func:`.report.write_report` under that name when it is asked for, then let SGLang run it
+    (its reply and TP barrier unchanged)."""
+    from .report import REPORT_RPC, write_report
+
+    if getattr(recv_req, "method", None) == REPORT_RPC and REPORT_RPC not in vars(scheduler):
+        scheduler.__dict__[REPORT_RPC] = functools.partial(write_report, scheduler)
+    return original(scheduler, recv_req, *a, **kw)
+
+
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 #: (target, hook type name, hook) in registration order.
 HOOKS: tuple[tuple[str, str, Any], ...] = (
@@ -195,6 +210,11 @@ HOOKS: tuple[tuple[str, str, Any], ...] = (
     (f"{_MR}.load_model", "AROUND", _around_load_model),
     (f"{_MR}.init_attention_backends", "AFTER", _after_init_attention_backends),
     (f"{_MR}.forward", "AFTER", _after_forward),
+    (
+        "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request",
+        "AROUND",
+        _around_handle_rpc_request,
+    ),
 )
 
 
