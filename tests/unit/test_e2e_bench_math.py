@@ -1,0 +1,182 @@
+"""Pure parts of benchmarks/e2e_vllm.py (no vLLM, no torch): delta method, line fit, the
+bandwidth-floor model, plan order, result merging, accuracy comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from mono_ext.models.qwen3_next.configs import get_preset
+from mono_ext.models.qwen3_next.dims import Dims
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_vllm.py"
+_spec = importlib.util.spec_from_file_location("e2e_vllm", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+DIMS = Dims.from_config(get_preset("qwen3-next-80b-a3b"))
+
+
+def test_delta_tpot_cancels_prefill():
+    prefill, step = 0.25, 0.004
+    t1, t2 = prefill + 64 * step, prefill + 320 * step
+    assert bench.delta_tpot(t1, t2, 64, 320) == pytest.approx(step)
+    with pytest.raises(ValueError):
+        bench.delta_tpot(t1, t2, 320, 64)
+
+
+def test_fit_line_two_and_three_points():
+    assert bench.fit_line([16, 32], [2.29e-3, 3.55e-3]) == pytest.approx((78.75e-6, 1.03e-3))
+    slope, icpt = bench.fit_line([16, 32, 48], [3.0, 5.0, 7.0])
+    assert (slope, icpt) == pytest.approx((0.125, 1.0))
+    with pytest.raises(ValueError):
+        bench.fit_line([16, 16], [1.0, 2.0])
+
+
+def test_expected_distinct_experts():
+    assert bench.expected_distinct(512, 10, 1) == pytest.approx(10)
+    assert bench.expected_distinct(512, 10, 2) == pytest.approx(20 - 100 / 512)
+    assert bench.expected_distinct(8, 8, 3) == pytest.approx(8)  # every expert picked
+    d16 = bench.expected_distinct(512, 10, 16)
+    assert 130 < d16 < 160  # overlap: fewer than 16 * 10
+
+
+def test_expected_distinct_matches_simulation():
+    import random
+
+    rng, trials, e, k, b = random.Random(0), 4000, 64, 6, 5
+    mean = sum(
+        len(set().union(*(rng.sample(range(e), k) for _ in range(b)))) for _ in range(trials)
+    )
+    assert mean / trials == pytest.approx(bench.expected_distinct(e, k, b), rel=0.01)
+
+
+def test_layer_bytes_80b_gdn_bs1():
+    h, w = 2048, 2
+    got = bench.layer_bytes(DIMS, "linear_attention", rows=1, ctx=700, state_bytes=2)
+    qkvz = (2 * 16 * 128 + 2 * 32 * 128) * h
+    dense = qkvz + 64 * h + 8192 * 4 + 32 + 32 + 128 + 4096 * h  # proj, ba, conv, A, dt, norm
+    dense += 2 * h + 512 * h + 3 * 512 * h + h  # 2 layer norms, router, shared expert, its gate
+    assert got["dense_weights"] == dense * w
+    assert got["experts"] == pytest.approx(10 * 3 * 512 * h * w)
+    assert got["gdn_state"] == 2 * (32 * 128 * 128 * 2 + 3 * 8192 * 2)
+    assert got["kv"] == 0
+    # ENGINES.md: ~32 us at 4.3 TB/s for bs1
+    assert got["total"] / 4.3e12 == pytest.approx(32e-6, rel=0.1)
+
+
+def test_layer_bytes_attention_kv_grows_with_rows_and_ctx():
+    a = bench.layer_bytes(DIMS, "full_attention", rows=2, ctx=100)
+    b = bench.layer_bytes(DIMS, "full_attention", rows=4, ctx=100)
+    per_pos = 2 * 2 * 256 * 2
+    assert a["kv"] == 2 * 101 * per_pos and b["kv"] == 2 * a["kv"]
+    assert a["gdn_state"] == 0
+    with pytest.raises(ValueError):
+        bench.layer_bytes(DIMS, "conv", rows=1, ctx=1)
+
+
+def test_floor_per_layer_is_the_slope_of_bytes():
+    bw = 4.0e12
+    fl = bench.floor_per_layer(DIMS, [16, 32], 4, 600.0, bw)
+    kinds = bench.kinds_for(32)[16:]
+    want = sum(bench.layer_bytes(DIMS, k, 4, 600.0)["total"] for k in kinds) / 16
+    assert fl["bytes_per_layer"] == pytest.approx(want)
+    assert fl["s_per_layer"] == pytest.approx(want / bw)
+    assert bench.kinds_for(8) == ["linear_attention"] * 3 + ["full_attention"] + [
+        "linear_attention"
+    ] * 3 + ["full_attention"]
+    # the 48-layer floor includes the lm_head once when the vocabulary is known
+    assert fl["lm_head_bytes"] == 0  # plain Dims carries no vocabulary
+    assert fl["s_full_model"] * bw == pytest.approx(bench.model_bytes(DIMS, 48, 4, 600.0))
+
+
+def test_plan_interleaves_arms_per_layer_count():
+    plan = bench.build_plan(
+        [16, 32],
+        ["off", "on", "on", "off"],
+        check=True,
+        server=True,
+        server_layers=[32],
+        server_order=["off", "on"],
+        check_layers=4,
+    )
+    ids = [e["id"] for e in plan]
+    assert ids == [
+        "bw",
+        "L16/off/0",
+        "L16/on/0",
+        "L16/on/1",
+        "L16/off/1",
+        "L32/off/0",
+        "L32/on/0",
+        "L32/on/1",
+        "L32/off/1",
+        "check/L4",
+        "server/L32/off",
+        "server/L32/on",
+    ]
+    todo = bench.select(plan, ["L32/*", "bw"], {"bw", "L32/off/0"}, redo=False)
+    assert [e["id"] for e in todo] == ["L32/on/0", "L32/on/1", "L32/off/1"]
+    assert len(bench.select(plan, None, {"bw"}, redo=True)) == len(plan)
+
+
+def test_merge_keeps_runs_of_every_call():
+    a = {"runs": {"bw": {"ok": True, "v": 1}, "L16/off/0": {"ok": False}}, "meta": {"calls": [1]}}
+    b = {"runs": {"L16/off/0": {"ok": True}, "L16/on/0": {"ok": True}}, "meta": {"calls": [2]}}
+    m = bench.merge(a, b)
+    assert set(m["runs"]) == {"bw", "L16/off/0", "L16/on/0"}
+    assert m["runs"]["L16/off/0"] == {"ok": True}  # the newer run of an id wins
+    assert m["meta"]["calls"] == [1, 2]
+    assert bench.merge(m, b)["meta"]["calls"] == [1, 2]  # idempotent
+    assert a["runs"]["L16/off/0"] == {"ok": False}  # inputs untouched
+
+
+def test_bucket_kl_and_compare_runs():
+    p = {"1": math.log(0.6), "2": math.log(0.3)}
+    assert bench.bucket_kl(p, dict(p)) == pytest.approx((0.0, 0.9))
+    q = {"1": math.log(0.3), "2": math.log(0.6)}
+    kl, _ = bench.bucket_kl(p, q)
+    assert kl == pytest.approx(0.6 * math.log(2) + 0.3 * math.log(0.5))
+
+    lp = [{"5": -0.1, "6": -2.5}, {"7": -0.2, "8": -1.0}, {"9": -0.3, "4": -0.4}]
+    ref = {"tokens": [[5, 7, 9], [5, 7, 9]], "logprobs": [lp, lp]}
+    run = {"tokens": [[5, 7, 9], [5, 7, 4]], "logprobs": [lp, lp]}
+    c = bench.compare_runs(ref, run)
+    assert c["agreement"] == pytest.approx((1 + 2 / 3) / 2)
+    assert (c["rows_identical"], c["rows"]) == (1, 2)
+    assert c["kl_positions"] == 4  # decode positions 1, 2 of each row (row 2 up to its split)
+    assert c["kl_mean"] == pytest.approx(0.0)
+    assert c["divergence_margins"] == [pytest.approx(0.1)]
+    shorter = {"tokens": [[5, 7]], "logprobs": [lp[:2]]}  # a shorter run: compared over 2
+    assert bench.compare_runs({"tokens": [[5, 7, 9]], "logprobs": [lp]}, shorter)[
+        "agreement"
+    ] == pytest.approx(1.0)
+
+
+def test_tpot_from_chunks():
+    assert bench.tpot_from_chunks([1.0, 1.1, 1.3], [1, 1, 2]) == pytest.approx(0.1)
+    assert bench.tpot_from_chunks([1.0], [1]) is None
+    assert bench.tpot_from_chunks([], []) is None
+
+
+def test_quick_defaults_and_estimate_fit_calls():
+    a = bench.parse_args(["--out", "/tmp/x", "--quick"])
+    assert (a.layers, a.batches, a.order, a.server) == ([16, 32], [1, 4, 16], ["off", "on"], False)
+    plan = bench.build_plan(
+        a.layers,
+        a.order,
+        check=a.check,
+        server=a.server,
+        server_layers=[],
+        server_order=[],
+        check_layers=a.check_layers,
+    )
+    warm: set[str] = set()
+    ests = [bench.estimate_entry_s(e, a, warm) for e in plan]
+    assert all(s < 540 for s in ests)  # every entry fits one 10-minute device call
+    full = bench.parse_args(["--out", "/tmp/x"])
+    assert full.order == ["off", "on", "on", "off"] and full.batches == [1, 2, 4, 8, 16]
+    assert full.max_model_len >= full.prompt_len + full.n2
