@@ -113,12 +113,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"  - {reason}")
         return EXIT_REFUSED
     layouts = {"conv_layout": args.engine if args.engine != "none" else "vllm"}
+    widths = spec.widths
+    backend = reg.backends.get(args.backend)
+    if backend is not None:  # a named backend: only the widths it would route
+        from .core.backends import load_target, served_widths
+
+        widths, why = served_widths(
+            spec.widths, load_target(backend.target), backend.name,
+            load_settings().serve_unmeasured,
+        )  # fmt: skip
+        if why:
+            print(f"mono_ext off: [config] {why}")
+            return EXIT_REFUSED
     spec.deploy(
         Deployment(
             backend=args.backend,
             dtype=args.dtype,
             tp_size=args.tp,
-            widths=spec.widths,
+            widths=widths,
             layouts=layouts,
         )
     )

@@ -56,7 +56,9 @@ LLM_GPU = dict(
     enforce_eager=False,
     compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
 )
-ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "MONO_EXT_CHECK": "0"}
+# the triton backend serves no width by default until it is measured faster than stock
+# (core.backends.served_widths); this test is about routing and tokens, so it opts in
+ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "MONO_EXT_CHECK": "0", "MONO_EXT_SERVE_UNMEASURED": "1"}
 
 
 def _batches() -> list[dict]:

@@ -8,7 +8,16 @@ from mono_ext.cli import EXIT_REFUSED, EXIT_USAGE, main
 from mono_ext.models.qwen3_next.configs import get_preset
 
 
-def test_explain_preset_prints_plan_for_every_width(capsys):
+def test_explain_triton_serves_no_width_until_measured_faster(capsys, monkeypatch):
+    monkeypatch.delenv("MONO_EXT_SERVE_UNMEASURED", raising=False)
+    assert main(["explain", "qwen3-next-80b-a3b", "--backend", "triton"]) == EXIT_REFUSED
+    out = capsys.readouterr().out
+    assert out.startswith("mono_ext off: [config] kernel backend 'triton' serves no width")
+    assert "MONO_EXT_SERVE_UNMEASURED=1" in out
+
+
+def test_explain_preset_prints_plan_for_every_width(capsys, monkeypatch):
+    monkeypatch.setenv("MONO_EXT_SERVE_UNMEASURED", "1")
     assert main(["explain", "qwen3-next-80b-a3b", "--tp", "4", "--backend", "triton"]) == 0
     out = capsys.readouterr().out
     assert "mono_ext on: qwen3_next" in out

@@ -5,8 +5,13 @@ from mono_ext.core.settings import ENV_VARS, Settings, SettingsError, load_setti
 
 def test_defaults_when_unset():
     s = load_settings({})
-    assert s == Settings(check=False, deadline_s=10.0, agree_every=16)
-    assert set(ENV_VARS) == {"MONO_EXT_CHECK", "MONO_EXT_DEADLINE_S", "MONO_EXT_AGREE_EVERY"}
+    assert s == Settings(check=False, deadline_s=10.0, agree_every=16, serve_unmeasured=False)
+    assert set(ENV_VARS) == {
+        "MONO_EXT_CHECK",
+        "MONO_EXT_DEADLINE_S",
+        "MONO_EXT_AGREE_EVERY",
+        "MONO_EXT_SERVE_UNMEASURED",
+    }
 
 
 @pytest.mark.parametrize("raw,want", [("1", True), ("true", True), ("ON", True), ("0", False)])

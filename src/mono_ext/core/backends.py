@@ -12,7 +12,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KernelBackend", "BackendError", "select_backend", "load_target", "AUTO"]
+__all__ = [
+    "KernelBackend",
+    "BackendError",
+    "select_backend",
+    "load_target",
+    "served_widths",
+    "AUTO",
+]
 
 AUTO = "auto"
 
@@ -65,3 +72,25 @@ def select_backend(name: str, backends: Mapping[str, KernelBackend]) -> KernelBa
     if not ok:
         raise BackendError(f"kernel backend {name!r} cannot run here: {why}")
     return backends[name]
+
+
+def served_widths(
+    spec_widths: tuple[int, ...], builder: Any, backend: str, serve_unmeasured: bool
+) -> tuple[tuple[int, ...], str | None]:
+    """The widths a deployment routes to ``builder``: the spec's widths that the backend has
+    been measured faster than the engine's stock step at (``builder.faster_widths``), or
+    every spec width under ``MONO_EXT_SERVE_UNMEASURED=1`` (tests and benchmarks). A builder
+    without ``faster_widths`` (the reference backend: CPU testing only) serves every width.
+    Returns (widths, reason why none) so that a deployment with no width runs stock and says
+    why, instead of making decode slower."""
+    faster = getattr(builder, "faster_widths", None)
+    if faster is None or serve_unmeasured:
+        return tuple(spec_widths), None
+    widths = tuple(w for w in spec_widths if w in faster)
+    if widths:
+        return widths, None
+    return (), (
+        f"kernel backend {backend!r} serves no width yet: none has been measured faster than "
+        "the engine's own decode step (docs/perf.md); MONO_EXT_SERVE_UNMEASURED=1 serves "
+        "every width anyway (tests, benchmarks)"
+    )

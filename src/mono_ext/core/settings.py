@@ -28,6 +28,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "16",
         "steps between TP-rank agreements on the health words",
     ),
+    "MONO_EXT_SERVE_UNMEASURED": (
+        "0",
+        "1 serves widths a backend has not been measured faster than stock at (tests, benchmarks)",
+    ),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -43,6 +47,7 @@ class Settings:
     check: bool = False
     deadline_s: float = 10.0
     agree_every: int = 16
+    serve_unmeasured: bool = False
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -84,4 +89,5 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         # An hour is far past any sane step; a larger value is almost surely a unit mistake.
         deadline_s=_positive_float(env, "MONO_EXT_DEADLINE_S", upper=3600.0),
         agree_every=_positive_int(env, "MONO_EXT_AGREE_EVERY", upper=1_000_000),
+        serve_unmeasured=_flag(env, "MONO_EXT_SERVE_UNMEASURED"),
     )

@@ -26,7 +26,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ...core.backends import BackendError, KernelBackend, load_target, select_backend
+from ...core.backends import (
+    BackendError,
+    KernelBackend,
+    load_target,
+    select_backend,
+    served_widths,
+)
 from ...core.refusal import Refusal, Stage, agree
 from ...core.registry import PluginError, get_registry
 from ...core.settings import Settings, SettingsError, load_settings
@@ -190,13 +196,17 @@ class Serving:
         refusals = getattr(self.builder, "refusals", None)
         if refusals is not None:
             reasons += list(refusals(cfg, layouts))
+        widths, none_why = served_widths(
+            spec.widths, self.builder, self.backend.name, self.settings.serve_unmeasured
+        )
+        reasons += [none_why] if none_why else []
         if not reasons:
             spec.deploy(
                 Deployment(
                     backend=self.backend.name,
                     dtype=cfg.dtype,
                     tp_size=cfg.tp_size,
-                    widths=spec.widths,
+                    widths=widths,
                     layouts=layouts,
                 )
             )

@@ -42,7 +42,7 @@ import torch
 from vllm.model_executor.models.qwen3_5 import Qwen3_5MoeForConditionalGeneration
 from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
-from ...core.backends import load_target
+from ...core.backends import load_target, served_widths
 from ...core.refusal import Refusal, Stage, agree
 from ...core.registry import get_registry
 from ...core.settings import load_settings
@@ -213,6 +213,10 @@ class Dispatch:
         self.layouts = views.layouts(self.vllm_config)
         reasons = views.config_reasons(self.vllm_config, self.backend, self.settings.check)
         reasons += self.builder.refusals(cfg, self.layouts)
+        widths, none_why = served_widths(
+            self.spec.widths, self.builder, self.backend.name, self.settings.serve_unmeasured
+        )
+        reasons += [none_why] if none_why else []
         refusal = agree(accept(cfg).merged(Refusal.of(Stage.CONFIG, reasons)), self._group)
         if refusal:
             self._off(refusal)
@@ -223,7 +227,7 @@ class Dispatch:
                 backend=self.backend.name,
                 dtype=cfg.dtype,
                 tp_size=cfg.tp_size,
-                widths=self.spec.widths,
+                widths=widths,
                 layouts=self.layouts,
             )
         )

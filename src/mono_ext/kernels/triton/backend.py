@@ -324,6 +324,13 @@ class TritonBuilder:
     :class:`TritonRuntime`, made (and compiled) by the first of them.
     """
 
+    # Widths at which a whole decode step through K1/K2 has been measured faster than the
+    # engine's own step on the H200 (docs/perf.md). None yet: K2 alone (79 us at width 1) costs
+    # what vLLM's whole stock layer does (79 us, ENGINES.md), so serving any width would make
+    # decode slower. Deployments route nothing until this holds a width, unless
+    # MONO_EXT_SERVE_UNMEASURED=1 (tests and benchmarks; core.backends.served_widths).
+    faster_widths: frozenset[int] = frozenset()
+
     def __init__(self) -> None:
         self.runtimes: dict[tuple, TritonRuntime] = {}
 
