@@ -952,7 +952,7 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     acc = []
     for r_id, r in sorted(runs.items()):
         e = r["entry"]
-        if e["kind"] not in ("offline", "check"):
+        if e["kind"] != "offline":  # check runs: own weights and own verdict
             continue
         ref = runs.get(f"L{e['layers']}/off/0")
         if ref is None or r_id == f"L{e['layers']}/off/0":
