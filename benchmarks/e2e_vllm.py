@@ -281,26 +281,13 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def bucket_kl(p: dict[str, float], q: dict[str, float]) -> tuple[float, float]:
-    """KL(p || q) over {tokens in both top-k} + {rest}; and p's mass on the shared tokens."""
-    shared = set(p) & set(q)
-    kl = pm = qm = 0.0
-    for t in shared:
-        lp, lq = p[t], q[t]
-        kl += math.exp(lp) * (lp - lq)
-        pm += math.exp(lp)
-        qm += math.exp(lq)
-    rp, rq = max(1.0 - pm, 0.0), max(1.0 - qm, 1e-12)
-    if rp > 0:
-        kl += rp * math.log(rp / rq)
-    return kl, pm
-
-
 def compare_runs(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     """Greedy agreement and KL of one batch's accuracy pass against a reference pass.
 
     ``ref``/``run``: {"tokens": [[ids] per row], "logprobs": [[{tok: lp}] per row]}.
     Position 0 of each row is the prefill's token; decode positions are 1.."""
+    from mono_ext.core.numerics import topk_kl
+
     agree, full_rows, kls, margins = [], 0, [], []
     for r, (a, b) in enumerate(zip(ref["tokens"], run["tokens"], strict=True)):
         n = min(len(a), len(b))
@@ -311,7 +298,7 @@ def compare_runs(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
         last = n - 1 if first is None else first  # same context up to and incl. `first`
         lps_a, lps_b = ref["logprobs"][r], run["logprobs"][r]
         for i in range(1, min(last + 1, len(lps_a), len(lps_b))):
-            kls.append(bucket_kl(lps_a[i], lps_b[i])[0])
+            kls.append(topk_kl(lps_a[i], lps_b[i])[0])
         if first is not None and first < len(lps_a):
             top = sorted(lps_a[first].values(), reverse=True)
             margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))

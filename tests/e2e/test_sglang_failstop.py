@@ -19,10 +19,10 @@ torch = pytest.importorskip("torch")
 
 from test_sglang_models import Spy, _active, _batch, _load, _pools, _serving  # noqa: E402
 
+from fakes import FakeHealthSource  # noqa: E402
 from mono_ext.core.spec import Step  # noqa: E402
 from mono_ext.engines.sglang import plugin  # noqa: E402
 from mono_ext.engines.sglang.dispatch import Router, install, uninstall  # noqa: E402
-from mono_ext.runtime import health as h  # noqa: E402
 from mono_ext.runtime.failstop import FailStop, FailStopError  # noqa: E402
 from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
@@ -30,24 +30,6 @@ from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 @pytest.fixture(scope="module")
 def qn(tmp_path_factory):
     return _load(make_checkpoint(tmp_path_factory.mktemp("qn"), "qwen3-next-tiny"))
-
-
-class Source:
-    def __init__(self) -> None:
-        self.words = h.health_init_words()
-        self.pending: list = []
-
-    def fail(self) -> None:
-        self.words[h.H_FAILED] += 1
-        base = h.H_RECORDS
-        self.words[base : base + h.RECORD_WORDS] = [0, 9, 5, 4, 1, 0, 3, 10**6]
-
-    def submit(self, step):
-        self.pending.append((step, list(self.words)))
-
-    def ready(self, until_step=None):
-        out, self.pending = self.pending, []
-        return out
 
 
 class Persistent:
@@ -69,7 +51,7 @@ class Persistent:
 @pytest.fixture
 def routed(qn):
     sv, *_ = _active(qn)
-    src = Source()
+    src = FakeHealthSource()
     shared = dict(fs=FailStop(src, agree_every=16), steps=0, releases=0, src=src)
     sv.driver.launches = {w: Persistent(x, shared) for w, x in sv.driver.launches.items()}
     router = Router(sv, Spy())

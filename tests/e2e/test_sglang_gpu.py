@@ -28,7 +28,6 @@ steps at one width; 3 rows replay the 4-row graph with one padding row):
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -43,6 +42,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("sgl_kernel", reason="needs SGLang's CUDA kernels (sgl_kernel)")
 
+from mono_ext.core.numerics import topk_kl  # noqa: E402
 from mono_ext.engines.sglang import has_native_api  # noqa: E402
 
 if has_native_api():
@@ -195,21 +195,6 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("sglang-gpu"))
 
 
-def _bucket_kl(p: dict[str, float], q: dict[str, float]) -> tuple[float, float]:
-    """KL(p || q) over {shared top-k tokens} + {rest}, and p's mass on the shared tokens."""
-    shared = set(p) & set(q)
-    kl, pm, qm = 0.0, 0.0, 0.0
-    for t in shared:
-        lp, lq = p[t], q[t]
-        kl += math.exp(lp) * (lp - lq)
-        pm += math.exp(lp)
-        qm += math.exp(lq)
-    rp, rq = max(1.0 - pm, 0.0), max(1.0 - qm, 1e-12)
-    if rp > 0:
-        kl += rp * math.log(rp / rq)
-    return kl, pm
-
-
 @pytest.mark.parametrize("tag", ["next", "q35"])
 def test_triton_backend_under_decode_graphs_matches_flag_off(runs, tag):
     off, on = runs(tag, False), runs(tag, True)
@@ -248,7 +233,7 @@ def test_triton_backend_under_decode_graphs_matches_flag_off(runs, tag):
         for row_off, row_on in zip(lp_off, lp_on, strict=True):
             assert len(row_off) == len(row_on) == NEW_TOKENS
             for step_off, step_on in zip(row_off[1:], row_on[1:], strict=True):  # decode only
-                kl, mass = _bucket_kl(step_off, step_on)
+                kl, mass = topk_kl(step_off, step_on)
                 kls.append(kl)
                 masses.append(mass)
         mean = sum(kls) / len(kls)

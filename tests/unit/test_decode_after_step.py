@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from fakes import FakeHealthSource  # noqa: E402
 from mono_ext.core.backends import load_target  # noqa: E402
 from mono_ext.core.spec import Deployment  # noqa: E402
 from mono_ext.core.views import ConfigView, StepView  # noqa: E402
@@ -26,38 +27,17 @@ from mono_ext.models.qwen3_next.decode import (  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
-from mono_ext.runtime import health as h  # noqa: E402
 from mono_ext.runtime.failstop import FAILED, SUSPECT, FailStop, FailStopError  # noqa: E402
 
 BF16 = torch.bfloat16
 SLOTS, NULL = 6, 0
 
 
-class FakeSource:
-    """A health block the test can fail; every submitted copy lands at once."""
-
-    def __init__(self) -> None:
-        self.words = h.health_init_words()
-        self.pending: list = []
-
-    def fail(self) -> None:
-        self.words[h.H_FAILED] += 1
-        base = h.H_RECORDS
-        self.words[base : base + h.RECORD_WORDS] = [0, 17, 5, 4, 2, 0, 3, 10**6]
-
-    def submit(self, step: int) -> None:
-        self.pending.append((step, list(self.words)))
-
-    def ready(self, until_step=None):
-        out, self.pending = self.pending, []
-        return out
-
-
 class Runtime:
     """The per-step hooks of a persistent backend (as the Triton runtime has them)."""
 
     def __init__(self, world: int = 1) -> None:
-        self.source = FakeSource()
+        self.source = FakeHealthSource(index=17, cta=2)
         self.failstop = FailStop(self.source, agree_every=16, name_of=lambda r, i: f"k2.ar[{i}]")
         self.failstop.world = world  # > 1: a local failure waits for the ranks' agreement
         self.capturing = False

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mono_ext.core.numerics import topk_kl
 from mono_ext.models.qwen3_next.configs import get_preset
 from mono_ext.models.qwen3_next.dims import Dims
 
@@ -134,11 +135,11 @@ def test_merge_keeps_runs_of_every_call():
     assert a["runs"]["L16/off/0"] == {"ok": False}  # inputs untouched
 
 
-def test_bucket_kl_and_compare_runs():
+def test_topk_kl_and_compare_runs():
     p = {"1": math.log(0.6), "2": math.log(0.3)}
-    assert bench.bucket_kl(p, dict(p)) == pytest.approx((0.0, 0.9))
+    assert topk_kl(p, dict(p)) == pytest.approx((0.0, 0.9))
     q = {"1": math.log(0.3), "2": math.log(0.6)}
-    kl, _ = bench.bucket_kl(p, q)
+    kl, _ = topk_kl(p, q)
     assert kl == pytest.approx(0.6 * math.log(2) + 0.3 * math.log(0.5))
 
     lp = [{"5": -0.1, "6": -2.5}, {"7": -0.2, "8": -1.0}, {"9": -0.3, "4": -0.4}]

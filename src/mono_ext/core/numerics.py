@@ -14,7 +14,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["METRICS", "Breach", "CheckTracker", "compare", "parse_numerics", "metrics"]
+__all__ = [
+    "METRICS",
+    "Breach",
+    "CheckTracker",
+    "compare",
+    "parse_numerics",
+    "metrics",
+    "topk_kl",
+]
 
 #: metric -> True when it is a lower bound (larger is better)
 METRICS: dict[str, bool] = {"cosine": True, "rel_l2": False, "max_abs": False}
@@ -155,3 +163,22 @@ class CheckTracker:
             f"{self.checks} checks, {len(self.breaches)} breaches, "
             f"{self.rows_skipped}/{self.rows_seen} near-tie rows skipped"
         )
+
+
+def topk_kl(p: Mapping[Any, float], q: Mapping[Any, float]) -> tuple[float, float]:
+    """KL(p || q) from two engines' top-k logprobs of one position (token -> logprob, each
+    from the full-vocabulary softmax): the tokens in both top-k lists, plus one bucket for
+    the rest of each distribution. Merging outcomes never raises a KL (log-sum inequality),
+    so this is a lower bound of the full-vocabulary KL. Returns (kl, p's mass on the shared
+    tokens) so a caller can tell how much of p the bound saw."""
+    shared = set(p) & set(q)
+    kl = pm = qm = 0.0
+    for t in shared:
+        lp, lq = p[t], q[t]
+        kl += math.exp(lp) * (lp - lq)
+        pm += math.exp(lp)
+        qm += math.exp(lq)
+    rp, rq = max(1.0 - pm, 0.0), max(1.0 - qm, 1e-12)
+    if rp > 0:
+        kl += rp * math.log(rp / rq)
+    return kl, pm
