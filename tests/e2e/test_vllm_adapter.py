@@ -71,7 +71,7 @@ def test_other_versions_are_refused_with_a_clear_line(version, monkeypatch):
 @pytest.mark.parametrize(
     "value, match",
     [
-        ("bogus", "unknown kernel backend 'bogus'; choose from auto, reference, triton"),
+        ("bogus", "unknown kernel backend 'bogus'; choose from auto, flydsl, reference, triton"),
         ("Reference", "unknown kernel backend"),
         (" reference", "malformed value"),
         ("", "malformed value"),
@@ -151,7 +151,7 @@ def _api_server(*args):
 def test_cli_help_shows_the_flag():
     out = _api_server("--help=mono-ext")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "--monokernel-backend {auto,reference,triton}" in out.stdout
+    assert "--monokernel-backend {auto,flydsl,reference,triton}" in out.stdout
     assert "CPU testing only" in " ".join(out.stdout.split())
 
 

@@ -19,7 +19,7 @@ PY=${PYTHON:-python3}
 P="$VENV/bin/python -m pip"
 $P install -q --upgrade pip
 $P install -q torch==2.13.0  # the CPU build, as in the base venv (FlyDSL imports torch)
-$P install -q flydsl==0.5.0 ziglang==0.17.1 pytest
+$P install -q flydsl==0.5.0 ziglang==0.17.1 numpy pytest  # flydsl.expr imports numpy; its wheel does not declare it
 $P install -q -e .
 
 "$VENV/bin/python" - <<'PY'
