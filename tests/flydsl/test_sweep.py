@@ -5,9 +5,10 @@ from mono_ext.kernels.flydsl import sweep
 
 
 def test_every_launch_compiles_and_passes(capsys):
-    assert sweep.main(["--jobs", "2"]) == 0
+    # every build key: K2 for both layer kinds at every width 1..16 (about 2.5 min on 2 cores)
+    assert sweep.main(["--jobs", "2", "--all"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "grid" in r]
-    assert len(rows) == len(sweep.targets())
+    assert len(rows) == len(sweep.targets(all_widths=True)) == 5 + 2 * 16
     assert all(r.endswith("| ok |") for r in rows)
 
 

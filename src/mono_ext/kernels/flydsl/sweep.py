@@ -1,11 +1,12 @@
 """Compile every gfx950 launch of the flydsl backend offline, check each, and print the table
 of docs/perf.md's "FlyDSL gfx950 (compile-only)" section.
 
-    python -m mono_ext.kernels.flydsl.sweep [--jobs N]
+    python -m mono_ext.kernels.flydsl.sweep [--jobs N] [--all]
 
-What is swept today: the runtime launches (mailbox hand-off, one-shot all-reduce at TP 1/2/4/8).
-K1 and K2 are not written in FlyDSL yet (``backend.NOT_BUILT``), so there is no per-width key
-to compile; when they exist, their (layer kind, width 1..16) keys join :func:`targets`.
+What is swept: the runtime launches (mailbox hand-off, one-shot all-reduce at TP 1/2/4/8) and
+K2 (GDN and attention layers, Qwen3-Next-80B-A3B sizes at TP 1) at widths 1, 2, 4, 8, 16, or
+at every width 1..16 with ``--all`` (what CI's flydsl stage runs: ~2.2 min on 2 cores). K1 is
+not written in FlyDSL yet (``backend.NOT_BUILT``).
 Keys compile in parallel processes (each one a fresh LLVM); nothing is cached across runs.
 Exit status 1 when any launch fails to compile or breaks a limit.
 """
@@ -20,21 +21,29 @@ from multiprocessing import get_context
 __all__ = ["targets", "compile_target", "table", "main"]
 
 
-def targets() -> list[tuple[str, dict]]:
-    """(builder name, kwargs) of every launch the backend compiles."""
+CI_WIDTHS = (1, 2, 4, 8, 16)
+
+
+def targets(all_widths: bool = False) -> list[tuple[str, dict]]:
+    """(builder name, kwargs) of every launch the backend compiles (K2 at ``CI_WIDTHS``, or
+    every width 1..16 with ``all_widths``)."""
     out: list[tuple[str, dict]] = [("build_mailbox", {})]
     out += [("build_allreduce", {"world": w}) for w in (1, 2, 4, 8)]
+    widths = range(1, 17) if all_widths else CI_WIDTHS
+    # widest first: the longest compiles start first in the pool
+    out += [("build_k2", {"kind": k, "width": w}) for w in sorted(widths, reverse=True)
+            for k in ("gdn", "attn")]  # fmt: skip
     return out
 
 
 def compile_target(target: tuple[str, dict]) -> tuple[str, list[dict], list[str], str]:
     """(label, kernel metadata rows, check reasons, error) for one target; never raises."""
-    from . import runtime
+    from . import k2, runtime
 
     name, kwargs = target
     label = f"{name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
     try:
-        c = getattr(runtime, name)(**kwargs)
+        c = getattr(k2 if name == "build_k2" else runtime, name)(**kwargs)
     except Exception as exc:  # a kernel that does not compile is a result, reported
         return label, [], [], f"{type(exc).__name__}: {exc}"
     return c.label, [k.row() for k in c.kernels], c.reasons(), ""
@@ -66,9 +75,10 @@ def table(results) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=2, help="parallel compile processes")
+    ap.add_argument("--all", action="store_true", help="K2 at every width 1..16")
     args = ap.parse_args(argv)
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        results = list(pool.map(compile_target, targets()))
+        results = list(pool.map(compile_target, targets(args.all)))
     print(table(results))
     bad = [r for r in results if r[3] or r[2]]
     return 1 if bad else 0
