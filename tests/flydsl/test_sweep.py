@@ -5,10 +5,10 @@ from mono_ext.kernels.flydsl import sweep
 
 
 def test_every_launch_compiles_and_passes(capsys):
-    # every build key: K2 for both layer kinds at every width 1..16 (about 2.5 min on 2 cores)
+    # every build key: K2 (both layer kinds), K1 (both fronts) at every width 1..16
     assert sweep.main(["--jobs", "2", "--all"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "grid" in r]
-    assert len(rows) == len(sweep.targets(all_widths=True)) == 5 + 2 * 16
+    assert len(rows) == len(sweep.targets(all_widths=True)) == 5 + 4 * 16
     assert all(r.endswith("| ok |") for r in rows)
 
 

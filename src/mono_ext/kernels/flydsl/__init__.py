@@ -9,6 +9,8 @@
 |                 | health records, sticky failure, peer-buffer all-reduce           |              |
 | ``runtime``     | the runtime launches built from the primitives (mailbox, all-    | yes          |
 |                 | reduce) and their offline builds                                 |              |
+| ``k1``          | K1 (GDN and attention fronts): build keys, programs, host checks;| to compile   |
+|                 | ``_k1_device`` holds the device code                             |              |
 | ``k2``          | K2 (layer tail): build keys, hand-off program, host-side tensor  | to compile   |
 |                 | checks and launch tables; ``_k2_device`` holds its device code   |              |
 | ``sweep``       | every gfx950 build key compiled and checked (CI, docs/perf.md)   | yes          |

@@ -24,15 +24,17 @@ BUILT: tuple[str, ...] = (
     "runtime primitives: tagged mailbox store and bounded wait (s_memrealtime deadline, health "
     "record, sticky failed word)",
     "one-shot peer-buffer all-reduce through a device table of peer addresses",
+    "K1 (layer fronts), kernels/flydsl/k1.py: GDN (every engine layout) and attention "
+    "fronts, widths 1..16, compiled and checked for gfx950; host-side tensor checks",
     "K2 (layer tail), kernels/flydsl/k2.py: GDN and attention (gated) layers, widths 1..16, "
     "compiled and checked for gfx950; host-side tensor checks and launch arguments",
 )
 
 #: Pieces a deployment needs that do not exist in FlyDSL yet (each one refuses the backend).
 NOT_BUILT: tuple[str, ...] = (
-    "K1 (GDN and attention layer fronts) is not written in FlyDSL yet",
-    "K2 is compiled for every width but this builder does not bind it to a deployment yet "
-    "(workspaces, HIP health polling for FailStop)",
+    "K1 and K2 exist (compiled for gfx950 only) but their launch binding (workspaces, state "
+    "and weight tables, RoPE table, HIP health polling for FailStop) is not written in FlyDSL "
+    "yet",
     "HIP IPC peer buffers (runtime.peers opens CUDA IPC only) are not wired for ROCm yet",
 )
 

@@ -4,9 +4,10 @@ of docs/perf.md's "FlyDSL gfx950 (compile-only)" section.
     python -m mono_ext.kernels.flydsl.sweep [--jobs N] [--all]
 
 What is swept: the runtime launches (mailbox hand-off, one-shot all-reduce at TP 1/2/4/8) and
-K2 (GDN and attention layers, Qwen3-Next-80B-A3B sizes at TP 1) at widths 1, 2, 4, 8, 16, or
-at every width 1..16 with ``--all`` (what CI's flydsl stage runs: ~2.2 min on 2 cores). K1 is
-not written in FlyDSL yet (``backend.NOT_BUILT``).
+K2 (GDN and attention layers) and K1 (attention front; GDN front with vLLM's layouts:
+interleaved packing, [S, K-1, C] conv state, vk fp32 state), Qwen3-Next-80B-A3B sizes at
+TP 1, at widths 1, 2, 4, 8, 16, or at every width 1..16 with ``--all`` (what CI's flydsl stage
+runs). The other GDN layout combinations compile in ``tests/flydsl/test_k1.py``.
 Keys compile in parallel processes (each one a fresh LLVM); nothing is cached across runs.
 Exit status 1 when any launch fails to compile or breaks a limit.
 """
@@ -33,17 +34,20 @@ def targets(all_widths: bool = False) -> list[tuple[str, dict]]:
     # widest first: the longest compiles start first in the pool
     out += [("build_k2", {"kind": k, "width": w}) for w in sorted(widths, reverse=True)
             for k in ("gdn", "attn")]  # fmt: skip
+    out += [("build_k1_attn", {"width": w}) for w in sorted(widths, reverse=True)]
+    out += [("build_k1_gdn", {"width": w}) for w in sorted(widths, reverse=True)]
     return out
 
 
 def compile_target(target: tuple[str, dict]) -> tuple[str, list[dict], list[str], str]:
     """(label, kernel metadata rows, check reasons, error) for one target; never raises."""
-    from . import k2, runtime
+    from . import k1, k2, runtime
 
     name, kwargs = target
     label = f"{name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+    module = {"build_k2": k2, "build_k1_attn": k1, "build_k1_gdn": k1}.get(name, runtime)
     try:
-        c = getattr(k2 if name == "build_k2" else runtime, name)(**kwargs)
+        c = getattr(module, name)(**kwargs)
     except Exception as exc:  # a kernel that does not compile is a result, reported
         return label, [], [], f"{type(exc).__name__}: {exc}"
     return c.label, [k.row() for k in c.kernels], c.reasons(), ""
