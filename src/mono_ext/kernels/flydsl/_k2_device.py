@@ -125,6 +125,7 @@ def k2_launch(b):
     RID = {r.name: lay.region_id(r.name) for r in lay.program.regions}
     OFF = dict(lay.offsets)
     WORDS = {r.name: r.words for r in lay.program.regions}
+    PEER = {r.name: r.peer for r in lay.program.regions}
     XS_BF = G * W * H * 4  # byte offset of the bf16 rows in xs
 
     @fx.struct
@@ -133,9 +134,10 @@ def k2_launch(b):
         red_i: fx.Array[fx.Int32, 2 * WAVES, 16]
 
     def put(scratch, peers, name, idx, value, tag, parity, rank):
-        """Tagged word ``idx`` of region ``name``: a local write, or a push to every rank."""
+        """Tagged word ``idx`` of region ``name``: a local write (local regions, and every
+        region at TP 1), or a push into this rank's slot on every rank (peer regions)."""
         word = pack_tagged(value, tag)
-        if TP == 1:
+        if not PEER[name]:
             store_tagged(word_addr(scratch, OFF[name] + idx), word, False)
         else:
             own = (parity * TP + rank) * WORDS[name] + idx
