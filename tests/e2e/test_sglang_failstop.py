@@ -19,11 +19,10 @@ torch = pytest.importorskip("torch")
 
 from test_sglang_models import Spy, _active, _batch, _load, _pools, _serving  # noqa: E402
 
-from fakes import FakeHealthSource  # noqa: E402
 from mono_ext.core.spec import Step  # noqa: E402
 from mono_ext.engines.sglang import plugin  # noqa: E402
 from mono_ext.engines.sglang.dispatch import Router, install, uninstall  # noqa: E402
-from mono_ext.runtime.failstop import FailStop, FailStopError  # noqa: E402
+from mono_ext.runtime.failstop import FailStop, FailStopError, ScriptedHealthSource  # noqa: E402
 from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
 
@@ -51,7 +50,7 @@ class Persistent:
 @pytest.fixture
 def routed(qn):
     sv, *_ = _active(qn)
-    src = FakeHealthSource()
+    src = ScriptedHealthSource()
     shared = dict(fs=FailStop(src, agree_every=16), steps=0, releases=0, src=src)
     sv.driver.launches = {w: Persistent(x, shared) for w, x in sv.driver.launches.items()}
     router = Router(sv, Spy())

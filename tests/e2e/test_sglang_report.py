@@ -17,14 +17,14 @@ import pytest
 pytest.importorskip("sglang")
 torch = pytest.importorskip("torch")
 
-from test_sglang_failstop import Persistent, Source, _forward  # noqa: E402
+from test_sglang_failstop import Persistent, _forward  # noqa: E402
 from test_sglang_models import Spy, _active, _load  # noqa: E402
 
 from mono_ext.core.spec import Step  # noqa: E402
 from mono_ext.engines.sglang import has_native_api, plugin  # noqa: E402
 from mono_ext.engines.sglang.dispatch import Router, install, uninstall  # noqa: E402
 from mono_ext.engines.sglang.report import REPORT_RPC, runner_report  # noqa: E402
-from mono_ext.runtime.failstop import FailStop  # noqa: E402
+from mono_ext.runtime.failstop import FailStop, ScriptedHealthSource  # noqa: E402
 from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
 if has_native_api():
@@ -43,7 +43,7 @@ def routed(qn):
     """An active deployment whose router recorded decode graphs of batch sizes 1..16 (routed)
     and 24 (stock), as after capture; the runner SGLang would hold it on."""
     sv, *_ = _active(qn)
-    shared = dict(fs=FailStop(Source(), agree_every=16), steps=0, releases=0)
+    shared = dict(fs=FailStop(ScriptedHealthSource(), agree_every=16), steps=0, releases=0)
     sv.driver.launches = {w: Persistent(x, shared) for w, x in sv.driver.launches.items()}
     router = Router(sv, Spy())
     install(qn.model, router)
@@ -87,7 +87,7 @@ def test_report_counts_replays_by_graph_size_releases_and_stock_decode(qn, route
 
 def test_report_reads_the_failstop_of_a_shared_runtime(qn, routed):
     runner, router, _ = routed
-    fs = FailStop(Source(), agree_every=16)
+    fs = FailStop(ScriptedHealthSource(), agree_every=16)
     runtime = SimpleNamespace(steps=7, failstop=fs)
     fs.last_seen_step = 7
     router.serving.driver.launches = {1: SimpleNamespace(runtime=runtime)}

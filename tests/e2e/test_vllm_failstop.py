@@ -17,11 +17,10 @@ torch = pytest.importorskip("torch")
 
 from test_vllm_adapter import _build, _caches  # noqa: E402  (tests/e2e is on sys.path)
 
-from fakes import FakeHealthSource  # noqa: E402
 from mono_ext.core.spec import Step  # noqa: E402
 from mono_ext.engines.vllm import views  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
-from mono_ext.runtime.failstop import FailStop, FailStopError  # noqa: E402
+from mono_ext.runtime.failstop import FailStop, FailStopError, ScriptedHealthSource  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,7 +62,7 @@ def on_model(tiny_checkpoint):
         mono._model_stage()
         _caches(model, Dims.from_config(views.text_config(cfg)), ssm_dtype=torch.float32)
         assert mono._bind_caches() and mono.state == "on", mono.refusals
-    src = FakeHealthSource()
+    src = ScriptedHealthSource()
     shared = dict(fs=FailStop(src, agree_every=16), steps=0, begins=0, releases=0, src=src)
     mono.driver.launches = {w: Persistent(x, shared) for w, x in mono.driver.launches.items()}
     return model, shared

@@ -14,7 +14,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fakes import FakeHealthSource  # noqa: E402
 from mono_ext.core.backends import load_target  # noqa: E402
 from mono_ext.core.spec import Deployment  # noqa: E402
 from mono_ext.core.views import ConfigView, StepView  # noqa: E402
@@ -27,7 +26,13 @@ from mono_ext.models.qwen3_next.decode import (  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
-from mono_ext.runtime.failstop import FAILED, SUSPECT, FailStop, FailStopError  # noqa: E402
+from mono_ext.runtime.failstop import (  # noqa: E402
+    FAILED,
+    SUSPECT,
+    FailStop,
+    FailStopError,
+    ScriptedHealthSource,
+)
 
 BF16 = torch.bfloat16
 SLOTS, NULL = 6, 0
@@ -37,7 +42,7 @@ class Runtime:
     """The per-step hooks of a persistent backend (as the Triton runtime has them)."""
 
     def __init__(self, world: int = 1) -> None:
-        self.source = FakeHealthSource(index=17, cta=2)
+        self.source = ScriptedHealthSource(index=17, cta=2)
         self.failstop = FailStop(self.source, agree_every=16, name_of=lambda r, i: f"k2.ar[{i}]")
         self.failstop.world = world  # > 1: a local failure waits for the ranks' agreement
         self.capturing = False

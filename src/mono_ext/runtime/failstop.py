@@ -26,6 +26,7 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from mono_ext.runtime import health as _health
 from mono_ext.runtime.health import HEALTH_WORDS, HealthSummary, decode_health
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "FailStop",
     "FailStopError",
     "HealthSource",
+    "ScriptedHealthSource",
     "VirtualFailStop",
     "agree_health",
 ]
@@ -68,6 +70,32 @@ class HealthSource(Protocol):
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
         """Copies that have landed, oldest first. With ``until_step``, also wait for the copy
         of that step (the caller knows the device got past it)."""
+
+
+class ScriptedHealthSource:
+    """A host-side health block that a test or a dry run fails on purpose; every submitted
+    copy is ready at the next poll (what :class:`CudaHealthSource` gives once the step's copy
+    has landed)."""
+
+    def __init__(self, index: int = 9, cta: int = 1) -> None:
+        self.index, self.cta = index, cta  # word and CTA the failure record names
+        self.words = _health.health_init_words()
+        self.pending: list[tuple[int, list[int]]] = []
+
+    def fail(self) -> None:
+        """Record one wait that gave up: region 0, word ``index``, tag 5 wanted and 4 seen, by
+        CTA ``cta`` of rank 0 at epoch 3, after 1 s (``runtime.health.RECORD_FIELDS``)."""
+        self.words[_health.H_FAILED] += 1
+        base = _health.H_RECORDS
+        record = [0, self.index, 5, 4, self.cta, 0, 3, 10**6]
+        self.words[base : base + _health.RECORD_WORDS] = record
+
+    def submit(self, step: int) -> None:
+        self.pending.append((step, list(self.words)))
+
+    def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
+        out, self.pending = self.pending, []
+        return out
 
 
 class CudaHealthSource:
