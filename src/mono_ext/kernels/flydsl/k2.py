@@ -48,8 +48,8 @@ wait is bounded (``primitives.wait_tagged``). No grid barrier.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from ...models.qwen3_next.shapes import TailShape
 from ...runtime.layout import Layout, Program, Region, Stage, plan_layout, push, wait, write
 from .limits import BLOCK, GFX950, MAX_WIDTH
 
@@ -68,38 +68,12 @@ ROWS_PER_CTA = 16 * WAVES  # MFMA rows per CTA task (16 per wave)
 
 
 @dataclass(frozen=True)
-class K2Shape:
-    """Per-rank sizes one K2 build is compiled for."""
-
-    hidden: int
-    in_dim: int
-    experts: int
-    top_k: int
-    moe_inter: int  # I_r
-    shared_inter: int  # Is_r
-    norm_topk: bool
-    eps: float
-    tp: int = 1
-
-    @classmethod
-    def from_dims(cls, dims: Any, kind: str = "gdn") -> K2Shape:
-        if kind == "gdn":
-            in_dim = dims.hv_r * dims.dv
-        elif kind == "attn":
-            in_dim = dims.hq_r * dims.head_dim
-        else:
-            raise ValueError(f"kind must be 'gdn' or 'attn', got {kind!r}")
-        return cls(dims.hidden, in_dim, dims.experts, dims.top_k, dims.moe_inter_r,
-                   dims.shared_inter_r, dims.norm_topk, dims.eps, dims.tp)  # fmt: skip
+class K2Shape(TailShape):
+    """Per-rank sizes one K2 build is compiled for (fields, ``from_dims`` and the shared limits:
+    :class:`~mono_ext.models.qwen3_next.shapes.TailShape`), with this kernel's own limits."""
 
     def refusals(self) -> list[str]:
-        bad = []
-        if self.tp not in (1, 2, 4, 8):
-            bad.append(f"tp={self.tp}: the in-kernel all-reduce needs a power-of-two world <= 8")
-        if not 1 <= self.top_k <= min(self.experts, 10):
-            bad.append(f"top_k={self.top_k} outside 1..min(experts, 10)")
-        if self.experts > 512:
-            bad.append(f"experts={self.experts} > 512")
+        bad = super().refusals()
         if self.hidden % ROWS_PER_CTA:
             bad.append(f"hidden={self.hidden} is not a multiple of {ROWS_PER_CTA}")
         if self.in_dim % 16:
@@ -110,11 +84,6 @@ class K2Shape:
         if self.hidden % 8:
             bad.append(f"hidden={self.hidden} is not a multiple of 8 (16-byte loads)")
         return bad
-
-    def validate(self) -> None:
-        bad = self.refusals()
-        if bad:
-            raise ValueError("K2Shape refused: " + "; ".join(bad))
 
     @property
     def pairs_per_row(self) -> int:

@@ -77,6 +77,7 @@ from mono_ext.kernels.triton.primitives import (
     unpack_value,
     wait_tagged,
 )
+from mono_ext.models.qwen3_next.shapes import TailShape
 from mono_ext.runtime.layout import Program, Region, Stage, plan_layout, push, wait, write
 
 __all__ = [
@@ -767,53 +768,9 @@ def k2_kernel(
 
 
 @dataclass(frozen=True)
-class K2Shape:
-    """Per-rank sizes K2 is built for (``*_r``: this rank's share under TP ``tp``)."""
-
-    hidden: int
-    in_dim: int  # out_proj / o_proj input columns on this rank
-    experts: int
-    top_k: int
-    moe_inter: int  # I_r
-    shared_inter: int  # Is_r
-    norm_topk: bool
-    eps: float
-    tp: int = 1
-
-    @classmethod
-    def from_dims(cls, dims: Any, kind: str = "gdn") -> K2Shape:
-        """From :class:`mono_ext.models.qwen3_next.dims.Dims` (already per rank via ``tp``)."""
-        if kind == "gdn":
-            in_dim = dims.hv_r * dims.dv
-        elif kind == "attn":
-            in_dim = dims.hq_r * dims.head_dim
-        else:
-            raise ValueError(f"kind must be 'gdn' or 'attn', got {kind!r}")
-        return cls(
-            hidden=dims.hidden,
-            in_dim=in_dim,
-            experts=dims.experts,
-            top_k=dims.top_k,
-            moe_inter=dims.moe_inter_r,
-            shared_inter=dims.shared_inter_r,
-            norm_topk=dims.norm_topk,
-            eps=dims.eps,
-            tp=dims.tp,
-        )
-
-    def validate(self) -> None:
-        bad = []
-        if self.tp not in (1, 2, 4, 8):
-            bad.append(f"tp={self.tp}: the in-kernel all-reduce needs a power-of-two world <= 8")
-        if not 1 <= self.top_k <= min(self.experts, 10):
-            bad.append(f"top_k={self.top_k} outside 1..min(experts, 10)")
-        if self.experts > 512:
-            bad.append(f"experts={self.experts} > 512")
-        for name in ("hidden", "in_dim", "moe_inter", "shared_inter"):
-            if getattr(self, name) < 1:
-                bad.append(f"{name}={getattr(self, name)} must be >= 1")
-        if bad:
-            raise ValueError("K2Shape refused: " + "; ".join(bad))
+class K2Shape(TailShape):
+    """Per-rank sizes this backend's K2 is built for (fields, ``from_dims`` and the shared
+    limits: :class:`~mono_ext.models.qwen3_next.shapes.TailShape`)."""
 
     @property
     def slots(self) -> int:
