@@ -170,42 +170,13 @@ class K2Build:
 
     # -- host-side checks (torch tensors; no device needed) ------------------------------
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        s, h = self.shape, self.shape.hidden
-        return {
-            "out_proj" if self.kind == "gdn" else "o_proj": (h, s.in_dim),
-            "post_attention_layernorm": (h,),
-            "router": (s.experts, h),
-            "w13": (s.experts, 2 * s.moe_inter, h),
-            "w2": (s.experts, h, s.moe_inter),
-            "shared_gate_up": (2 * s.shared_inter, h),
-            "shared_down": (h, s.shared_inter),
-            "shared_expert_gate": (1, h),
-        }
+        return self.shape.weight_shapes(self.kind)
 
     def check(self, o_in, residual, weights, out_hidden, out_residual, gate=None) -> list[str]:
         """Every reason the tensors do not fit this build (empty: they do)."""
 
-        s, w = self.shape, self.width
-        acts = {
-            "o_in": (o_in, (w, s.in_dim)),
-            "residual": (residual, (w, s.hidden)),
-            "out_hidden": (out_hidden, (w, s.hidden)),
-            "out_residual": (out_residual, (w, s.hidden)),
-        }
-        bad = []
-        if self.gated:
-            if gate is None:
-                bad.append("missing gate (a gated build multiplies o_in by sigmoid(gate))")
-            else:
-                acts["gate"] = (gate, (w, s.in_dim))
-        elif gate is not None:
-            bad.append("got a gate, but this build is not gated (o_in must be pre-gated)")
-        for name, shp in self.weight_shapes().items():
-            t = weights.get(name)
-            if t is None:
-                bad.append(f"missing weight {name!r}")
-            else:
-                acts[name] = (t, shp)
+        acts, bad = self.shape.launch_tensors(self.kind, self.gated, self.width, o_in, residual,
+                                              weights, out_hidden, out_residual, gate)  # fmt: skip
         for name, (t, shp) in acts.items():
             bad += _tensor_reasons(name, t, shp)
         return bad

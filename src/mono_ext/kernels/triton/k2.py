@@ -1070,40 +1070,9 @@ class K2Launch:
         """Validate shapes, dtypes, contiguity and 16-byte alignment; returns the width."""
         import torch
 
-        s = self.shape
-        h = s.hidden
-        name_o = "out_proj" if self.kind == "gdn" else "o_proj"
-        want = {
-            name_o: (h, s.in_dim),
-            "post_attention_layernorm": (h,),
-            "router": (s.experts, h),
-            "w13": (s.experts, 2 * s.moe_inter, h),
-            "w2": (s.experts, h, s.moe_inter),
-            "shared_gate_up": (2 * s.shared_inter, h),
-            "shared_down": (h, s.shared_inter),
-            "shared_expert_gate": (1, h),
-        }
         b = o_in.shape[0] if o_in.dim() == 2 else -1
-        acts = {
-            "o_in": (o_in, (b, s.in_dim)),
-            "residual": (residual, (b, h)),
-            "out_hidden": (out_hidden, (b, h)),
-            "out_residual": (out_residual, (b, h)),
-        }
-        bad = []
-        if self.gated:
-            if gate is None:
-                bad.append("missing gate (a gated build multiplies o_in by sigmoid(gate))")
-            else:
-                acts["gate"] = (gate, (b, s.in_dim))
-        elif gate is not None:
-            bad.append("got a gate, but this build is not gated (o_in must be pre-gated)")
-        for name, shp in want.items():
-            t = weights.get(name)
-            if t is None:
-                bad.append(f"missing weight {name!r}")
-                continue
-            acts[name] = (t, shp)
+        acts, bad = self.shape.launch_tensors(self.kind, self.gated, b, o_in, residual, weights,
+                                              out_hidden, out_residual, gate)  # fmt: skip
         for name, (t, shp) in acts.items():
             if tuple(t.shape) != shp:
                 bad.append(f"{name} is {tuple(t.shape)}, expected {shp}")

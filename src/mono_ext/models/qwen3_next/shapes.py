@@ -65,3 +65,47 @@ class TailShape:
         bad = self.refusals()
         if bad:
             raise ValueError(f"{type(self).__name__} refused: " + "; ".join(bad))
+
+    def weight_shapes(self, kind: str) -> dict[str, tuple[int, ...]]:
+        """The planes K2 reads, by reference key, with their per-rank shapes."""
+        h = self.hidden
+        return {
+            "out_proj" if kind == "gdn" else "o_proj": (h, self.in_dim),
+            "post_attention_layernorm": (h,),
+            "router": (self.experts, h),
+            "w13": (self.experts, 2 * self.moe_inter, h),
+            "w2": (self.experts, h, self.moe_inter),
+            "shared_gate_up": (2 * self.shared_inter, h),
+            "shared_down": (h, self.shared_inter),
+            "shared_expert_gate": (1, h),
+        }
+
+    def launch_tensors(
+        self, kind: str, gated: bool, width: int, o_in: Any, residual: Any, weights: Any,
+        out_hidden: Any, out_residual: Any, gate: Any = None,
+    ) -> tuple[dict[str, tuple[Any, tuple[int, ...]]], list[str]]:  # fmt: skip
+        """Every tensor one K2 launch of ``width`` rows reads or writes, with the shape it must
+        have, and the reasons found before looking at any tensor (missing weights, a gate given
+        to an ungated build or missing from a gated one). Each backend adds its own per-tensor
+        checks (dtype, layout, alignment)."""
+        tensors = {
+            "o_in": (o_in, (width, self.in_dim)),
+            "residual": (residual, (width, self.hidden)),
+            "out_hidden": (out_hidden, (width, self.hidden)),
+            "out_residual": (out_residual, (width, self.hidden)),
+        }
+        bad = []
+        if gated:
+            if gate is None:
+                bad.append("missing gate (a gated build multiplies o_in by sigmoid(gate))")
+            else:
+                tensors["gate"] = (gate, (width, self.in_dim))
+        elif gate is not None:
+            bad.append("got a gate, but this build is not gated (o_in must be pre-gated)")
+        for name, shp in self.weight_shapes(kind).items():
+            t = weights.get(name)
+            if t is None:
+                bad.append(f"missing weight {name!r}")
+            else:
+                tensors[name] = (t, shp)
+        return tensors, bad
