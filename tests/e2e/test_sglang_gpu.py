@@ -13,16 +13,33 @@ no radix cache (every prompt prefills the same way in both runs).
 Asserted, per preset, for batches of 1, 3 and 8 requests decoding 72 tokens each (>= 64 decode
 steps at one width; 3 rows replay the 4-row graph with one padding row):
 
-* greedy tokens equal flag-off, token for token (prompt ids inside the 512-token vocabulary);
+* greedy tokens agree with flag-off per request (prompt ids inside the 512-token vocabulary):
+  equal up to a first differing position, which is accepted only as a near tie, i.e. both
+  picks in both runs' top-k logprobs there and each run's margin (its own pick's logprob minus
+  the other pick's) within [0, ``TIE_NATS``]; positions after it are not compared, the two
+  runs then continue different texts (:func:`mono_ext.core.numerics.greedy_agreement`). Why
+  not token for token: the random tiny model's logits are almost uniform over its vocabulary
+  (top-10 mass ~0.025), so the top two tokens are often within 1e-3 nats, and the kernels'
+  bf16 reduction order, different from SGLang's layers, flips such greedy picks (seen on the
+  H200: batch 1 equal at all 71 decode positions with KL mean 3.7e-8, a batch-3 row flipping
+  at step 24). vLLM's model tests accept the same way (``check_logprobs_close`` in its
+  ``tests/models/utils.py``); a real divergence (a large margin, a pick outside the other
+  run's top-k) still fails;
 * decode logprobs close: KL(off || on) < 0.02 per position on average, over SGLang's top-k
   (k = ``TOPK``) bucketed as {tokens in both runs' top-k} + {the rest} (a lower bound on the
-  full-vocabulary KL; the printed shared mass shows a divergence hiding outside the top-k);
+  full-vocabulary KL; the printed shared mass shows a divergence hiding outside the top-k),
+  taken only where both runs had the same context: up to and including a row's first
+  divergence;
 * the report each scheduler writes on ``Engine.collective_rpc("mono_ext_report")``
   (:mod:`mono_ext.engines.sglang.report`): mono_ext on with the triton backend and no
   refusal; the captured decode graphs of batch sizes 1..16 routed; every decode step a replay
   of a routed graph (graph sizes 1, 4, 8 among them; no stock decode step); each replay
   released by FailStop, whose health copies were read up to the last step with no failure.
   The flag-off run's report says mono_ext was never started there.
+
+With ``OUT`` set, each run's raw result (tokens, logprobs, reports) is written to
+``$OUT/sglang_runs/<tag>_<on|off>.out.json`` for analysis without a rerun; with
+``MONO_EXT_GPU_RUNS=DIR``, finished runs are kept under ``DIR/<source digest>/`` and reused.
 """
 
 from __future__ import annotations
@@ -42,7 +59,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("sgl_kernel", reason="needs SGLang's CUDA kernels (sgl_kernel)")
 
-from mono_ext.core.numerics import topk_kl  # noqa: E402
+from _gpu_common import compare_batch, export_result, kept_runs_dir  # noqa: E402
+
 from mono_ext.engines.sglang import has_native_api  # noqa: E402
 
 if has_native_api():
@@ -53,6 +71,10 @@ pytestmark = pytest.mark.gpu
 TOPK = 10
 NEW_TOKENS = 72  # 71 decode steps per request (the first token comes from prefill)
 KL_LIMIT = 0.02
+# a greedy flip between the runs is a near tie when each run's margin between the two picks is
+# at most this: ~40x the logit differences seen between the arms (~5e-4 nats: KL mean 3.7e-8,
+# max 1.25e-7 per position on the H200), far below a real error's margins
+TIE_NATS = 0.02
 WIDTHS = (1, 3, 8)
 GRAPH_BS = [1, 2, 4, 8, 16]
 TIMEOUT_S = 560  # one engine run (the device runs a command for at most 600 s)
@@ -116,30 +138,18 @@ def _batches() -> list[dict]:
     return out
 
 
-def _source_digest() -> str:
-    """Of mono_ext's source and this file: a kept run is reused only for the same code."""
-    import hashlib
-
-    import mono_ext
-
-    h = hashlib.sha256(Path(__file__).read_bytes())
-    for f in sorted(Path(mono_ext.__file__).parent.rglob("*.py")):
-        h.update(str(f.name).encode() + f.read_bytes())
-    return h.hexdigest()[:16]
-
-
 class Runs:
     """``runs(tag, on)``: one engine run (fresh processes), started on first use.
 
     With ``MONO_EXT_GPU_RUNS=DIR`` a finished run's result is kept under DIR (keyed by the
     source digest) and reused by a later pytest call: a device command is limited to 600 s,
-    so a cold pair of runs may take two calls."""
+    so a cold pair of runs may take two calls. With ``OUT`` set, each run's result is also
+    written to ``$OUT/sglang_runs/`` (``export_result``)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.done: dict[tuple[str, bool], dict] = {}
-        keep = os.environ.get("MONO_EXT_GPU_RUNS")
-        self.keep = Path(keep) / _source_digest() if keep else None
+        self.keep = kept_runs_dir(Path(__file__))  # $MONO_EXT_GPU_RUNS/<digest>, or None
 
     def __call__(self, tag: str, on: bool) -> dict:
         key = (tag, on)
@@ -167,6 +177,7 @@ class Runs:
         if kept is not None and kept.exists():
             print(f"\n{name}: reusing {kept}")
             self.done[key] = json.loads(kept.read_text())
+            export_result("sglang_runs", name, kept.read_text())
             return self.done[key]
         env = {**os.environ, **ENV}
         env.pop("MONO_EXT_SGLANG_MONOKERNEL", None)  # only the Engine argument turns it on
@@ -184,6 +195,7 @@ class Runs:
         if proc.returncode != 0:
             pytest.fail(f"engine run {name!r} failed (rc {proc.returncode}):\n{log[-6000:]}")
         self.done[key] = json.loads(out_path.read_text())
+        export_result("sglang_runs", name, out_path.read_text())
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
             kept.write_text(out_path.read_text())
@@ -225,20 +237,9 @@ def test_triton_backend_under_decode_graphs_matches_flag_off(runs, tag):
         t_off, t_on = off["batches"][bi]["tokens"], on["batches"][bi]["tokens"]
         assert all(len(t) == NEW_TOKENS for t in t_off + t_on)
         assert all(0 <= x < 512 for t in t_off for x in t)
-        for row, (a, c) in enumerate(zip(t_off, t_on, strict=True)):
-            first = next((i for i, (x, y) in enumerate(zip(a, c, strict=True)) if x != y), None)
-            assert first is None, f"batch {b} row {row}: first differing token at step {first}"
-        kls, masses = [], []
         lp_off, lp_on = off["batches"][bi]["logprobs"], on["batches"][bi]["logprobs"]
-        for row_off, row_on in zip(lp_off, lp_on, strict=True):
-            assert len(row_off) == len(row_on) == NEW_TOKENS
-            for step_off, step_on in zip(row_off[1:], row_on[1:], strict=True):  # decode only
-                kl, mass = topk_kl(step_off, step_on)
-                kls.append(kl)
-                masses.append(mass)
-        mean = sum(kls) / len(kls)
-        print(
-            f"  batch {b}: {len(kls)} decode positions, KL mean {mean:.2e} max {max(kls):.2e}, "
-            f"shared top-{TOPK} mass min {min(masses):.3f}"
-        )
-        assert mean < KL_LIMIT, (b, mean, max(kls))
+        assert all(len(row) == NEW_TOKENS for row in lp_off + lp_on)
+        cmp = compare_batch(b, t_off, t_on, lp_off, lp_on, tie_nats=TIE_NATS, topk=TOPK)
+        print(cmp.summary())
+        assert cmp.ok, "\n".join(cmp.failures())
+        assert cmp.kl_mean < KL_LIMIT, (b, cmp.kl_mean, cmp.kl_max, len(cmp.kls))

@@ -14,6 +14,7 @@
 #                      /tmp/sgl_site, pip-install the small wheels and mono_ext there.
 #                      (Or split: stage with carry [part.00], then install with the rest.)
 #   test [PYTEST ARGS] e.g. -k next / -k q35: run the test with -s, log to $OUT/sglang_gpu.log;
+#                      each run's raw result lands in $OUT/sglang_runs/, the engine logs in $OUT;
 #                      finished engine runs are kept in /tmp/sgl_runs (by source digest), so a
 #                      call cut at 600 s continues where it stopped when repeated.
 set -euo pipefail

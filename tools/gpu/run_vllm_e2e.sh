@@ -9,7 +9,10 @@
 # On the device, back to back (files under /tmp live only while the machine stays warm):
 #   stage              carry [.gpu_bundle/part.00]  (then part.01, ...: copies to /tmp/stage)
 #   install            carry [<last part>, .gpu_bundle/whl]: stage, check, unpack to /tmp/site
-#   test [PYTEST ARGS] e.g. -k next / -k q35: run the test with -s, log to $OUT/vllm_gpu.log
+#   test [PYTEST ARGS] e.g. -k next / -k q35: run the test with -s, log to $OUT/vllm_gpu.log;
+#                      each run's raw result lands in $OUT/vllm_runs/, the engine logs in $OUT;
+#                      finished engine runs are kept in /tmp/vllm_runs (by source digest), so a
+#                      call cut at 600 s continues where it stopped when repeated.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=.gpu_bundle S=/tmp/stage SITE=/tmp/site
@@ -42,10 +45,13 @@ test)
   shift
   [ -f $SITE/.ok ] || { echo "run install first (machine not warm?)" >&2; exit 1; }
   export PYTHONPATH=$PWD/src:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 \
-    VLLM_USE_FLASHINFER_SAMPLER=0 TRITON_CACHE_AUTOTUNING=1
+    VLLM_USE_FLASHINFER_SAMPLER=0 TRITON_CACHE_AUTOTUNING=1 MONO_EXT_GPU_RUNS=/tmp/vllm_runs
   L=${OUT:-/tmp}/vllm_gpu.log
   nvidia-smi --query-gpu=name,memory.used --format=csv | tee "$L"
-  python3 -m pytest -s -q -p no:cacheprovider tests/e2e/test_vllm_gpu.py "$@" 2>&1 | tee -a "$L"
-  exit "${PIPESTATUS[0]}" ;;
+  rc=0
+  python3 -m pytest -s -q -p no:cacheprovider tests/e2e/test_vllm_gpu.py "$@" 2>&1 | tee -a "$L" ||
+    rc=$?
+  [ -z "${OUT:-}" ] || cp -r /tmp/pytest-of-*/pytest-current/vllm-e2e*/*.log "$OUT"/ 2>/dev/null || true
+  exit "$rc" ;;
 *) echo "usage: $0 prepare|stage|install|test [pytest args]" >&2; exit 2 ;;
 esac
