@@ -64,9 +64,9 @@ DENSE = (
 # name -> K2Config overrides (grid is set from the device)
 VARIANTS = {
     "k2": {},
+    "k2 no-pf3": {"pf3": False},
+    "k2 bn4=32": {"bn4": 32},
     "k2 bal3": {"bal3": True},
-    "k2 bi4=128": {"bi4": 128},
-    "k2 rn=2": {"rn": 2},
     "k2 no-prefetch": {"prefetch": False},
 }
 PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (all)
@@ -247,7 +247,7 @@ def k2_body(k2: K2Launch, su: Setup, b: int, state: RankState, ws):
 
 TRACE_POINTS = (
     "start", "S1 pushed", "S1 reduced", "norm done", "router done", "top-k done",
-    "gate_up done", "act waited", "down pushed", "end",
+    "gate_up done", "act waited", "down partials", "end",
 )  # fmt: skip
 
 
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     cos = F.cosine_similarity(got.flatten(), w0["out_h"][:4].float().flatten(), dim=0).item()
     print(f"k2 vs torch chain (width 4): hidden cosine {cos:.6f}")
     print(f"k2 build: {k2.label()} regs {k2.resources.regs_per_thread} "
-          f"smem {k2.resources.shared_bytes} kspl1 {k2.kspl1} ng {k2.ng}")  # fmt: skip
+          f"smem {k2.resources.shared_bytes} kspl1 {k2.kspl1}")  # fmt: skip
 
     for vname in args.variants.split(","):
         k = k2 if vname == "k2" else build_k2(su, sms, **dict(VARIANTS[vname]))

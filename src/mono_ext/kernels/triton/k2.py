@@ -60,6 +60,7 @@ are bit-identical.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,9 +98,11 @@ S1_MATMUL = 1  # out_proj partials (TP: push to peers; TP1: residual + outputs)
 S1_REDUCE = 2  # TP: wait for every rank's partials, residual add, outputs
 S2_ROUTER = 4  # norm (redundant), shared-expert gate, router logits slice
 S3_EXPERT = 8  # top-k + union (redundant), gate_up blocks -> activations
-S4_MATMUL = 16  # down H-slices over all slots (TP: push; TP1: outputs)
-S4_REDUCE = 32  # TP: wait for every rank's partials, outputs
-STAGES_ALL = 63
+S4_MATMUL = 16  # down over (slot, H block) tasks -> one partial per (pair, H row)
+S4_REDUCE = 32  # each row's pairs summed in order (TP1: outputs; TP: push to every rank)
+S4_RANKS = 64  # TP: every rank's sums, in rank order -> outputs
+STAGES_ALL = 127
+STAGE_ORDER = (S1_MATMUL, S1_REDUCE, S2_ROUTER, S3_EXPERT, S4_MATMUL, S4_REDUCE, S4_RANKS)
 
 
 @triton.jit
@@ -114,19 +117,36 @@ def _words_to_fp32(words):
 
 @triton.jit
 def _wait2d(
-    ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id, R: tl.constexpr, C: tl.constexpr
-):
-    """``wait_tagged`` over a [R, C] block (the primitive takes flat blocks)."""
-    words, ok = wait_tagged(
-        tl.reshape(ptrs, (R * C,)),
-        tl.reshape(mask, (R * C,)),
-        tl.reshape(index, (R * C,)),
-        tag,
-        ctrl_ptr,
-        health_ptr,
-        region_id,
-    )
-    return tl.reshape(words, (R, C)), ok
+    ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id, R: tl.constexpr, C: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """``wait_tagged`` over a [R, C] block (the primitive takes flat blocks). The CPU
+    interpreter runs one stage per launch, so there the words are already written."""
+    if INTERP:
+        words2 = tl.load(ptrs, mask=mask, other=0)
+        ok = True
+    else:
+        words, ok = wait_tagged(
+            tl.reshape(ptrs, (R * C,)),
+            tl.reshape(mask, (R * C,)),
+            tl.reshape(index, (R * C,)),
+            tag,
+            ctrl_ptr,
+            health_ptr,
+            region_id,
+        )
+        words2 = tl.reshape(words, (R, C))
+    return words2, ok
+
+
+@triton.jit
+def _put(region_ptr, offs, bits, mask, tag, INTERP: tl.constexpr):
+    """Hand int32 ``bits`` to a later stage as tagged words (plain stores in the interpreter,
+    which has no inline PTX)."""
+    if INTERP:
+        tl.store(region_ptr + offs, pack_tagged(bits, tag), mask=mask)
+    else:
+        mailbox_put(region_ptr, offs, bits, mask, tag, False)
 
 
 @triton.jit
@@ -167,13 +187,17 @@ def _put_partial(
     WORDS: tl.constexpr,
     H: tl.constexpr,
     SYS: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Store a transposed fp32 partial ``acc_t`` [N, Bb] (columns ``n_idx`` of H) as tagged
     words into slot ``slot`` of a partials region: local at TP1, on every peer at TP > 1."""
     words = pack_tagged(_fp32_bits(acc_t), tag)
     offs = slot * WORDS + rows[None, :] * H + n_idx[:, None]
     if RANKS == 1:
-        store_tagged(scratch_ptr + off + offs, words, mask, False)
+        if INTERP:
+            tl.store(scratch_ptr + off + offs, words, mask=mask)
+        else:
+            store_tagged(scratch_ptr + off + offs, words, mask, False)
     else:
         for p in tl.static_range(RANKS):
             dst = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int64)) + off
@@ -195,6 +219,7 @@ def _sum_partials(
     H: tl.constexpr,
     BB: tl.constexpr,
     CB: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Wait for slots ``slot0 .. slot0 + NSLOT - 1`` of rows x ``cols``, sum them in slot
     order (fp32). One bounded wait covers every slot (one round trip per spin)."""
@@ -202,7 +227,8 @@ def _sum_partials(
     r = flat % BB
     idx = (slot0 + flat // BB)[:, None] * WORDS + r[:, None] * H + cols[None, :]
     m_all = (r < n_rows)[:, None] & (cols[None, :] < H)
-    _wait2d(base_ptr + idx, m_all, idx, tag, ctrl_ptr, health_ptr, region_id, NSLOT * BB, CB)
+    _wait2d(base_ptr + idx, m_all, idx, tag, ctrl_ptr, health_ptr, region_id, NSLOT * BB, CB,
+            INTERP)  # fmt: skip
     rows = tl.arange(0, BB)
     mask = (rows < n_rows)[:, None] & (cols[None, :] < H)
     acc = tl.zeros([BB, CB], dtype=tl.float32)
@@ -241,6 +267,7 @@ def k2_kernel(
     scratch_ptr,
     xs_ptr,
     pw_ptr,
+    prk_ptr,
     wsc_ptr,
     ppos_ptr,
     meta_ptr,
@@ -266,11 +293,13 @@ def k2_kernel(
     OFF_RESID: tl.constexpr,
     OFF_LOGITS: tl.constexpr,
     OFF_ACT: tl.constexpr,
+    OFF_P4L: tl.constexpr,
     OFF_P4: tl.constexpr,
     RID_P1: tl.constexpr,
     RID_RESID: tl.constexpr,
     RID_LOGITS: tl.constexpr,
     RID_ACT: tl.constexpr,
+    RID_P4L: tl.constexpr,
     RID_P4: tl.constexpr,
     RANKS: tl.constexpr,
     SYS: tl.constexpr,
@@ -285,15 +314,15 @@ def k2_kernel(
     BK2: tl.constexpr,
     BK3: tl.constexpr,
     BI4: tl.constexpr,
-    NG: tl.constexpr,
+    JS: tl.constexpr,
+    ACH: tl.constexpr,
     CB: tl.constexpr,
     RB: tl.constexpr,
-    PCH: tl.constexpr,
     RN: tl.constexpr,
     HP: tl.constexpr,
     PREFETCH: tl.constexpr,
     GATED: tl.constexpr,
-    GLPOW: tl.constexpr,
+    NPP: tl.constexpr,
     IWPOW: tl.constexpr,
     STAGES: tl.constexpr,
     PIPE1: tl.constexpr,
@@ -303,6 +332,8 @@ def k2_kernel(
     TRACE: tl.constexpr,
     BAL3: tl.constexpr,
     TASK_ROWS: tl.constexpr,
+    PF3: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -317,31 +348,26 @@ def k2_kernel(
     IWR: tl.constexpr = (IR + 1) // 2  # words of a routed activation row
     IWS: tl.constexpr = (ISR + 1) // 2  # words of a shared activation row
     IW: tl.constexpr = IWR if IWR > IWS else IWS
-    GL: tl.constexpr = UM + 1  # group list length (routed slots of a group + shared)
-    GLP: tl.constexpr = GLPOW  # power of two >= GL
     IWP: tl.constexpr = IWPOW  # power of two >= IW
-    M_U: tl.constexpr = UM  # meta: U
-    M_NP: tl.constexpr = UM + 1  # meta: n_pairs
-    M_GC: tl.constexpr = UM + 2  # meta: group counts [NG]
-    M_GL: tl.constexpr = UM + 2 + NG  # meta: group lists [NG][GL]
-    META: tl.constexpr = UM + 2 + NG + NG * GL
+    M_U: tl.constexpr = UM  # meta: U (after the union list)
+    META: tl.constexpr = UM + 1
     W_P: tl.constexpr = BB * H  # words per partials slot (p1 / p4)
     NS1: tl.constexpr = RANKS * KSPL1  # out_proj partial slots per parity
-    NS4: tl.constexpr = RANKS * NG  # MoE partial slots per parity
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
-    GSH: tl.constexpr = E % NG  # the shared expert's group
 
     rows = tl.arange(0, BB)
     rmask = rows < n_rows
     nn = tl.arange(0, BN)
     xs_base = xs_ptr + pid * (2 * BB * H)  # plane 0: bf16(x); plane 1: bf16(x - plane 0)
     pw_base = pw_ptr + pid * (BB * EP)
+    prk_base = prk_ptr + pid * (BB * EP)
     wsc_base = wsc_ptr + pid * ((UM + 1) * BB)
     ppos_base = ppos_ptr + pid * ((UM + 1) * BB)
     meta_base = meta_ptr + pid * META
     resid_ptr = scratch_ptr + OFF_RESID
     logits_ptr = scratch_ptr + OFF_LOGITS
     act_ptr = scratch_ptr + OFF_ACT
+    p4l_ptr = scratch_ptr + OFF_P4L
     if RANKS == 1:
         p1_read = scratch_ptr + OFF_P1
         p4_read = scratch_ptr + OFF_P4
@@ -352,7 +378,7 @@ def k2_kernel(
         p1_read = mine + OFF_P1
         p4_read = mine + OFF_P4
         slot1 = parity * NS1
-        slot4 = parity * NS4
+        slot4 = parity * RANKS
 
     # ------------------------------------------- S1: out_proj^T row blocks x K splits
     RB1: tl.constexpr = (H + BN - 1) // BN
@@ -383,7 +409,7 @@ def k2_kernel(
             if kc == KCH1 - 1:
                 _put_partial(
                     scratch_ptr, peers_ptr, OFF_P1, slot1 + rank * KSPL1 + t // RB1, acc, hr,
-                    rows, rmask[None, :] & (hr[:, None] < H), tag, RANKS, W_P, H, SYS,
+                    rows, rmask[None, :] & (hr[:, None] < H), tag, RANKS, W_P, H, SYS, INTERP,
                 )  # fmt: skip
                 acc = tl.zeros([BN, BB], dtype=tl.float32)
         if PREFETCH:
@@ -413,12 +439,12 @@ def k2_kernel(
             cm = rmask[:, None] & (cols[None, :] < H)
             s1 = _sum_partials(
                 p1_read, slot1, RID_P1, n_rows, cols, tag, ctrl_ptr, health_ptr,
-                NS1, W_P, H, BB, CB,
+                NS1, W_P, H, BB, CB, INTERP,
             )  # fmt: skip
             off = rows[:, None] * H + cols[None, :]
             r = tl.load(res_in_ptr + off, mask=cm, other=0.0).to(tl.float32) + s1
             tl.store(out_r_ptr + off, r.to(tl.bfloat16), mask=cm)
-            mailbox_put(resid_ptr, off, _fp32_bits(r), cm, tag, False)
+            _put(resid_ptr, off, _fp32_bits(r), cm, tag, INTERP)
 
     _stamp(trace_ptr, 2, TRACE)
 
@@ -438,7 +464,7 @@ def k2_kernel(
             m = (rws < n_rows)[:, None] & hmsk[None, :]
             idx = rws[:, None] * H + hh[None, :]
             words, ok = _wait2d(
-                resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP
+                resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP, INTERP
             )
             v = tl.where(m, _words_to_fp32(words), 0.0)
             rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
@@ -480,9 +506,7 @@ def k2_kernel(
                 acc2 = tl.dot(wr, xa, acc2)
                 acc2 = tl.dot(wr, xl, acc2)
             off2 = ks * (BB * E) + rows[None, :] * E + e[:, None]
-            mailbox_put(
-                logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, False
-            )
+            _put(logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, INTERP)
 
     _stamp(trace_ptr, 4, TRACE)
 
@@ -494,7 +518,9 @@ def k2_kernel(
         offs_e = tl.arange(0, EP)
         rr = tl.arange(0, RB)
         cnt = tl.zeros([EP], dtype=tl.int32)
-        # pass 1, RB rows at a time: softmax top-k; pw = renormalised weight or -1
+        # pass 1, RB rows at a time: softmax top-k. pw = renormalised weight, prk = the pick's
+        # rank in its row (0 = largest probability) or -1: pair (row r, rank k) is r*TOPK + k,
+        # so pair rows need no scan over the experts, and every live row has TOPK pairs.
         kr = tl.arange(0, KS2 * RB)
         for r0 in range(0, n_rows, RB):
             rws = r0 + rr
@@ -504,8 +530,9 @@ def k2_kernel(
             lidx = (kr // RB)[:, None] * (BB * E) + lrw[:, None] * E + offs_e[None, :]
             lm = (lrw < n_rows)[:, None] & (offs_e[None, :] < E)
             lwords, lok = _wait2d(
-                logits_ptr + lidx, lm, lidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2 * RB, EP
-            )
+                logits_ptr + lidx, lm, lidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2 * RB, EP,
+                INTERP,
+            )  # fmt: skip
             lg = tl.sum(tl.reshape(_words_to_fp32(lwords), (KS2, RB, EP)), axis=0)
             lg = tl.where(valid, lg, float("-inf"))
             mx = tl.max(lg, axis=1)
@@ -515,63 +542,51 @@ def k2_kernel(
             p = p / tl.where(den > 0.0, den, 1.0)[:, None]
             # Unique int keys: p's fp32 bits (p >= 0: int order = float order) with the low
             # 9 bits replaced by (511 - e). Ties within 2^-14 relative (far below one bf16
-            # step: near ties) go to the lower expert id; exactly top_k experts are picked.
+            # step: near ties) go to the lower expert id. Padding experts get INT32_MIN, below
+            # every real key (a NaN row's too), so a live row always has exactly TOPK picks.
             key = (p.to(tl.int32, bitcast=True) & ~511) | (511 - offs_e[None, :])
-            key = tl.where(valid, key, -1)
+            key = tl.where(valid, key, -2147483648)
             thr = tl.max(key, axis=1)
+            prank = tl.zeros([RB, EP], dtype=tl.int32)
             for _j in tl.static_range(TOPK - 1):
-                thr = tl.max(tl.where(key < thr[:, None], key, -1), axis=1)
+                below = key < thr[:, None]
+                prank += below.to(tl.int32)  # a pick's rank: how many picks beat it
+                thr = tl.max(tl.where(below, key, -2147483648), axis=1)
             sel = valid & (key >= thr[:, None])
             wts = tl.where(sel, p, 0.0)
             if NORM_TOPK:
                 wsum = tl.sum(wts, axis=1)
                 wts = wts / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
-            tl.store(
-                pw_base + rws[:, None] * EP + offs_e[None, :],
-                tl.where(sel, wts, -1.0),
-                mask=(rws < n_rows)[:, None],
-            )
+            pro = rws[:, None] * EP + offs_e[None, :]
+            tl.store(pw_base + pro, wts, mask=(rws < n_rows)[:, None])
+            tl.store(prk_base + pro, tl.where(sel, prank, -1), mask=(rws < n_rows)[:, None])
             cnt += tl.sum(sel.to(tl.int32), axis=0)
         picked = (cnt > 0).to(tl.int32)
         slot_of = tl.cumsum(picked, axis=0) - picked
         n_u = tl.sum(picked, axis=0)
-        base = tl.cumsum(cnt, axis=0) - cnt  # first pair row of expert e
         pk = picked > 0
         tl.store(meta_base + slot_of, offs_e, mask=pk)
         tl.store(meta_base + M_U, n_u)
-        tl.store(meta_base + M_NP, tl.sum(cnt, axis=0))
-        for g in tl.static_range(NG):
-            mg = (pk & ((offs_e % NG) == g)).to(tl.int32)
-            pos = tl.cumsum(mg, axis=0) - mg
-            tl.store(meta_base + M_GL + g * GL + pos, slot_of, mask=mg > 0)
-            n_g = tl.sum(mg, axis=0)
-            if g == GSH:
-                tl.store(meta_base + M_GL + g * GL + n_g, UM)
-                n_g += 1
-            tl.store(meta_base + M_GC + g, n_g)
         tl.store(ppos_base + UM * BB + rows, tl.where(rmask, PM + rows, -1))
-        tl.debug_barrier()  # pw read back by other threads
+        tl.debug_barrier()  # pw / prk read back by other threads
         # pass 2: per (slot, row) routing weight and pair row (rows that did not pick: 0, -1).
-        # Rows past the width get (0, -1) by plain stores; only live rows take the loop
-        # (each of its iterations waits a round trip for pw).
+        # Rows past the width get (0, -1) by plain stores; only live rows take the loop.
         dead = pk[:, None] & (rows >= n_rows)[None, :]
         so_d = slot_of[:, None] * BB + rows[None, :]
         tl.store(wsc_base + so_d, tl.zeros([EP, BB], dtype=tl.float32), mask=dead)
         tl.store(ppos_base + so_d, tl.full([EP, BB], -1, dtype=tl.int32), mask=dead)
-        run = tl.zeros([EP], dtype=tl.int32)
         for r0 in range(0, n_rows, RB):
             rws = r0 + rr
             live = (rws < n_rows)[:, None]
-            pwc = tl.load(pw_base + rws[:, None] * EP + offs_e[None, :], mask=live, other=-1.0)
-            # a picked weight can be NaN (a CUDA-graph padding row whose attention saw no keys
-            # is NaN in vLLM): pass 1 counted that pick, so it must get its pair row here too,
-            # or the down stage waits for a pair no task writes. NaN then stays in that row.
-            si = ((pwc >= 0.0) | (pwc != pwc)).to(tl.int32)
-            pair = base[None, :] + run[None, :] + tl.cumsum(si, axis=0) - si
+            pro = rws[:, None] * EP + offs_e[None, :]
+            pwc = tl.load(pw_base + pro, mask=live, other=0.0)
+            # the rank decides, not the weight: a NaN weight (a CUDA-graph padding row whose
+            # attention saw no keys is NaN in vLLM) is still a pick whose pair must be written
+            rkc = tl.load(prk_base + pro, mask=live, other=-1)
             so = slot_of[None, :] * BB + rws[:, None]
-            tl.store(wsc_base + so, tl.where(si > 0, pwc, 0.0), mask=pk[None, :])
-            tl.store(ppos_base + so, tl.where(si > 0, pair, -1), mask=pk[None, :])
-            run += tl.sum(si, axis=0)
+            mk = pk[None, :] & live
+            tl.store(wsc_base + so, tl.where(rkc >= 0, pwc, 0.0), mask=mk)
+            tl.store(ppos_base + so, tl.where(rkc >= 0, rws[:, None] * TOPK + rkc, -1), mask=mk)
         tl.debug_barrier()  # meta / wsc / ppos are read back by every thread of this CTA
         _stamp(trace_ptr, 5, TRACE)
 
@@ -595,7 +610,8 @@ def k2_kernel(
                 nb3 = tl.where(take, nb_c, nb3)
                 best = tl.where(take, cost, best)
         T3 = nbs3 + n_u * nb3
-        n_it3 = tl.where(pid < T3, (T3 - 1 - pid) // G + 1, 0) * KCH3
+        n_mine3 = tl.where(pid < T3, (T3 - 1 - pid) // G + 1, 0)
+        n_it3 = n_mine3 * KCH3
         kk3 = tl.arange(0, BK3)
         nn3 = tl.arange(0, BN3)
         half = nn3 // BI3  # 0: gate row, 1: up row
@@ -611,6 +627,26 @@ def k2_kernel(
             mask=(tv >= nbs3) & (tv < T3),
             other=0,
         )
+        if PF3:  # noqa: SIM102 (constexpr, then a per-CTA condition)
+            # The CTAs with one task more than the rest end the stage: their last tile goes
+            # into L2 now, so HBM streams it while they work on the first (idle SMs' share
+            # of the bandwidth serves the busy ones).
+            if n_mine3 > T3 // G:
+                tl_ = pid + (n_mine3 - 1) * G
+                sh_ = tl_ < nbs3
+                ex_ = tl.sum(tl.where(jv == n_mine3 - 1, ex_v, 0), axis=0)
+                wb_ = tl.where(sh_, sgu_ptr, w13_ptr + ex_.to(tl.int64) * (2 * IR * H))
+                isl_ = tl.where(sh_, ISR, IR)
+                ib_ = tl.where(sh_, tl_, (tl_ - nbs3) % nb3)
+                nrow_ = tl.minimum(L3, isl_ - ib_ * L3)
+                q = tl.arange(0, 8)  # gate block, then up block, each in 4 pieces
+                pc = (nrow_ + 3) // 4
+                r_lo = tl.minimum((q % 4) * pc, nrow_)
+                r_hi = tl.minimum(r_lo + pc, nrow_)
+                row0 = (q // 4) * isl_ + ib_ * L3 + r_lo
+                nbp = (r_hi - r_lo) * H * 2
+                _prefetch_l2((wb_ + row0.to(tl.int64) * H).to(tl.pointer_type(tl.int8)), nbp,
+                             (nbp > 0) & (nbp % 16 == 0))  # fmt: skip
         # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
         for it in tl.range(0, n_it3, num_stages=PIPE3):
             j = it // KCH3
@@ -648,120 +684,152 @@ def k2_kernel(
                 hi_b = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
                 cl = tl.arange(0, BI3 // 2)
                 c2 = ib * (L3 // 2) + cl
-                off3 = pr3[None, :] * IW + c2[:, None]
+                # activation rows by (slot, row): the down stage reads a slot's rows at an
+                # address it computes, with no lookup
+                off3 = (slot * BB + rows)[None, :] * IW + c2[:, None]
                 am3 = (pr3[None, :] >= 0) & ((cl < L3 // 2) & (c2 < tl.where(sh, IWS, IWR)))[
                     :, None
                 ]
-                mailbox_put(act_ptr, off3, hi_b | lo_b, am3, tag, False)
+                _put(act_ptr, off3, hi_b | lo_b, am3, tag, INTERP)
                 acc3 = tl.zeros([BN3, BB], dtype=tl.float32)
 
     _stamp(trace_ptr, 6, TRACE)
 
-    # ---------------------------------------- S4: down^T (H block, expert group) tasks
+    # ------------------------------------- S4: down^T over (slot, H block) tasks -> pairs
+    # Task t = slot ordinal * RB4 + H block over the routed slots then the shared expert;
+    # each CTA takes a contiguous run of tasks (balanced to one task at any width; a run
+    # touches at most JS slots) and writes one fp32 partial per (pair, H row). The sum over
+    # a row's pairs happens in S4 reduce in a fixed order (rank 0..TOPK-1, then shared), so
+    # a row's output depends on its own picks only (batch invariance).
     RB4: tl.constexpr = (H + BN4 - 1) // BN4
-    T4: tl.constexpr = RB4 * NG
     IMAX: tl.constexpr = IR if IR > ISR else ISR
     KCH4: tl.constexpr = (IMAX + BI4 - 1) // BI4
     if STAGES & 16:
-        n_p4 = tl.load(meta_base + M_NP)
+        n_u4 = tl.load(meta_base + M_U)
+        T4 = (n_u4 + 1) * RB4
+        t0 = pid * T4 // G
+        t1 = (pid + 1) * T4 // G
+        s0 = t0 // RB4
+        js = tl.arange(0, JS)
+        sj = s0 + js  # slot ordinals of this run (n_u4: the shared expert)
+        s_live = (t1 > t0) & (sj * RB4 < t1) & (sj <= n_u4)
+        s_tab = tl.where(sj == n_u4, UM, tl.minimum(sj, UM - 1))  # row of wsc / ppos / act
+        ex_j = tl.load(meta_base + tl.minimum(sj, UM - 1), mask=s_live & (sj < n_u4), other=0)
+        pp_j = tl.load(ppos_base + s_tab[:, None] * BB + rows[None, :], mask=s_live[:, None],
+                       other=-1)  # fmt: skip
+        if PREFETCH:
+            # this run's down rows (contiguous within each slot's plane), into L2 while the
+            # activations are still being written
+            h_lo = tl.maximum(t0 - sj * RB4, 0) * BN4
+            h_hi = tl.minimum(tl.minimum(t1 - sj * RB4, RB4) * BN4, H)
+            sh_j = sj == n_u4
+            isl_j = tl.where(sh_j, ISR, IR)
+            base_j = tl.where(sh_j, sdown_ptr, w2_ptr + ex_j.to(tl.int64) * (H * IR))
+            nb_j = (h_hi - h_lo) * isl_j * 2
+            _prefetch_l2((base_j + h_lo.to(tl.int64) * isl_j).to(tl.pointer_type(tl.int8)),
+                         nb_j, s_live & (nb_j > 0) & (nb_j % 16 == 0))  # fmt: skip
+        # the activation rows this run reads: one bounded wait per ACH of (slot, row)
+        fc = tl.arange(0, ACH)
+        cwa = tl.arange(0, IWP)
+        for f0 in range(0, JS * BB, ACH):
+            fl = f0 + fc
+            fsl = s0 + fl // BB
+            f_live = (t1 > t0) & (fsl * RB4 < t1) & (fsl <= n_u4)
+            f_tab = tl.where(fsl == n_u4, UM, tl.minimum(fsl, UM - 1))
+            f_pp = tl.load(ppos_base + f_tab * BB + fl % BB, mask=f_live, other=-1)
+            aidx = (f_tab * BB + fl % BB)[:, None] * IW + cwa[None, :]
+            f_w = tl.where(fsl == n_u4, IWS, IWR)
+            am4 = (f_live & (f_pp >= 0))[:, None] & (cwa[None, :] < f_w[:, None])
+            _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, ACH, IWP,
+                    INTERP)  # fmt: skip
+        _stamp(trace_ptr, 7, TRACE)
         cw = tl.arange(0, BI4 // 2)
         ci = tl.arange(0, BI4)
-        if PREFETCH:
-            # this CTA's down planes, pulled into L2 while other CTAs finish gate_up
-            gl = tl.arange(0, GLP)
-            for tp in range(pid, T4, G):
-                pg = tp // RB4
-                hb = tp % RB4
-                png = tl.load(meta_base + M_GC + pg)
-                ps = tl.load(meta_base + M_GL + pg * GL + gl, mask=gl < png, other=0)
-                pex = tl.load(meta_base + tl.minimum(ps, UM - 1))
-                pshs = ps == UM
-                base_w = tl.where(
-                    pshs,
-                    sdown_ptr + hb * BN4 * ISR,
-                    w2_ptr + pex.to(tl.int64) * (H * IR) + hb * BN4 * IR,
-                )
-                nb = tl.where(pshs, ISR, IR) * 2 * tl.minimum(BN4, H - hb * BN4)
-                _prefetch_l2(base_w.to(tl.pointer_type(tl.int8)), nb, (gl < png) & (nb % 16 == 0))
-        if pid < T4:
-            # every activation row this CTA reads: one bounded wait per chunk of pair rows
-            pr = tl.arange(0, PCH)
-            cwa = tl.arange(0, IWP)
-            for p0 in range(0, n_p4, PCH):
-                pp = p0 + pr
-                aidx = pp[:, None] * IW + cwa[None, :]
-                am4 = (pp[:, None] < n_p4) & (cwa[None, :] < IWR)
-                _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, PCH, IWP)
-            aidx = (PM + rows)[:, None] * IW + cwa[None, :]
-            am4 = rmask[:, None] & (cwa[None, :] < IWS)
-            _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, BB, IWP)
-        _stamp(trace_ptr, 7, TRACE)
-        for t in range(pid, T4, G):
-            grp = t // RB4
-            hr = (t % RB4) * BN4 + tl.arange(0, BN4)
+        nn4 = tl.arange(0, BN4)
+        acc4 = tl.zeros([BN4, BB], dtype=tl.float32)
+        # one flat pipelined loop over (task, I chunk); the expert comes out of registers
+        # (JS entries) and every address is arithmetic: nothing loaded feeds an address
+        for it in tl.range(0, (t1 - t0) * KCH4, num_stages=PIPE4):
+            tt = t0 + it // KCH4
+            ic = it % KCH4
+            sj4 = tt // RB4
+            hr = (tt - sj4 * RB4) * BN4 + nn4
             hm = hr < H
-            n_g4 = tl.load(meta_base + M_GC + grp)
-            n_it4 = n_g4 * KCH4
-            glb = meta_base + M_GL + grp * GL
-            acc4 = tl.zeros([BN4, BB], dtype=tl.float32)
-            # this group's slots, experts and pair rows, held in registers (see S3: no load
-            # inside the pipelined loop may feed another load's address)
-            gl4 = tl.arange(0, GLP)
-            if NG == 1:
-                s_v = tl.where(gl4 < n_g4 - 1, gl4, UM)  # one group: every slot, then shared
-            else:
-                s_v = tl.load(glb + gl4, mask=gl4 < n_g4, other=UM)
-            ex_v4 = tl.load(meta_base + tl.minimum(s_v, UM - 1))
-            pr_v = tl.load(ppos_base + s_v[:, None] * BB + rows[None, :])
-            # the activations were waited for above: plain (L2) loads the pipeliner can issue
-            # PIPE4 chunks ahead, with the down-plane chunks
-            for it in tl.range(0, n_it4, num_stages=PIPE4):
-                jj = it // KCH4
-                ic = it - jj * KCH4
-                pick = gl4 == jj
-                sh4 = tl.sum(tl.where(pick, s_v, 0), axis=0) == UM
-                ex4 = tl.sum(tl.where(pick, ex_v4, 0), axis=0)
-                pr4 = tl.sum(tl.where(pick[:, None], pr_v, 0), axis=0)
-                wb4 = tl.where(sh4, sdown_ptr, w2_ptr + ex4.to(tl.int64) * (H * IR))
-                isl4 = IR if IR == ISR else tl.where(sh4, ISR, IR)
-                c4 = ic * BI4 + ci
-                cw4 = ic * (BI4 // 2) + cw
-                w4 = tl.load(
-                    wb4 + hr[:, None] * isl4 + c4[None, :],
-                    mask=hm[:, None] & (c4[None, :] < isl4),
-                    other=0.0,
-                )
-                a4 = tl.load(
-                    act_ptr + pr4[None, :] * IW + cw4[:, None],
-                    mask=(pr4[None, :] >= 0) & (cw4[:, None] < (isl4 + 1) // 2),
-                    other=0,
-                    cache_modifier=".cg",
-                )
-                v4 = unpack_value(a4)  # [BI4 / 2, BB] bf16 pairs along I
-                lo4 = (v4 << 16).to(tl.float32, bitcast=True)
-                hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
-                a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
-                acc4 = tl.dot(w4, a_m.to(tl.bfloat16), acc4)
-            _put_partial(
-                scratch_ptr, peers_ptr, OFF_P4, slot4 + rank * NG + grp, acc4, hr, rows,
-                rmask[None, :] & hm[:, None], tag, RANKS, W_P, H, SYS,
-            )  # fmt: skip
+            sh4 = sj4 == n_u4
+            ex4 = tl.sum(tl.where(js == sj4 - s0, ex_j, 0), axis=0)
+            wb4 = tl.where(sh4, sdown_ptr, w2_ptr + ex4.to(tl.int64) * (H * IR))
+            isl4 = IR if IR == ISR else tl.where(sh4, ISR, IR)
+            c4 = ic * BI4 + ci
+            cw4 = ic * (BI4 // 2) + cw
+            w4 = tl.load(
+                wb4 + hr[:, None] * isl4 + c4[None, :],
+                mask=hm[:, None] & (c4[None, :] < isl4),
+                other=0.0,
+            )
+            # all live rows of the slot: a row that did not pick it reads a stale word, but
+            # MMA columns are independent and that column is never stored
+            s_act = tl.where(sh4, UM, sj4)
+            a4 = tl.load(
+                act_ptr + (s_act * BB + rows)[None, :] * IW + cw4[:, None],
+                mask=rmask[None, :] & (cw4[:, None] < (isl4 + 1) // 2),
+                other=0,
+                cache_modifier=".cg",
+            )
+            v4 = unpack_value(a4)  # [BI4 / 2, BB] bf16 pairs along I
+            lo4 = (v4 << 16).to(tl.float32, bitcast=True)
+            hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
+            a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
+            acc4 = tl.dot(w4, a_m.to(tl.bfloat16), acc4)
+            if ic == KCH4 - 1:
+                ppr = tl.sum(tl.where((js == sj4 - s0)[:, None], pp_j, 0), axis=0)  # [BB]
+                _put(p4l_ptr, ppr[None, :] * H + hr[:, None], _fp32_bits(acc4),
+                     (ppr >= 0)[None, :] & hm[:, None], tag, INTERP)  # fmt: skip
+                acc4 = tl.zeros([BN4, BB], dtype=tl.float32)
 
     _stamp(trace_ptr, 8, TRACE)
 
-    # ------------------------------ S4 reduce: MoE partials (all ranks, groups) -> out
+    # ------------------- S4 reduce: each row's pairs in rank order, then its shared pair
+    NPW: tl.constexpr = PM + BB  # pair rows: routed (row, rank) then shared (row)
     if STAGES & 32:
+        pw_i = tl.arange(0, NPP)
+        pw_live = (pw_i < n_rows * TOPK) | ((pw_i >= PM) & (pw_i < PM + n_rows))
+        for t in range(pid, TR, G):
+            cols = t * CB + tl.arange(0, CB)
+            colm = cols < H
+            widx = pw_i[:, None] * H + cols[None, :]
+            _wait2d(p4l_ptr + widx, (pw_live & (pw_i < NPW))[:, None] & colm[None, :], widx,
+                    tag, ctrl_ptr, health_ptr, RID_P4L, NPP, CB, INTERP)  # fmt: skip
+            cm = rmask[:, None] & colm[None, :]
+            acc5 = tl.zeros([BB, CB], dtype=tl.float32)
+            for k in tl.static_range(TOPK):
+                w5 = tl.load(p4l_ptr + (rows * TOPK + k)[:, None] * H + cols[None, :], mask=cm,
+                             other=0, cache_modifier=".cg")  # fmt: skip
+                acc5 += _words_to_fp32(w5)
+            w5 = tl.load(p4l_ptr + (PM + rows)[:, None] * H + cols[None, :], mask=cm, other=0,
+                         cache_modifier=".cg")  # fmt: skip
+            acc5 += _words_to_fp32(w5)
+            off = rows[:, None] * H + cols[None, :]
+            if RANKS == 1:
+                tl.store(out_h_ptr + off, acc5.to(tl.bfloat16), mask=cm)
+            else:
+                _put_partial(
+                    scratch_ptr, peers_ptr, OFF_P4, slot4 + rank, tl.trans(acc5), cols, rows,
+                    rmask[None, :] & colm[:, None], tag, RANKS, W_P, H, SYS, INTERP,
+                )  # fmt: skip
+
+    _stamp(trace_ptr, 9, TRACE)
+
+    # --------------------------- S4 ranks (TP > 1): every rank's MoE sums, in rank order
+    if (RANKS > 1) and (STAGES & 64):
         for t in range(pid, TR, G):
             cols = t * CB + tl.arange(0, CB)
             cm = rmask[:, None] & (cols[None, :] < H)
             s4 = _sum_partials(
                 p4_read, slot4, RID_P4, n_rows, cols, tag, ctrl_ptr, health_ptr,
-                NS4, W_P, H, BB, CB,
+                RANKS, W_P, H, BB, CB, INTERP,
             )  # fmt: skip
             off = rows[:, None] * H + cols[None, :]
             tl.store(out_h_ptr + off, s4.to(tl.bfloat16), mask=cm)
-
-    _stamp(trace_ptr, 9, TRACE)
 
 
 # ------------------------------------------------------------------------------- host side
@@ -792,26 +860,24 @@ class K2Config:
 
     Every GEMV is ``W [bn, K] @ x^T [K, Bb]``: weight rows are the MMA's M (64 rows over 4
     warps: wgmma-sized, no warp re-reads another's weights), the rows of the batch its N.
-    ``kspl1`` / ``ng`` (None: from the grid) split out_proj's K and the experts into groups
-    so that both stages have about ``grid`` tasks; their partials are summed in a fixed
-    order by the next stage.
+    ``kspl1`` (None: from the grid) splits out_proj's K so that S1 has about ``grid`` tasks;
+    its partials are summed in a fixed order by the next stage.
     """
 
     grid: int
     num_warps: int = 4
     bn: int = 64  # weight rows per MMA tile (out_proj, router)
     bn3: int = 64  # gate_up rows per task (half gate, half up): smaller = finer balance
-    bn4: int = 64  # down: H rows per task (with ng expert groups per H block)
+    bn4: int = 64  # down: H rows per (slot, H block) task
     bk1: int = 256  # out_proj K chunk
     kspl1: int | None = None  # out_proj K splits (power of two)
     ks2: int = 8  # router K splits (partial logits summed in order by every CTA)
     bk2: int = 256
     bk3: int = 256  # gate_up K chunk
     bi4: int = 256  # down I chunk
-    ng: int | None = None  # expert groups of the down projection (power of two)
     cb: int = 16  # columns per reduce task
     rb: int = 1  # rows per top-k wait (each covers every K split of the logits)
-    pch: int = 8  # activation pair rows per wait
+    ach: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
     rn: int = 1  # rows per norm wait (each wait covers all of H)
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
     ns1: int = 4  # weight chunks in flight (Triton pipeline stages): out_proj
@@ -820,52 +886,51 @@ class K2Config:
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
     bal3: bool = False  # gate_up tile height picked per step (measured slower: off)
     task_rows: int = 4  # what one more gate_up task costs, in rows, when picking its height
+    pf3: bool = True  # the CTAs with an extra gate_up task pull it into L2 first
 
-    def splits(self, shape: K2Shape) -> tuple[int, int]:
-        """(kspl1, ng) for this shape: about one task per CTA in S1 and S4."""
-
-        def per_block(rows: int) -> int:
-            blocks = -(-shape.hidden // rows)
-            return 1 << max(0, (max(1, self.grid // blocks)).bit_length() - 1)
-
-        kspl1 = self.kspl1 or min(
-            per_block(self.bn), max(1, _next_pow2(-(-shape.in_dim // self.bk1)))
-        )
-        ng = self.ng or min(per_block(self.bn4), 8)
-        for name, v in (("kspl1", kspl1), ("ng", ng), ("bn3", self.bn3), ("bn4", self.bn4)):
+    def splits(self, shape: K2Shape) -> int:
+        """out_proj's K splits for this shape: about one S1 task per CTA."""
+        blocks = -(-shape.hidden // self.bn)
+        per_block = 1 << max(0, (max(1, self.grid // blocks)).bit_length() - 1)
+        kspl1 = self.kspl1 or min(per_block, max(1, _next_pow2(-(-shape.in_dim // self.bk1))))
+        for name, v in (("kspl1", kspl1), ("bn3", self.bn3), ("bn4", self.bn4)):
             if v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
-        return kspl1, ng
+        return kspl1
 
 
 def k2_program(shape: K2Shape, config: K2Config) -> Program:
     """K2's regions and stages (checked by ``runtime.layout.check_handoffs`` at build).
 
-    At TP1 the out_proj and MoE partials are local regions; at TP > 1 they are peer regions
-    (every rank pushes its partials into its slot on every rank: the all-reduce is the sum
-    the next stage takes over ranks and splits).
+    ``act`` holds one activation row per (slot, row), ``p4l`` one down partial per (pair, H
+    row): pairs are (row, pick rank) then the shared expert's (row). At TP1 the out_proj
+    partials are local and the pair sum is the output; at TP > 1 ``p1`` and ``p4`` are peer
+    regions (every rank pushes into its slot on every rank: the all-reduce is the sum the
+    next stage takes over ranks, in rank order).
     """
     h, bb = shape.hidden, BLOCK_B
-    kspl1, ng = config.splits(shape)
+    kspl1 = config.splits(shape)
     peer = shape.tp > 1
-    regions = (
+    regions = [
         Region("p1", kspl1 * bb * h, peer=peer),
         Region("resid", bb * h),
         Region("logits", config.ks2 * bb * shape.experts),
-        Region("act", (shape.pairs + bb) * shape.act_words),
-        Region("p4", ng * bb * h, peer=peer),
-    )
-    put1 = push("p1") if peer else write("p1")
-    put4 = push("p4") if peer else write("p4")
-    stages = (
-        Stage("out_proj", [put1]),
+        Region("act", (shape.slots + 1) * bb * shape.act_words),
+        Region("p4l", (shape.pairs + bb) * h),
+    ]
+    stages = [
+        Stage("out_proj", [push("p1") if peer else write("p1")]),
         Stage("residual", [wait("p1"), write("resid")]),
         Stage("norm_router", [wait("resid"), write("logits")]),
         Stage("topk_gate_up", [wait("logits"), write("act")]),
-        Stage("down", [wait("act"), put4]),
-        Stage("moe_out", [wait("p4")]),
-    )
-    return Program("k2", regions, stages)
+        Stage("down", [wait("act"), write("p4l")]),
+    ]
+    if peer:
+        regions.append(Region("p4", bb * h, peer=True))
+        stages += [Stage("moe_sum", [wait("p4l"), push("p4")]), Stage("moe_out", [wait("p4")])]
+    else:
+        stages.append(Stage("moe_out", [wait("p4l")]))
+    return Program("k2", tuple(regions), tuple(stages))
 
 
 @dataclass
@@ -875,14 +940,19 @@ class K2Workspace:
     scratch: Any  # int64 [scratch_words]
     xs: Any  # bf16 [G, 2, Bb, H]
     pw: Any  # fp32 [G, Bb, EP]
+    prk: Any  # int32 [G, Bb, EP]
     wsc: Any  # fp32 [G, Um + 1, Bb]
     ppos: Any  # int32 [G, Um + 1, Bb]
-    meta: Any  # int32 [G, Um + 2]
+    meta: Any  # int32 [G, Um + 1]
     trace: Any = None  # int64 [G, 16] (``trace`` builds only)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _interp() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 _WEIGHT_KEYS = (
@@ -929,7 +999,7 @@ class K2Launch:
         for name in ("bn3", "bn4"):
             if not 16 <= getattr(c, name) <= 64:
                 raise ValueError(f"{name}={getattr(c, name)} must be 16, 32 or 64 (MMA rows)")
-        self.kspl1, self.ng = c.splits(self.shape)
+        self.kspl1 = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
 
     # -- sizes ---------------------------------------------------------------------------
@@ -947,8 +1017,7 @@ class K2Launch:
 
     @property
     def meta_words(self) -> int:
-        um = self.shape.slots
-        return um + 2 + self.ng + self.ng * (um + 1)
+        return self.shape.slots + 1
 
     def workspace(self, device: Any) -> K2Workspace:
         import torch
@@ -960,6 +1029,7 @@ class K2Launch:
             ),
             xs=torch.zeros(g, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
             pw=torch.zeros(g, BLOCK_B, _next_pow2(s.experts), dtype=torch.float32, device=device),
+            prk=torch.zeros(g, BLOCK_B, _next_pow2(s.experts), dtype=torch.int32, device=device),
             wsc=torch.zeros(g, s.slots + 1, BLOCK_B, dtype=torch.float32, device=device),
             ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),
             meta=torch.zeros(g, self.meta_words, dtype=torch.int32, device=device),
@@ -975,6 +1045,14 @@ class K2Launch:
         bi3 = c.bn3 // 2
         low = max(2, bi3 // 2) if c.bal3 else bi3
         return -(-s.shared_inter // low) + s.slots * -(-s.moe_inter // low)
+
+    def _run_slots(self) -> int:
+        """Slots one CTA's run of down tasks can touch (power of two): a run of at most
+        ceil(tasks / grid) tasks, ``H / bn4`` tasks per slot, may start inside a slot."""
+        s, c = self.shape, self.config
+        rb4 = -(-s.hidden // c.bn4)
+        run = -(-((s.slots + 1) * rb4) // c.grid)
+        return _next_pow2(-(-run // rb4) + 1)
 
     def _constexprs(self) -> dict:
         s, c, lay = self.shape, self.config, self.layout
@@ -992,12 +1070,14 @@ class K2Launch:
             OFF_RESID=lay.offsets["resid"],
             OFF_LOGITS=lay.offsets["logits"],
             OFF_ACT=lay.offsets["act"],
-            OFF_P4=lay.offsets["p4"],
+            OFF_P4L=lay.offsets["p4l"],
+            OFF_P4=lay.offsets.get("p4", 0),
             RID_P1=rid["p1"],
             RID_RESID=rid["resid"],
             RID_LOGITS=rid["logits"],
             RID_ACT=rid["act"],
-            RID_P4=rid["p4"],
+            RID_P4L=rid["p4l"],
+            RID_P4=rid.get("p4", 0),
             RANKS=s.tp,
             SYS=self.sys_scope,
             BB=BLOCK_B,
@@ -1010,15 +1090,15 @@ class K2Launch:
             BK2=min(c.bk2, max(16, _next_pow2(-(-s.hidden // c.ks2)))),
             BK3=min(c.bk3, max(16, _next_pow2(s.hidden))),
             BI4=min(c.bi4, max(32, _next_pow2(max(s.moe_inter, s.shared_inter)))),
-            NG=self.ng,
+            JS=self._run_slots(),
+            ACH=min(c.ach, self._run_slots() * BLOCK_B),
             CB=c.cb,
             RB=c.rb,
-            PCH=c.pch,
             RN=c.rn,
             HP=_next_pow2(s.hidden),
-            PREFETCH=c.prefetch,
+            PREFETCH=c.prefetch and not _interp(),
             GATED=self.gated,
-            GLPOW=_next_pow2(s.slots + 1),
+            NPP=_next_pow2(s.pairs + BLOCK_B),
             IWPOW=_next_pow2(s.act_words),
             STAGES=self.stages,
             PIPE1=c.ns1,
@@ -1028,6 +1108,8 @@ class K2Launch:
             TRACE=c.trace,
             BAL3=c.bal3,
             TASK_ROWS=c.task_rows,
+            PF3=c.pf3 and not _interp(),
+            INTERP=_interp(),
             num_warps=c.num_warps,
             num_stages=1,
         )
@@ -1053,6 +1135,7 @@ class K2Launch:
             ws.scratch,
             ws.xs,
             ws.pw,
+            ws.prk,
             ws.wsc,
             ws.ppos,
             ws.meta,
@@ -1102,22 +1185,33 @@ class K2Launch:
         )
         from mono_ext.runtime.peers import RankState
 
-        check_unspecialized(k2_kernel, PER_STEP_ARGS)
         s = self.shape
         dev = torch.device(device)
+        if _interp():
+            # the CPU interpreter (tests without a GPU): nothing to compile, one stage per
+            # launch, so nothing spins and residency does not apply; TP1 only (virtual ranks
+            # would have to interleave their stages)
+            if s.tp > 1:
+                raise ValueError(f"{self.label()}: the interpreter path runs TP1 only")
+            self.resources = None
+            self._compiled = "interpreter"
+            return
+        check_unspecialized(k2_kernel, PER_STEP_ARGS)
         bf = dict(dtype=torch.bfloat16, device=dev)
         # Tiny stand-ins: warmup compiles for dtypes and alignment, it launches nothing.
         one = torch.zeros(16, **bf)
         weights = {k: one for k in _WEIGHT_KEYS}
         weights["out_proj"] = weights["o_proj"] = one
+        f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
         ws = K2Workspace(
-            torch.zeros(16, dtype=torch.int64, device=dev),
-            one,
-            torch.zeros(16, dtype=torch.float32, device=dev),
-            torch.zeros(16, dtype=torch.float32, device=dev),
-            torch.zeros(16, dtype=torch.int32, device=dev),
-            torch.zeros(16, dtype=torch.int32, device=dev),
-            torch.zeros(16, dtype=torch.int64, device=dev) if self.config.trace else None,
+            scratch=torch.zeros(16, dtype=torch.int64, device=dev),
+            xs=one,
+            pw=torch.zeros(16, **f32),
+            prk=torch.zeros(16, **i32),
+            wsc=torch.zeros(16, **f32),
+            ppos=torch.zeros(16, **i32),
+            meta=torch.zeros(16, **i32),
+            trace=torch.zeros(16, dtype=torch.int64, device=dev) if self.config.trace else None,
         )
         st = RankState.create(0, dev, 1.0)
         peers = torch.zeros(max(s.tp, 2), dtype=torch.int64, device=dev) if s.tp > 1 else None
@@ -1160,7 +1254,13 @@ class K2Launch:
             raise ValueError(f"{self.label()}: TP {self.shape.tp} needs the peer table")
         args = self._args(o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health,
                           peers, n_rows, layer, layers_per_step, gate)  # fmt: skip
-        k2_kernel[(self.config.grid,)](*args, **self._constexprs())
+        cx = self._constexprs()
+        if cx["INTERP"]:  # one stage per launch: every hand-off is written before it is read
+            for st in STAGE_ORDER:
+                if st & self.stages:
+                    k2_kernel[(self.config.grid,)](*args, **{**cx, "STAGES": st})
+        else:
+            k2_kernel[(self.config.grid,)](*args, **cx)
 
 
 def shard_tail_weights(weights: dict, tp: int, rank: int) -> dict:

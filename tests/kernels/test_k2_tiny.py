@@ -1,0 +1,122 @@
+"""K2 at the tiny test presets' shapes against the fp32 reference: on a CUDA device the real
+persistent launch; without one, ``TRITON_INTERPRET=1`` (with Triton installed) runs the same
+kernel through Triton's CPU interpreter one stage per launch, so K2's routing, pair and
+reduce logic is checked on machines without a GPU. Otherwise the module skips.
+
+Presets cover the shape cases the 80B test (tests/kernels/test_k2.py) cannot: hidden and
+intermediate sizes that are not powers of two, fewer experts than a 16-row step picks
+(every slot in the union), top-k 2 and 3, with and without renormalised weights, the
+shared expert wider and narrower than a routed one. Fresh random inputs each check,
+outputs poisoned (NaN) before each run, never zeros as data.
+"""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not torch.cuda.is_available() and not INTERP:
+    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from mono_ext.core.numerics import CheckTracker  # noqa: E402
+from mono_ext.kernels.triton.k2 import BLOCK_B, K2Config, K2Launch, K2Shape  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
+from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
+from mono_ext.reference.common import ModelDims  # noqa: E402
+from mono_ext.reference.tail import layer_tail  # noqa: E402
+from mono_ext.runtime.health import decode_health  # noqa: E402
+from mono_ext.runtime.peers import RankState  # noqa: E402
+
+DEV = "cpu" if INTERP else "cuda"
+PRESETS = ["qwen3-next-tiny", "qwen3-next-tiny-b", "qwen3.5-moe-tiny"]
+WIDTHS = [1, 3, 16] if INTERP else list(range(1, BLOCK_B + 1))
+GRID = 8  # more CTAs than some stages have tasks: idle CTAs must not break a hand-off
+
+
+class TinyTail:
+    """One TP1 K2 build for a preset, its weights (random, O(1) activations) and buffers."""
+
+    def __init__(self, preset: str, seed: int):
+        cfg = text_config(get_preset(preset))
+        self.dims = Dims.from_config(cfg, tp=1)
+        self.rdims = ModelDims.from_config(get_preset(preset))
+        self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRID))
+        self.k2.build(DEV)
+        self.ws = self.k2.workspace(DEV)
+        self.state = RankState.create(0, torch.device(DEV), 2.0)
+        d = self.dims
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        h, e, i, s, k_in = d.hidden, d.experts, d.moe_inter, d.shared_inter, d.hv * d.dv
+
+        def r(*shape, scale):
+            return (torch.randn(*shape, generator=g, device=DEV) * scale).to(torch.bfloat16)
+
+        self.w = {
+            "out_proj": r(h, k_in, scale=k_in**-0.5),
+            "post_attention_layernorm": r(h, scale=0.1),
+            "router": r(e, h, scale=3 * h**-0.5),  # decisive routing: few near ties
+            "w13": r(e, 2 * i, h, scale=h**-0.5),
+            "w2": r(e, h, i, scale=i**-0.5),
+            "shared_gate_up": r(2 * s, h, scale=h**-0.5),
+            "shared_down": r(h, s, scale=s**-0.5),
+            "shared_expert_gate": r(1, h, scale=h**-0.5),
+        }
+        self.k_in = k_in
+
+    def inputs(self, b: int, gen: torch.Generator):
+        o = torch.randn(b, self.k_in, generator=gen, device=DEV).to(torch.bfloat16)
+        res = torch.randn(b, self.dims.hidden, generator=gen, device=DEV).to(torch.bfloat16)
+        return o, res
+
+    def run(self, o_in, res):
+        b, h = o_in.shape[0], self.dims.hidden
+        out_h = torch.full((b, h), float("nan"), dtype=torch.bfloat16, device=DEV)
+        out_r = torch.full((b, h), float("nan"), dtype=torch.bfloat16, device=DEV)
+        self.state.bump_epoch()
+        self.k2.launch(o_in, res, self.w, out_h, out_r, ws=self.ws, ctrl=self.state.ctrl,
+                       health=self.state.health)  # fmt: skip
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        health = decode_health(self.state.health.cpu().tolist(), rank=0)
+        assert health.ok, health.describe(self.k2.layout.describe)
+        return out_h, out_r
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def tiny(request):
+    return TinyTail(request.param, seed=5)
+
+
+def test_k2_tiny_matches_reference(tiny):
+    tracker = CheckTracker(Qwen3NextSpec.NUMERICS)
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    for b in WIDTHS:
+        o_in, res = tiny.inputs(b, gen)
+        out_h, out_r = tiny.run(o_in, res)
+        assert not torch.isnan(out_h).any() and not torch.isnan(out_r).any(), "unwritten output"
+        ref = layer_tail(o_in, res, tiny.w, tiny.rdims)
+        tracker.check("k2", "hidden", out_h, ref.hidden_out, skip_rows=ref.near_tie, where=f"w{b}")
+        tracker.check("k2", "residual", out_r, ref.residual_out, where=f"w{b}")
+    print(f"\n{tracker.summary()}")
+    assert not tracker.problems(), tracker.problems()
+
+
+def test_k2_tiny_batch_invariance_and_non_finite_row(tiny):
+    """A row's output is bit-identical alone and in any batch, and a NaN row (vLLM's padding
+    rows can be) keeps its NaN to itself while every hand-off of the launch completes."""
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    o_all, r_all = tiny.inputs(BLOCK_B, gen)
+    h16, r16 = tiny.run(o_all, r_all)
+    for rows in ([0], [5, 2], [15, 3, 9, 0]):
+        h, r = tiny.run(o_all[rows], r_all[rows])
+        for j, i in enumerate(rows):
+            assert torch.equal(h[j], h16[i]) and torch.equal(r[j], r16[i]), f"row {i} at {j}"
+    o_bad = o_all[:4].clone()
+    o_bad[1] = float("nan")
+    h, r = tiny.run(o_bad, r_all[:4])
+    for j in (0, 2, 3):
+        assert torch.equal(h[j], h16[j]) and torch.equal(r[j], r16[j]), f"row {j} beside NaN"
+    assert torch.isnan(h[1]).any()
