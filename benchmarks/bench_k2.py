@@ -64,7 +64,7 @@ DENSE = (
 # name -> K2Config overrides (grid is set from the device)
 VARIANTS = {
     "k2": {},
-    "k2 no-pf3": {"pf3": False},
+    "k2 pf3": {"pf3": True},
     "k2 bn4=32": {"bn4": 32},
     "k2 bal3": {"bal3": True},
     "k2 no-prefetch": {"prefetch": False},

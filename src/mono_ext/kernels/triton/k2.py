@@ -886,7 +886,7 @@ class K2Config:
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
     bal3: bool = False  # gate_up tile height picked per step (measured slower: off)
     task_rows: int = 4  # what one more gate_up task costs, in rows, when picking its height
-    pf3: bool = True  # the CTAs with an extra gate_up task pull it into L2 first
+    pf3: bool = False  # CTAs with an extra gate_up task pull it into L2 first (slower: off)
 
     def splits(self, shape: K2Shape) -> int:
         """out_proj's K splits for this shape: about one S1 task per CTA."""
