@@ -1060,8 +1060,143 @@ def _workspace(words: int, grid: int, hidden: int, device: Any) -> K1Workspace:
     )
 
 
+def _step_args(residual, ws, ctrl, health, n_rows, layer, layers_per_step) -> tuple:
+    """The arguments both kernels take after their tensors (scratch .. has_res), in order."""
+    return (ws.scratch, ws.xs, ctrl, health, n_rows, layer, layers_per_step,
+            0 if residual is None else 1)  # fmt: skip
+
+
+class _K1LaunchBase:
+    """What :class:`K1GdnLaunch` and :class:`K1AttnLaunch` share: refusals, S1 tiling and the
+    common constexprs, tensor checks, the build (compile + load + residency check) and the
+    launch (S1 and S2 as two launches in the interpreter with more than one program).
+
+    Subclasses are dataclasses with the fields ``shape``, ``config``, ``co_resident``,
+    ``stages``, ``layout``, ``resources`` and ``_built``; they set ``_KIND`` (refusals),
+    ``_KERNEL`` and ``_PROGRAM`` and implement ``label``, ``check``, ``_args``,
+    ``_refusals``, ``_proj_rows``, ``_kind_constexprs`` and ``_warmup_args``.
+    """
+
+    _KIND = ""
+    _KERNEL: Any = None
+    _PROGRAM: Any = None
+
+    def __post_init__(self) -> None:
+        bad = self.shape.refusals() + self._refusals()
+        if bad:
+            raise ValueError(f"K1 {self._KIND} refused: " + "; ".join(bad))
+        self.layout = plan_layout(self._PROGRAM(self.shape))
+
+    def _config_label(self) -> str:
+        c = self.config
+        return f"grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk} ns{c.ns} {'wt' if c.wt else 'xm'}"
+
+    def workspace(self, device: Any) -> K1Workspace:
+        return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden, device)
+
+    def _s1_rows(self, bn: int) -> int:
+        """Rows S1 streams in tiles (:func:`s1_tiles`)."""
+        return self._proj_rows()
+
+    def _constexprs(self) -> dict:
+        s, c = self.shape, self.config
+        bn = _pow2_divisor(self._proj_rows(), c.bn)
+        ft, hb, nt = s1_tiles(self._s1_rows(bn), c.grid, bn)
+        return dict(
+            H=s.hidden,
+            **self._kind_constexprs(),
+            BB=BLOCK_B,
+            BN=bn,
+            BK=_pow2_divisor(s.hidden, c.bk),
+            FT=ft,
+            HB=hb,
+            NT=nt,
+            CH=min(c.ch, _next_pow2(s.hidden)),
+            NS=c.ns,
+            PRE=_pre(c, s.hidden),
+            WT=c.wt,
+            STAGES=self.stages,
+            INTERP=_interp(),
+            num_warps=c.num_warps,
+            num_stages=1,  # only the projection loop is pipelined (its own num_stages)
+        )
+
+    def _check(self, hidden, residual, residual_out, weights, rows: dict, params: dict,
+               more: list[str] | tuple = ()) -> int:  # fmt: skip
+        """Shapes, dtypes, contiguity and alignment of hidden, residual(_out), the input norm,
+        ``rows`` (name: (tensor, shape after the width, dtype)) and ``params`` (weight name:
+        (shape or None, dtype)); ``more`` refusals after those. Returns the width."""
+        import torch
+
+        s, bf = self.shape, torch.bfloat16
+        b = hidden.shape[0] if hidden.dim() == 2 else -1
+        want = {
+            "hidden": (hidden, (b, s.hidden), bf),
+            "residual_out": (residual_out, (b, s.hidden), bf),
+            **{name: (t, (b, *tail), dt) for name, (t, tail, dt) in rows.items()},
+            "input_layernorm": (weights.get("input_layernorm"), (s.hidden,), bf),
+            **{name: (weights.get(name), shp, dt) for name, (shp, dt) in params.items()},
+        }
+        if residual is not None:
+            want["residual"] = (residual, (b, s.hidden), bf)
+        bad: list[str] = []
+        _check_tensors(self.label(), want, bad)
+        bad += more
+        if not 1 <= b <= BLOCK_B:
+            bad.append(f"width {b} outside 1..{BLOCK_B}")
+        if bad:
+            raise ValueError(f"{self.label()}: " + "; ".join(bad))
+        return b
+
+    def build(self, device: Any = "cuda") -> None:
+        """Compile, load and residency-check (GPU) at startup."""
+        import torch
+
+        dev = torch.device(device)
+        if _interp() or dev.type != "cuda":
+            self._built = True
+            return
+        from mono_ext.runtime.build_cache import (
+            check_residency,
+            check_unspecialized,
+            device_limits,
+            kernel_resources,
+        )
+        from mono_ext.runtime.peers import RankState
+
+        check_unspecialized(self._KERNEL, PER_STEP_ARGS)
+        one = torch.zeros(16, dtype=torch.bfloat16, device=dev)
+        ws = K1Workspace(torch.zeros(16, dtype=torch.int64, device=dev), one)
+        st = RankState.create(0, dev, 1.0)
+        args = self._warmup_args(dev, one, ws, st.ctrl, st.health)
+        compiled = self._KERNEL.warmup(*args, grid=(self.config.grid,), **self._constexprs())
+        res = kernel_resources(compiled)
+        check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
+        self.resources = res
+        self._built = True
+
+    def _launch(self, tensors: tuple, validate: bool, ws: K1Workspace, ctrl, health,
+                **step) -> None:  # fmt: skip
+        """``tensors``: ``check``'s arguments; ``step``: ``_args``' keywords after n_rows."""
+        if not self._built:
+            raise RuntimeError(f"{self.label()}: build() at startup before launching")
+        n = self.check(*tensors) if validate else tensors[0].shape[0]
+        args = self._args(*tensors, ws, ctrl, health, n, **step)
+        grid = (self.config.grid,)
+        cx = self._constexprs()
+        if self._split():  # interpreter: programs run in turn; S2 would wait on later ones
+            for st in (S1, S2):
+                self._KERNEL[grid](*args, **{**cx, "STAGES": st & self.stages})
+        else:
+            self._KERNEL[grid](*args, **cx)
+
+    def _split(self) -> bool:
+        """Run S1 and S2 as two launches: the interpreter with more than one program."""
+        return _interp() and self.config.grid > 1
+
+
 @dataclass
-class K1GdnLaunch:
+class K1GdnLaunch(_K1LaunchBase):
     """GDN K1 of one build: compile + load + residency check once, then launch per layer.
 
     ``packing`` picks the row map (data, not a compile); conv-state strides are read from
@@ -1084,8 +1219,12 @@ class K1GdnLaunch:
     resources: Any = field(init=False, default=None)
     _built: bool = field(init=False, default=False)
 
-    def __post_init__(self) -> None:
-        bad = self.shape.refusals()
+    _KIND = "GDN"
+    _KERNEL = k1_gdn_kernel
+    _PROGRAM = staticmethod(k1_gdn_program)
+
+    def _refusals(self) -> list[str]:
+        bad = []
         if self.state_dtype not in ("float32", "bfloat16"):
             bad.append(f"state dtype {self.state_dtype}: K1 reads fp32 or bf16 states")
         if self.ssm_layout not in ("vk", "kv"):
@@ -1094,28 +1233,25 @@ class K1GdnLaunch:
             bad.append(f"qkvz rows {self.shape.qkvz_rows} are not a multiple of 16")
         if self.config.dvs not in (1, 2) or self.shape.dv // self.config.dvs < 16:
             bad.append(f"dvs={self.config.dvs}: 1 or 2 state slices of at least 16 rows")
-        if bad:
-            raise ValueError("K1 GDN refused: " + "; ".join(bad))
-        self.layout = plan_layout(k1_gdn_program(self.shape))
+        return bad
 
     def label(self) -> str:
-        s, c = self.shape, self.config
+        s = self.shape
         return (
             f"k1 gdn h{s.hidden} hk{s.hk} hv{s.hv} dk{s.dk} dv{s.dv} {self.state_dtype} "
-            f"{self.ssm_layout} grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk} ns{c.ns} "
-            f"{'wt' if c.wt else 'xm'} dvs{c.dvs}"
+            f"{self.ssm_layout} {self._config_label()} dvs{self.config.dvs}"
         )
 
-    def workspace(self, device: Any) -> K1Workspace:
-        return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden, device)
+    def _proj_rows(self) -> int:
+        return self.shape.qkvz_rows
 
-    def _constexprs(self) -> dict:
+    def _s1_rows(self, bn: int) -> int:
+        na = -(-2 * self.shape.hv // bn) * bn  # in_proj_ba rows first, padded to whole tiles
+        return na + self.shape.qkvz_rows
+
+    def _kind_constexprs(self) -> dict:
         s, c, lay = self.shape, self.config, self.layout
-        bn = _pow2_divisor(s.qkvz_rows, c.bn)
-        na = -(-2 * s.hv // bn) * bn  # in_proj_ba rows first, padded to whole tiles
-        ft, hb, nt = s1_tiles(na + s.qkvz_rows, c.grid, bn)
         return dict(
-            H=s.hidden,
             HK=s.hk,
             HV=s.hv,
             DK=s.dk,
@@ -1127,24 +1263,10 @@ class K1GdnLaunch:
             SSM_KV=self.ssm_layout == "kv",
             INTERLEAVED=self.packing == "interleaved",
             STATE_BYTES=4 if self.state_dtype == "float32" else 2,
-            BB=BLOCK_B,
-            BN=bn,
-            BK=_pow2_divisor(s.hidden, c.bk),
-            FT=ft,
-            HB=hb,
-            NT=nt,
-            CH=min(c.ch, _next_pow2(s.hidden)),
-            NS=c.ns,
-            PRE=_pre(c, s.hidden),
             PRELOAD=c.preload and self.stages == STAGES_ALL and not self._split(),
             DVS=c.dvs,
-            WT=c.wt,
             CVL=c.cvl,
             WB=_next_pow2(2 * s.dk + 2 * s.dv + 2),
-            STAGES=self.stages,
-            INTERP=_interp(),
-            num_warps=c.num_warps,
-            num_stages=1,  # only the projection loop is pipelined (its own num_stages)
         )
 
     def check(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
@@ -1152,27 +1274,22 @@ class K1GdnLaunch:
         """Validate shapes, dtypes, contiguity, alignment and strides; returns the width."""
         import torch
 
-        s = self.shape
-        b = hidden.shape[0] if hidden.dim() == 2 else -1
-        bf = torch.bfloat16
-        conv_w = weights.get("conv1d")
-        want = {
-            "hidden": (hidden, (b, s.hidden), bf),
-            "residual_out": (residual_out, (b, s.hidden), bf),
-            "o_in": (o_in, (b, s.value_dim), bf),
-            "slots": (slots, (b,), torch.int32),
-            "input_layernorm": (weights.get("input_layernorm"), (s.hidden,), bf),
-            "in_proj_qkvz": (weights.get("in_proj_qkvz"), (s.qkvz_rows, s.hidden), bf),
-            "in_proj_ba": (weights.get("in_proj_ba"), (2 * s.hv, s.hidden), bf),
-            "conv1d": (conv_w, None, bf),
-            "A_log": (weights.get("A_log"), (s.hv,), _dt(self.a_log_dtype)),
-            "dt_bias": (weights.get("dt_bias"), (s.hv,), _dt(self.dt_bias_dtype)),
-            "norm": (weights.get("norm"), (s.dv,), bf),
+        s, bf = self.shape, torch.bfloat16
+        rows = {"o_in": (o_in, (s.value_dim,), bf), "slots": (slots, (), torch.int32)}
+        params = {
+            "in_proj_qkvz": ((s.qkvz_rows, s.hidden), bf),
+            "in_proj_ba": ((2 * s.hv, s.hidden), bf),
+            "conv1d": (None, bf),
+            "A_log": ((s.hv,), _dt(self.a_log_dtype)),
+            "dt_bias": ((s.hv,), _dt(self.dt_bias_dtype)),
+            "norm": ((s.dv,), bf),
         }
-        if residual is not None:
-            want["residual"] = (residual, (b, s.hidden), bf)
-        bad: list[str] = []
-        _check_tensors(self.label(), want, bad)
+        more = self._state_refusals(weights.get("conv1d"), conv_state, ssm_state)
+        return self._check(hidden, residual, residual_out, weights, rows, params, more)
+
+    def _state_refusals(self, conv_w, conv_state, ssm_state) -> list[str]:
+        s = self.shape
+        bad = []
         if conv_w is not None and conv_w.numel() != s.conv_dim * s.conv_k:
             bad.append(f"conv1d has {conv_w.numel()} values, expected {s.conv_dim}x{s.conv_k}")
         k1 = s.conv_k - 1
@@ -1191,11 +1308,7 @@ class K1GdnLaunch:
         for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state)):
             if t.data_ptr() % 16:
                 bad.append(f"{name} is not 16-byte aligned (no JIT mid-step)")
-        if not 1 <= b <= BLOCK_B:
-            bad.append(f"width {b} outside 1..{BLOCK_B}")
-        if bad:
-            raise ValueError(f"{self.label()}: " + "; ".join(bad))
-        return b
+        return bad
 
     def _args(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
               residual_out, ws, ctrl, health, n_rows, null_slot, layer, layers_per_step):  # fmt: skip
@@ -1220,14 +1333,7 @@ class K1GdnLaunch:
             conv_state,
             ssm_state,
             slots,
-            ws.scratch,
-            ws.xs,
-            ctrl,
-            health,
-            n_rows,
-            layer,
-            layers_per_step,
-            0 if residual is None else 1,
+            *_step_args(residual, ws, ctrl, health, n_rows, layer, layers_per_step),
             -1 if null_slot is None else int(null_slot),
             cs[0],
             cs_t,
@@ -1237,69 +1343,28 @@ class K1GdnLaunch:
             float(self.shape.dk) ** -0.5,
         )
 
-    def build(self, device: Any = "cuda") -> None:
-        """Row map to the device; compile, load and residency-check (GPU) at startup."""
+    def _warmup_args(self, dev, one, ws, ctrl, health) -> tuple:
         import torch
 
-        dev = torch.device(device)
-        if _interp() or dev.type != "cuda":
-            self._built = True
-            return
-        from mono_ext.runtime.build_cache import (
-            check_residency,
-            check_unspecialized,
-            device_limits,
-            kernel_resources,
-        )
-        from mono_ext.runtime.peers import RankState
-
-        check_unspecialized(k1_gdn_kernel, PER_STEP_ARGS)
-        bf = dict(dtype=torch.bfloat16, device=dev)
-        one = torch.zeros(16, **bf)
         w = {k: one for k in ("input_layernorm", "in_proj_qkvz", "in_proj_ba", "conv1d", "norm")}
         w["A_log"] = torch.zeros(16, dtype=_dt(self.a_log_dtype), device=dev)
         w["dt_bias"] = torch.zeros(16, dtype=_dt(self.dt_bias_dtype), device=dev)
         conv = torch.zeros(1, 3, 16, dtype=_dt(self.conv_dtype), device=dev)
         ssm = torch.zeros(1, 1, 1, 16, dtype=_dt(self.state_dtype), device=dev)
         slots = torch.zeros(16, dtype=torch.int32, device=dev)
-        ws = K1Workspace(torch.zeros(16, dtype=torch.int64, device=dev), one)
-        st = RankState.create(0, dev, 1.0)
-        args = list(self._args(one, None, w, conv, ssm, slots, one, one, ws, st.ctrl,
-                               st.health, 2, 0, 0, 1))  # fmt: skip
-        compiled = k1_gdn_kernel.warmup(*args, grid=(self.config.grid,), **self._constexprs())
-        res = kernel_resources(compiled)
-        check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
-        self.resources = res
-        self._built = True
+        return self._args(one, None, w, conv, ssm, slots, one, one, ws, ctrl, health, 2, 0, 0, 1)
 
     def launch(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
                residual_out, *, ws: K1Workspace, ctrl, health, null_slot: int | None = None,
                layer: int = 0, layers_per_step: int = 1, validate: bool = True) -> None:  # fmt: skip
         """One K1 for ``hidden.shape[0]`` rows. The caller bumps the epoch once per step."""
-        if not self._built:
-            raise RuntimeError(f"{self.label()}: build() at startup before launching")
-        if validate:
-            n = self.check(hidden, residual, weights, conv_state, ssm_state, slots, o_in,
-                           residual_out)  # fmt: skip
-        else:
-            n = hidden.shape[0]
-        args = self._args(hidden, residual, weights, conv_state, ssm_state, slots, o_in,
-                          residual_out, ws, ctrl, health, n, null_slot, layer, layers_per_step)  # fmt: skip
-        grid = (self.config.grid,)
-        cx = self._constexprs()
-        if self._split():  # interpreter: programs run in turn; S2 would wait on later ones
-            for st in (S1, S2):
-                k1_gdn_kernel[grid](*args, **{**cx, "STAGES": st & self.stages})
-        else:
-            k1_gdn_kernel[grid](*args, **cx)
-
-    def _split(self) -> bool:
-        """Run S1 and S2 as two launches: the interpreter with more than one program."""
-        return _interp() and self.config.grid > 1
+        self._launch((hidden, residual, weights, conv_state, ssm_state, slots, o_in,
+                      residual_out), validate, ws, ctrl, health, null_slot=null_slot,
+                     layer=layer, layers_per_step=layers_per_step)  # fmt: skip
 
 
 @dataclass
-class K1AttnLaunch:
+class K1AttnLaunch(_K1LaunchBase):
     """Attention K1 of one build. RoPE reads a [max_positions, rotary_dim] fp32 cos/sin
     table built once here (positions are clamped into it)."""
 
@@ -1314,81 +1379,53 @@ class K1AttnLaunch:
     resources: Any = field(init=False, default=None)
     _built: bool = field(init=False, default=False)
 
-    def __post_init__(self) -> None:
-        bad = self.shape.refusals()
-        if self.shape.qkv_rows % 16:
-            bad.append(f"qkv rows {self.shape.qkv_rows} are not a multiple of 16")
-        if bad:
-            raise ValueError("K1 attention refused: " + "; ".join(bad))
-        self.layout = plan_layout(k1_attn_program(self.shape))
+    _KIND = "attention"
+    _KERNEL = k1_attn_kernel
+    _PROGRAM = staticmethod(k1_attn_program)
+
+    def _refusals(self) -> list[str]:
+        rows = self.shape.qkv_rows
+        return [f"qkv rows {rows} are not a multiple of 16"] if rows % 16 else []
 
     def label(self) -> str:
-        s, c = self.shape, self.config
+        s = self.shape
         return (
             f"k1 attn h{s.hidden} hq{s.hq} hkv{s.hkv} d{s.head_dim} rd{s.rotary_dim} "
-            f"grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk} ns{c.ns} {'wt' if c.wt else 'xm'}"
+            f"{self._config_label()}"
         )
 
-    def workspace(self, device: Any) -> K1Workspace:
-        return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden, device)
+    def _proj_rows(self) -> int:
+        return self.shape.qkv_rows
 
-    def _constexprs(self) -> dict:
-        s, c, lay = self.shape, self.config, self.layout
-        bn = _pow2_divisor(s.qkv_rows, c.bn)
-        ft, hb, nt = s1_tiles(s.qkv_rows, c.grid, bn)
+    def _kind_constexprs(self) -> dict:
+        s, lay = self.shape, self.layout
         return dict(
-            H=s.hidden,
             HQ=s.hq,
             HKV=s.hkv,
             D=s.head_dim,
             RD=s.rotary_dim,
             OFF_QK=lay.offsets["qk"],
             RID_QK=lay.region_id("qk"),
-            BB=BLOCK_B,
-            BN=bn,
-            BK=_pow2_divisor(s.hidden, c.bk),
-            FT=ft,
-            HB=hb,
-            NT=nt,
-            CH=min(c.ch, _next_pow2(s.hidden)),
-            NS=c.ns,
-            PRE=_pre(c, s.hidden),
-            WT=c.wt,
-            STAGES=self.stages,
-            INTERP=_interp(),
-            num_warps=c.num_warps,
-            num_stages=1,
         )
 
     def check(self, hidden, residual, weights, positions, q, k, v, gate, residual_out) -> int:
         import torch
 
-        s = self.shape
-        b = hidden.shape[0] if hidden.dim() == 2 else -1
-        bf = torch.bfloat16
+        s, bf = self.shape, torch.bfloat16
         qd, kvd = s.hq * s.head_dim, s.hkv * s.head_dim
-        want = {
-            "hidden": (hidden, (b, s.hidden), bf),
-            "residual_out": (residual_out, (b, s.hidden), bf),
-            "positions": (positions, (b,), _dt(self.positions_dtype)),
-            "q": (q, (b, qd), bf),
-            "gate": (gate, (b, qd), bf),
-            "k": (k, (b, kvd), bf),
-            "v": (v, (b, kvd), bf),
-            "input_layernorm": (weights.get("input_layernorm"), (s.hidden,), bf),
-            "qkv_proj": (weights.get("qkv_proj"), (s.qkv_rows, s.hidden), bf),
-            "q_norm": (weights.get("q_norm"), (s.head_dim,), bf),
-            "k_norm": (weights.get("k_norm"), (s.head_dim,), bf),
+        rows = {
+            "positions": (positions, (), _dt(self.positions_dtype)),
+            "q": (q, (qd,), bf),
+            "gate": (gate, (qd,), bf),
+            "k": (k, (kvd,), bf),
+            "v": (v, (kvd,), bf),
         }
-        if residual is not None:
-            want["residual"] = (residual, (b, s.hidden), bf)
-        bad: list[str] = []
-        _check_tensors(self.label(), want, bad)
-        if not 1 <= b <= BLOCK_B:
-            bad.append(f"width {b} outside 1..{BLOCK_B}")
-        if bad:
-            raise ValueError(f"{self.label()}: " + "; ".join(bad))
-        return b
+        params = {
+            "qkv_proj": ((s.qkv_rows, s.hidden), bf),
+            "q_norm": ((s.head_dim,), bf),
+            "k_norm": ((s.head_dim,), bf),
+        }
+        return self._check(hidden, residual, residual_out, weights, rows, params)
 
     def _args(self, hidden, residual, weights, positions, q, k, v, gate, residual_out, ws,
               ctrl, health, n_rows, layer, layers_per_step):  # fmt: skip
@@ -1406,66 +1443,31 @@ class K1AttnLaunch:
             k,
             v,
             gate,
-            ws.scratch,
-            ws.xs,
-            ctrl,
-            health,
-            n_rows,
-            layer,
-            layers_per_step,
-            0 if residual is None else 1,
+            *_step_args(residual, ws, ctrl, health, n_rows, layer, layers_per_step),
             self.max_positions,
             float(self.shape.eps),
         )
 
     def build(self, device: Any = "cuda") -> None:
+        """The cos/sin table to ``device``, then compile, load and residency-check (GPU)."""
         import torch
 
-        dev = torch.device(device)
-        self.rope = rope_table(self.shape, self.max_positions, dev)
-        if _interp() or dev.type != "cuda":
-            self._built = True
-            return
-        from mono_ext.runtime.build_cache import (
-            check_residency,
-            check_unspecialized,
-            device_limits,
-            kernel_resources,
-        )
-        from mono_ext.runtime.peers import RankState
+        self.rope = rope_table(self.shape, self.max_positions, torch.device(device))
+        super().build(device)
 
-        check_unspecialized(k1_attn_kernel, PER_STEP_ARGS)
-        one = torch.zeros(16, dtype=torch.bfloat16, device=dev)
+    def _warmup_args(self, dev, one, ws, ctrl, health) -> tuple:
+        import torch
+
         w = {k: one for k in ("input_layernorm", "qkv_proj", "q_norm", "k_norm")}
         pos = torch.zeros(16, dtype=_dt(self.positions_dtype), device=dev)
-        ws = K1Workspace(torch.zeros(16, dtype=torch.int64, device=dev), one)
-        st = RankState.create(0, dev, 1.0)
-        args = self._args(one, None, w, pos, one, one, one, one, one, ws, st.ctrl, st.health,
-                          2, 0, 1)  # fmt: skip
-        compiled = k1_attn_kernel.warmup(*args, grid=(self.config.grid,), **self._constexprs())
-        res = kernel_resources(compiled)
-        check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
-        self.resources = res
-        self._built = True
+        return self._args(one, None, w, pos, one, one, one, one, one, ws, ctrl, health, 2, 0, 1)
 
     def launch(self, hidden, residual, weights, positions, q, k, v, gate, residual_out, *,
                ws: K1Workspace, ctrl, health, layer: int = 0, layers_per_step: int = 1,
                validate: bool = True) -> None:  # fmt: skip
-        if not self._built:
-            raise RuntimeError(f"{self.label()}: build() at startup before launching")
-        if validate:
-            n = self.check(hidden, residual, weights, positions, q, k, v, gate, residual_out)
-        else:
-            n = hidden.shape[0]
-        args = self._args(hidden, residual, weights, positions, q, k, v, gate, residual_out, ws,
-                          ctrl, health, n, layer, layers_per_step)  # fmt: skip
-        grid = (self.config.grid,)
-        cx = self._constexprs()
-        if _interp() and self.config.grid > 1:
-            for st in (S1, S2):
-                k1_attn_kernel[grid](*args, **{**cx, "STAGES": st & self.stages})
-        else:
-            k1_attn_kernel[grid](*args, **cx)
+        self._launch((hidden, residual, weights, positions, q, k, v, gate, residual_out),
+                     validate, ws, ctrl, health, layer=layer,
+                     layers_per_step=layers_per_step)  # fmt: skip
 
 
 @dataclass

@@ -521,19 +521,20 @@ def k2_kernel(
         # pass 1, RB rows at a time: softmax top-k. pw = renormalised weight, prk = the pick's
         # rank in its row (0 = largest probability) or -1: pair (row r, rank k) is r*TOPK + k,
         # so pair rows need no scan over the experts, and every live row has TOPK pairs.
-        kr = tl.arange(0, KS2 * RB)
         for r0 in range(0, n_rows, RB):
             rws = r0 + rr
             valid = (rws < n_rows)[:, None] & (offs_e[None, :] < E)
-            # every K split's partial logits of these rows in one bounded wait
-            lrw = r0 + kr % RB
-            lidx = (kr // RB)[:, None] * (BB * E) + lrw[:, None] * E + offs_e[None, :]
-            lm = (lrw < n_rows)[:, None] & (offs_e[None, :] < E)
-            lwords, lok = _wait2d(
-                logits_ptr + lidx, lm, lidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2 * RB, EP,
-                INTERP,
-            )  # fmt: skip
-            lg = tl.sum(tl.reshape(_words_to_fp32(lwords), (KS2, RB, EP)), axis=0)
+            # the K splits' partial logits of these rows, summed in split order; one bounded
+            # wait per split (all splits land at about the same time: the later waits pass
+            # at once) keeps an [RB, EP] block in registers, not [KS2 * RB, EP]
+            lidx = rws[:, None] * E + offs_e[None, :]
+            lg = tl.zeros([RB, EP], dtype=tl.float32)
+            for ks in tl.static_range(KS2):
+                lwords, lok = _wait2d(
+                    logits_ptr + ks * (BB * E) + lidx, valid, ks * (BB * E) + lidx, tag,
+                    ctrl_ptr, health_ptr, RID_LOGITS, RB, EP, INTERP,
+                )  # fmt: skip
+                lg += _words_to_fp32(lwords)
             lg = tl.where(valid, lg, float("-inf"))
             mx = tl.max(lg, axis=1)
             mx = tl.where(rws < n_rows, mx, 0.0)
