@@ -65,7 +65,10 @@ DENSE = (
 VARIANTS = {
     "k2": {},
     "k2 bn3=32": {"bn3": 32},  # 352 gate_up tiles at width 1: max 3 per CTA, not 2 x 2
-    "k2 rb=2 rn=2": {"rb": 2, "rn": 2},  # two rows per norm / top-k pass (width 16: ~90 us)
+    "k2 rb=2 rn=2": {
+        "rb": 2,
+        "rn": 2,
+    },  # two rows per norm / top-k pass (at width 16 the two take ~90 of 368 us)
     "k2 rb=4": {"rb": 4},  # four rows per top-k pass (spills ~200 B in the top-k)
     "k2 pf3": {"pf3": True},
     "k2 bn4=32": {"bn4": 32},

@@ -524,17 +524,28 @@ def k2_kernel(
         for r0 in range(0, n_rows, RB):
             rws = r0 + rr
             valid = (rws < n_rows)[:, None] & (offs_e[None, :] < E)
-            # the K splits' partial logits of these rows, summed in split order; one bounded
-            # wait per split (all splits land at about the same time: the later waits pass
-            # at once) keeps an [RB, EP] block in registers, not [KS2 * RB, EP]
             lidx = rws[:, None] * E + offs_e[None, :]
-            lg = tl.zeros([RB, EP], dtype=tl.float32)
-            for ks in tl.static_range(KS2):
+            if RB == 1:
+                # every K split's partial logits of the row in one bounded wait
+                ks_i = tl.arange(0, KS2)
+                kidx = ks_i[:, None] * (BB * E) + offs_e[None, :] + r0 * E
+                km1 = (ks_i >= 0)[:, None] & (offs_e[None, :] < E)
                 lwords, lok = _wait2d(
-                    logits_ptr + ks * (BB * E) + lidx, valid, ks * (BB * E) + lidx, tag,
-                    ctrl_ptr, health_ptr, RID_LOGITS, RB, EP, INTERP,
+                    logits_ptr + kidx, km1, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP,
+                    INTERP,
                 )  # fmt: skip
-                lg += _words_to_fp32(lwords)
+                lg = tl.reshape(tl.sum(_words_to_fp32(lwords), axis=0), (RB, EP))
+            else:
+                # several rows: one bounded wait per K split, summed in split order (all
+                # splits land at about the same time), so an [RB, EP] block is in registers,
+                # not [KS2 * RB, EP]
+                lg = tl.zeros([RB, EP], dtype=tl.float32)
+                for ks in tl.static_range(KS2):
+                    lwords, lok = _wait2d(
+                        logits_ptr + ks * (BB * E) + lidx, valid, ks * (BB * E) + lidx, tag,
+                        ctrl_ptr, health_ptr, RID_LOGITS, RB, EP, INTERP,
+                    )  # fmt: skip
+                    lg += _words_to_fp32(lwords)
             lg = tl.where(valid, lg, float("-inf"))
             mx = tl.max(lg, axis=1)
             mx = tl.where(rws < n_rows, mx, 0.0)
