@@ -91,19 +91,20 @@ def allreduce_loop_kernel(
     # gaps (benchmarks time it). One region is reused safely: every rank maps chunk c to
     # CTA c, so a CTA reaches use k+2 of a parity only after every peer's CTA c pushed use
     # k+1, i.e. finished reading use k.
+    # Each is allreduce_kernel's body (a jit function, inlined here) at layer `it` of `iters`.
     t0 = global_timer_ns()
     for it in range(iters):
-        seq = step_seq(ctrl_ptr, it, iters)
-        allreduce_bf16_oneshot(
+        allreduce_kernel(
             x_ptr,
             out_ptr,
             n_words,
             peers_ptr,
             region_off,
             region_id,
-            seq,
             ctrl_ptr,
             health_ptr,
+            it,
+            iters,
             RANKS,
             BLOCK,
             SYS,
