@@ -182,6 +182,41 @@ def _tile(t, FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr):
 
 
 @triton.jit
+def _acc_zeros(BB: tl.constexpr, BN: tl.constexpr, WT: tl.constexpr):
+    """A projection tile's fp32 accumulator: [BN, BB] with ``WT`` (acc^T = W x^T: weight rows
+    as the MMA's M), else [BB, BN] (acc = x W^T: x is a 16-row M operand every warp re-reads)."""
+    if WT:  # noqa: SIM108 (a constexpr branch)
+        acc = tl.zeros([BN, BB], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BB, BN], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _dot_chunk(acc, wt, xs_base, rows, rmask, k, H: tl.constexpr, WT: tl.constexpr):
+    """One K chunk of a tile: the weight chunk ``wt`` [BN, BK] times this CTA's normed rows."""
+    if WT:
+        xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :],
+                     other=0.0)  # fmt: skip
+        acc = tl.dot(wt, xt, acc)
+    else:
+        xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None],
+                     other=0.0)  # fmt: skip
+        acc = tl.dot(xa, tl.trans(wt), acc)
+    return acc
+
+
+@triton.jit
+def _acc_rows(acc, WT: tl.constexpr):
+    """A finished tile's accumulator as [BB, BN] (batch rows x projection rows)."""
+    if WT:  # noqa: SIM108 (a constexpr branch)
+        acc_r = tl.trans(acc)
+    else:
+        acc_r = acc
+    return acc_r
+
+
+@triton.jit
 def _prefetch_w(w_ptr, w2_ptr, it, n_it, pid, G, KCH, NA, LIM1, LIM2, H: tl.constexpr,
                 FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """L2-prefetch the bf16 weight chunk of flattened iteration ``it`` (one 128-byte line per
@@ -488,10 +523,7 @@ def k1_gdn_kernel(
 
         kk = tl.arange(0, BK)
         nn = tl.arange(0, BN)
-        if WT:  # noqa: SIM108 (constexpr) acc^T = W x^T: weight rows as the MMA's M
-            acc = tl.zeros([BN, BB], dtype=tl.float32)
-        else:  # acc = x W^T: x is a 16-row M operand every warp re-reads
-            acc = tl.zeros([BB, BN], dtype=tl.float32)
+        acc = _acc_zeros(BB, BN, WT)
         # a tile's epilogue inputs, loaded at its first chunk: their latency hides behind the
         # tile's other chunks instead of stalling the pipeline at the tile's end
         c0 = tl.zeros([BB, BN], dtype=tl.float32)
@@ -536,19 +568,9 @@ def k1_gdn_kernel(
                         dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
                         cs_t, cs_c, CONV, VD, HV, KC,
                     )  # fmt: skip
-            if WT:
-                xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :],
-                             other=0.0)  # fmt: skip
-                acc = tl.dot(wt, xt, acc)
-            else:
-                xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None],
-                             other=0.0)  # fmt: skip
-                acc = tl.dot(xa, tl.trans(wt), acc)
+            acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT)
             if kc == KCH - 1:
-                if WT:  # noqa: SIM108 (a constexpr branch)
-                    acc_r = tl.trans(acc)
-                else:
-                    acc_r = acc
+                acc_r = _acc_rows(acc, WT)
                 if CVL:
                     e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb = _conv_inputs(
                         dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
@@ -734,10 +756,7 @@ def k1_attn_kernel(
                     H, BB, CH)  # fmt: skip
         kk = tl.arange(0, BK)
         nn = tl.arange(0, BN)
-        if WT:  # noqa: SIM108 (constexpr) acc^T = W x^T, as in the GDN kernel
-            acc = tl.zeros([BN, BB], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BB, BN], dtype=tl.float32)
+        acc = _acc_zeros(BB, BN, WT)
         for it in tl.range(0, n_it, num_stages=NS):  # pipelined, as in the GDN kernel
             j = it // KCH
             kc = it - j * KCH
@@ -750,19 +769,9 @@ def k1_attn_kernel(
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            if WT:
-                xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :],
-                             other=0.0)  # fmt: skip
-                acc = tl.dot(wt, xt, acc)
-            else:
-                xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None],
-                             other=0.0)  # fmt: skip
-                acc = tl.dot(xa, tl.trans(wt), acc)
+            acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT)
             if kc == KCH - 1:
-                if WT:  # noqa: SIM108 (a constexpr branch)
-                    acc_r = tl.trans(acc)
-                else:
-                    acc_r = acc
+                acc_r = _acc_rows(acc, WT)
                 p = r
                 head = p // (2 * D)
                 o = p - head * (2 * D)
