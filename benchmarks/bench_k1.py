@@ -170,6 +170,10 @@ def _graph(body):
 SWEEP = (
     {},
     {"ns": 4},
+    # 32-row tiles: twice the S1 tiles, so at width 1 no CTA streams two 64-row tiles while
+    # most stream one (mma.sync instead of wgmma; memory-bound either way; 50-75 KB smem)
+    {"bn": 32},
+    {"bn": 32, "ns": 5},
     {"num_warps": 16, "cvl": True},
     {"cvl": True},
     {"dvs": 1},
