@@ -4,8 +4,8 @@ before SGLang samples it, or raises; and the build gets SGLang's GDN state dtype
 
 SGLang's own model classes are built on CPU (``test_sglang_models``' helpers); the driver's
 launches get the per-step hooks of a persistent backend over a real :class:`FailStop` reading a
-fake health block. A "replay" is what SGLang does on the host for one: ``ModelRunner.forward``
-returns ``can_run_graph=True`` without entering the router.
+fake health block (``_sglang_common.Persistent``). A "replay" is what SGLang does on the host
+for one: ``ModelRunner.forward`` returns ``can_run_graph=True`` without entering the router.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import pytest
 pytest.importorskip("sglang")
 torch = pytest.importorskip("torch")
 
+from _sglang_common import Persistent, persistent_launches  # noqa: E402, F401 (Persistent: report)
 from test_sglang_models import Spy, _active, _batch, _load, _pools, _serving  # noqa: E402
 
 from mono_ext.core.spec import Step  # noqa: E402
 from mono_ext.engines.sglang import plugin  # noqa: E402
 from mono_ext.engines.sglang.dispatch import Router, install, uninstall  # noqa: E402
-from mono_ext.runtime.failstop import FailStop, FailStopError, ScriptedHealthSource  # noqa: E402
+from mono_ext.runtime.failstop import FailStopError  # noqa: E402
 from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
 
@@ -31,28 +32,10 @@ def qn(tmp_path_factory):
     return _load(make_checkpoint(tmp_path_factory.mktemp("qn"), "qwen3-next-tiny"))
 
 
-class Persistent:
-    def __init__(self, inner, shared) -> None:
-        self.inner, self.shared, self.key = inner, shared, inner.key
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def end_step(self) -> None:
-        self.shared["steps"] += 1
-        self.shared["fs"].after_launch(self.shared["steps"])
-
-    def release(self, step=None) -> bool:
-        self.shared["releases"] += 1
-        return self.shared["fs"].release(self.shared["steps"] if step is None else step)
-
-
 @pytest.fixture
 def routed(qn):
     sv, *_ = _active(qn)
-    src = ScriptedHealthSource()
-    shared = dict(fs=FailStop(src, agree_every=16), steps=0, releases=0, src=src)
-    sv.driver.launches = {w: Persistent(x, shared) for w, x in sv.driver.launches.items()}
+    shared = persistent_launches(sv)
     router = Router(sv, Spy())
     install(qn.model, router)
     # what capturing decode graphs of batch sizes 1, 2, 4, 8, 16, 24 records
@@ -113,6 +96,27 @@ def test_eager_steps_seen_by_the_router(qn, routed):
     _forward(qn, bs=4, can_run_graph=False)
     assert (shared["steps"], shared["releases"], router.released) == (1, 1, 1)
     assert router.replayed_steps == 0
+
+
+def test_a_stale_eager_record_does_not_hide_a_replay(qn, routed):
+    """A forward outside ModelRunner.forward (a warmup) leaves its record behind: the next
+    replay, by SGLang's can_run_graph, is still checked as a replay."""
+    router, shared = routed
+    router._pending = ("eager", router.captured[4])
+    _forward(qn, bs=2, graph_bs=2)
+    assert (shared["steps"], shared["releases"], router.replayed) == (1, 1, {2: 1})
+
+
+def test_captures_record_decode_graphs_only(qn, routed):
+    """The plan of each captured decode graph is recorded; a prefill graph captured at the
+    same batch size afterwards does not replace it."""
+    router, _ = routed
+    router.captured.clear()
+    router.capturing = lambda: True
+    for mode, bs in (("DECODE", 24), ("DECODE", 4), ("EXTEND", 4)):
+        router.note(_batch(mode, bs), None if bs > 16 else router.plan(_batch(mode, bs)))
+    assert {bs: s and s.width for bs, s in router.captured.items()} == {24: None, 4: 4}
+    assert router._pending is None  # a capture runs nothing
 
 
 def test_without_a_router_the_hook_does_nothing(qn):

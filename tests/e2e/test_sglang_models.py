@@ -40,6 +40,7 @@ if has_native_api():
         "SGLang with the kernel-plugin API: see test_sglang_v0523.py", allow_module_level=True
     )
 
+from _sglang_common import BF16, SLOTS, Spy, batch, load, pools  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from mono_ext.core.refusal import Refusal, Stage  # noqa: E402
@@ -68,110 +69,19 @@ from mono_ext.reference import (  # noqa: E402
 from mono_ext.reference.common import gemma_rms_norm  # noqa: E402
 from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
-BF16 = torch.bfloat16
 TOL = 3e-2  # launches round every output to bf16; the oracle stays fp32
-SLOTS, TOKENS = 8, 256
 
 
-# -- building SGLang objects on CPU ---------------------------------------------------------
-_DIST = {"up": False}
-
-
-def _server_args(path, **extra):
-    from sglang.srt.server_args import ServerArgs
-
-    return ServerArgs(
-        model_path=str(path),
-        device="cpu",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        disable_radix_cache=True,
-        disable_cuda_graph=True,
-        **extra,
-    )
-
-
-def _ensure_dist():
-    if _DIST["up"]:
-        return
-    from sglang.srt.distributed import parallel_state as ps
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ps.init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-        backend="gloo",
-    )
-    ps.initialize_model_parallel(1, backend="gloo")
-    _DIST["up"] = True
-
-
+# -- building SGLang objects on CPU (shared with the 0.5.23 suite: _sglang_common) ------------
 def _load(path, *, fused: bool = False):
-    """SGLang's ModelConfig + loader on CPU. ``fused``: build as on CUDA, where SGLang fuses
-    the shared expert into the routed experts as an extra slot."""
-    import sglang.srt.layers.rotary_embedding.base as rope_base
-    import sglang.srt.models.qwen2_moe as qwen2_moe
-    from sglang.srt import runtime_context
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers.dp_attention import initialize_dp_attention
-    from sglang.srt.model_loader import get_model
-
-    sa = _server_args(path)
-    runtime_context.publish(sa, role="test")
-    _ensure_dist()
-    mc = ModelConfig.from_server_args(sa)
-    initialize_dp_attention(sa, mc)
-    saved = (rope_base._is_cpu, qwen2_moe._is_cuda)
-    # CPU stand-ins for device checks at construction: the rotary module would otherwise
-    # import vLLM's CUDA op; qwen2_moe enables shared-expert fusion on CUDA only.
-    rope_base._is_cpu = True
-    qwen2_moe._is_cuda = fused
-    try:
-        model = get_model(
-            model_config=mc,
-            load_config=LoadConfig(load_format="auto"),
-            device_config=DeviceConfig("cpu", 0),
-        )
-    finally:
-        rope_base._is_cpu, qwen2_moe._is_cuda = saved
-    return SimpleNamespace(model=model, mc=mc, sa=sa, sd=load_file(str(path / "model.safetensors")))
+    """SGLang's ModelConfig + loader on CPU, and the checkpoint's tensors (``sd``)."""
+    env = load(path, fused=fused, disable_cuda_graph=True)
+    env.sd = load_file(str(path / "model.safetensors"))
+    return env
 
 
-def _pools(mc, slots=SLOTS, tokens=TOKENS, kv_dtype=BF16):
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
-
-    tc = mc.hf_text_config
-    cp = tc.mamba2_cache_params
-    rp = HybridReqToTokenPool(
-        size=slots,
-        mamba_size=slots,
-        mamba_spec_state_size=0,
-        max_context_len=64,
-        device="cpu",
-        enable_memory_saver=False,
-        cache_params=cp,
-        mamba_layer_ids=cp.layers,
-        enable_mamba_extra_buffer=False,
-        enable_overlap_schedule=False,
-    )
-    full = [i for i, k in enumerate(tc.layers_block_type) if k == "attention"]
-    kvp = HybridLinearKVPool(
-        size=tokens,
-        dtype=kv_dtype,
-        page_size=1,
-        head_num=tc.num_key_value_heads,
-        head_dim=tc.head_dim,
-        full_attention_layer_ids=full,
-        device="cpu",
-        mamba_pool=rp.mamba_pool,
-    )
-    return rp, kvp
+_pools = pools
+_batch = batch
 
 
 @pytest.fixture(scope="module")
@@ -398,40 +308,6 @@ def test_an_internal_error_is_a_reason_not_a_crash(qn, monkeypatch):
 
 
 # -- dispatch ----------------------------------------------------------------------------------
-def _batch(mode, bs, *, tokens_per_row=1, ids=None, **extra):
-    from sglang.srt.model_executor.forward_batch_info import (
-        CaptureHiddenMode,
-        ForwardBatch,
-        ForwardMode,
-    )
-
-    n = bs * tokens_per_row
-    fb = ForwardBatch(
-        forward_mode=getattr(ForwardMode, mode),
-        batch_size=bs,
-        input_ids=torch.zeros(n, dtype=torch.long) if ids is None else ids,
-        req_pool_indices=torch.zeros(bs, dtype=torch.long),
-        seq_lens=torch.ones(bs, dtype=torch.long),
-        out_cache_loc=torch.zeros(n, dtype=torch.long),
-        seq_lens_sum=bs,
-    )
-    fb.capture_hidden_mode = CaptureHiddenMode.NULL
-    for k, v in extra.items():
-        setattr(fb, k, v)
-    return fb
-
-
-class Spy:
-    """Stands in for SGLang's own forward (which needs CUDA kernels): records the call."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, input_ids, positions, forward_batch, *args, **kwargs):
-        self.calls.append((forward_batch.forward_mode.name, forward_batch.batch_size))
-        return "stock"
-
-
 @pytest.mark.parametrize(
     "mode,bs,tokens,routed",
     [

@@ -13,17 +13,29 @@ environment, this module re-runs itself in a child process with that overlay fir
 - the spec object: requirements, accepted features, numerics, widths as mapped from our
   ModelSpec; the AMD ``MonoSpec`` mapping validates against 0.5.23's classes;
 - refusal messages: SGLang's argument resolution with ``--enable-nvidia-megakernel``
-  raises listing SGLang's reasons and ours together;
+  raises listing SGLang's reasons and ours together; the triton backend is refused only
+  where it cannot run (no CUDA here), and resolves where it can (its probe stubbed);
 - plan routing: a tiny Qwen3-Next built by 0.5.23's own classes, checked and built by our
   spec (reference backend), behind 0.5.23's own ``_Dispatch``: DECODE steps of served
   widths run our forward (the logits of a stand-in engine attention run), EXTEND,
-  TARGET_VERIFY and wider steps run the model's forward.
+  TARGET_VERIFY and wider steps run the model's forward;
+- FailStop: ``load_plugins`` puts 0.5.17's after-hook on ``ModelRunner.forward`` (the model
+  stage refuses a process without it); through SGLang's own ``ModelRunner.forward`` (as
+  patched) and ``_forward_raw`` on a stand-in runner, after a simulated capture of the
+  decode graphs (the dispatching forward under capture, recorded by ``plan``): each replay
+  of a routed graph (``decode_cuda_graph_runner.execute`` returning without entering the
+  model, as a replay does on the host) and each eager routed step is released once before
+  ``forward`` returns, i.e. before SGLang samples it (``TpModelWorker.
+  forward_batch_generation``); a health block saying a wait gave up raises
+  :class:`FailStopError` naming the wait, from then on; stock graphs and prefill are not
+  checked; the report RPC through SGLang's own (hooked) ``Scheduler.handle_rpc_request``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,15 +72,27 @@ if not has_native_api():
 
 else:
     import sglang  # noqa: E402
+    from _sglang_common import (  # noqa: E402
+        Spy,
+        batch,
+        load,
+        persistent_launches,
+        pools,
+        server_args,
+    )
     from sglang.kernels.plugin_kernels.amd import spec as amd  # noqa: E402
     from sglang.kernels.plugin_kernels.nvidia import spec as nv  # noqa: E402
+    from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
     from sglang.srt.kernel_plugins.nvidia import binding as nvb  # noqa: E402
+    from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 
-    from mono_ext.engines.sglang import v0523  # noqa: E402
+    from mono_ext.engines.sglang import hooks, v0523  # noqa: E402
+    from mono_ext.engines.sglang.dispatch import ROUTED_ATTR  # noqa: E402
     from mono_ext.models.qwen3_next.spec import LIMITS, Qwen3NextSpec  # noqa: E402
     from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
     ARCH = "Qwen3NextForCausalLM"
+    FWD = hooks.FORWARD_TARGET
 
     @pytest.fixture(scope="module", autouse=True)
     def plugins_loaded():
@@ -118,42 +142,7 @@ else:
         # (the backend itself refuses until its kernels exist and a gfx950 device is visible)
         assert amd.spec_registered(backend=amd.BACKEND, architectures=[ARCH])
 
-    # -- SGLang objects on CPU ----------------------------------------------------------------
-    _DIST = {"up": False}
-
-    def _publish(sa):
-        from sglang.srt import runtime_context as rc
-
-        rc.publish(sa, role="test", ranks=rc.SpawnRanks(world_rank=0, gpu_id=0))
-        if _DIST["up"]:
-            return
-        from sglang.srt.distributed import parallel_state as ps
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        ps.init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            backend="gloo",
-        )
-        ps.initialize_model_parallel(backend="gloo")
-        _DIST["up"] = True
-
-    def _server_args(path, **extra):
-        from sglang.srt.server_args import ServerArgs
-
-        return ServerArgs(
-            model_path=str(path),
-            device="cpu",
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            disable_radix_cache=True,
-            **extra,
-        )
-
+    # -- SGLang objects on CPU (_sglang_common: shared with the 0.5.17 suite) -------------------
     @pytest.fixture(scope="module")
     def ckpt(tmp_path_factory):
         return make_checkpoint(tmp_path_factory.mktemp("qn"), "qwen3-next-tiny")
@@ -163,8 +152,18 @@ else:
         """What SGLang's binding would read from an H200 (there is no GPU here)."""
         monkeypatch.setattr(nvb, "device_isa", lambda: "sm_90")
 
+    def _triton_here(monkeypatch):
+        """The triton backend as on an H200: its probe says it can run, every width served
+        (none is measured faster than stock yet: MONO_EXT_SERVE_UNMEASURED=1)."""
+        from mono_ext.core.registry import get_registry
+
+        backends = get_registry().backends
+        probed = dataclasses.replace(backends["triton"], probe=lambda: (True, "sm_90 (test)"))
+        monkeypatch.setitem(backends, "triton", probed)
+        monkeypatch.setenv("MONO_EXT_SERVE_UNMEASURED", "1")
+
     def test_resolution_refuses_with_sglangs_and_our_reasons(ckpt, gpu_isa):
-        sa = _server_args(ckpt, enable_nvidia_megakernel=True, enable_lora=True, max_lora_rank=8)
+        sa = server_args(ckpt, enable_nvidia_megakernel=True, enable_lora=True, max_lora_rank=8)
         with pytest.raises(ValueError) as info:
             sa.resolve_once()  # what the launcher and Engine run before anything starts
         text = str(info.value)
@@ -172,60 +171,26 @@ else:
         assert "LoRA is in use and mono_ext.qwen3_next does not accept it" in text  # SGLang's
         assert "lora is on" in text  # ours: the spec's config refusal
         assert "kernel backend 'auto': no kernel backend can run here" in text  # CPU: no triton
+        assert "FailStop" not in text
+
+    def test_triton_is_refused_only_where_it_cannot_run(ckpt, gpu_isa, monkeypatch):
+        """FailStop is checked after every step now (below): the triton backend is no longer
+        refused for it; the reasons it cannot run here still apply."""
+        sa = server_args(ckpt)
+        hf = ModelConfig.from_server_args(sa).hf_config
+        spec = v0523.megakernel_spec("triton")
+        assert spec.config_disable_reasons(sa, hf) == [
+            "kernel backend 'triton': kernel backend 'triton' cannot run here: no CUDA device "
+            "is visible"
+        ]
+        _triton_here(monkeypatch)
+        assert spec.config_disable_reasons(sa, hf) == []
+        # and SGLang's own resolution of --enable-nvidia-megakernel (auto picks triton) passes
+        server_args(ckpt, enable_nvidia_megakernel=True).resolve_once()
 
     @pytest.fixture(scope="module")
     def model(ckpt):
-        import sglang.srt.layers.rotary_embedding.base as rope_base
-        from sglang.srt.configs.device_config import DeviceConfig
-        from sglang.srt.configs.load_config import LoadConfig
-        from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.layers.dp_attention import initialize_dp_attention
-        from sglang.srt.model_loader import get_model
-
-        sa = _server_args(ckpt)
-        _publish(sa)
-        initialize_dp_attention(sa)
-        mc = ModelConfig.from_server_args(sa)
-        saved, rope_base._is_cpu = rope_base._is_cpu, True  # else it imports vLLM's CUDA op
-        try:
-            m = get_model(
-                model_config=mc,
-                load_config=LoadConfig(load_format="auto"),
-                device_config=DeviceConfig("cpu", 0),
-            )
-        finally:
-            rope_base._is_cpu = saved
-        return SimpleNamespace(model=m, mc=mc, sa=sa)
-
-    def _pools(mc):
-        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
-
-        tc = mc.hf_text_config
-        cp = tc.mamba2_cache_params
-        rp = HybridReqToTokenPool(
-            size=8,
-            mamba_size=8,
-            mamba_spec_state_size=0,
-            max_context_len=64,
-            device="cpu",
-            enable_memory_saver=False,
-            cache_params=cp,
-            mamba_layer_ids=cp.layers,
-            enable_mamba_extra_buffer=False,
-            enable_overlap_schedule=False,
-        )
-        full = [i for i, k in enumerate(tc.layers_block_type) if k == "attention"]
-        kvp = HybridLinearKVPool(
-            size=64,
-            dtype=torch.bfloat16,
-            page_size=1,
-            head_num=tc.num_key_value_heads,
-            head_dim=tc.head_dim,
-            full_attention_layer_ids=full,
-            device="cpu",
-            mamba_pool=rp.mamba_pool,
-        )
-        return rp, kvp
+        return load(ckpt)
 
     class FakeAttention:
         """The step's attention backend (SGLang's decode kernels need CUDA): zeros out, and
@@ -242,60 +207,46 @@ else:
             self.calls += 1
             return torch.zeros(q.shape[0], layer.tp_q_head_num * layer.head_dim, dtype=q.dtype)
 
-    def _batch(mode, bs, tokens=1):
-        from sglang.srt.model_executor.forward_batch_info import (
-            CaptureHiddenMode,
-            ForwardBatch,
-            ForwardMode,
-        )
-
-        n = bs * tokens
-        fb = ForwardBatch(
-            forward_mode=getattr(ForwardMode, mode),
-            batch_size=bs,
-            input_ids=torch.arange(n) % 500,
-            req_pool_indices=torch.zeros(bs, dtype=torch.long),
-            seq_lens=torch.ones(bs, dtype=torch.long),
-            out_cache_loc=torch.zeros(n, dtype=torch.long),
-            seq_lens_sum=bs,
-        )
-        fb.capture_hidden_mode = CaptureHiddenMode.NULL
-        return fb
-
-    def test_plan_routing_through_sglangs_own_dispatch(model, monkeypatch):
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
-        spec = v0523.megakernel_spec("reference")  # the fp32 CPU backend in place of triton
+    @pytest.fixture
+    def deployed(model, monkeypatch):
+        """Our spec (reference backend: the fp32 CPU one) checked and built for the model, and
+        the model's forward replaced by 0.5.23's own ``_Dispatch``, as ``install_megakernel``
+        does; undone afterwards."""
+        spec = v0523.megakernel_spec("reference")
         # what torch reports outside graph capture (CPU-only torch raises instead)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         monkeypatch.setattr(v0523, "MEGAKERNEL_SPEC", spec, raising=False)
-        found, why = nv.find_spec(architectures=[ARCH], isa="sm_90")
-        assert found is spec, why
         m, hf = model.model, model.mc.hf_config
         assert spec.model_disable_reasons(m, hf) == []
         ctx = nv.BuildContext(
             widths=tuple(range(1, spec.max_rows + 1)), tokens_per_request=1, deadline_s=30.0
         )
         built = spec.build(m, hf, ctx)
+        original = Spy()  # the model's own forward
+        binding = SimpleNamespace(forward_view=lambda: "view")
+        m.forward = nvb._Dispatch(built=built, original=original, binding=binding).wrapped()
+        rp, kvp = pools(model.mc)
+        slots = torch.tensor([1, 2, 3] + [-1] * 13, dtype=torch.int32)  # 3 requests, padded
+        backend = FakeAttention(rp, kvp, slots)
+        yield SimpleNamespace(spec=spec, built=built, original=original, backend=backend)
+        for attr in ("forward", ROUTED_ATTR, hooks.SERVING_ATTR):
+            m.__dict__.pop(attr, None)
+
+    def test_plan_routing_through_sglangs_own_dispatch(model, deployed):
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        spec, built, backend = deployed.spec, deployed.built, deployed.backend
+        found, why = nv.find_spec(architectures=[ARCH], isa="sm_90")
+        assert found is spec, why
         assert built.widths == tuple(range(1, 17)) and built.draft_sampler is None
         assert "mono_ext qwen3_next on backend reference" in built.summary()
-        calls = []
-
-        def original(input_ids, positions, forward_batch, *a, **k):
-            calls.append((forward_batch.forward_mode.name, forward_batch.batch_size))
-            return "stock"
-
-        binding = SimpleNamespace(forward_view=lambda: "view")
-        forward = nvb._Dispatch(built=built, original=original, binding=binding).wrapped()
-        rp, kvp = _pools(model.mc)
-        slots = torch.tensor([1, 2, 3, -1], dtype=torch.int32)
-        backend = FakeAttention(rp, kvp, slots)
+        forward, calls = model.model.forward, deployed.original.calls
         for mode, bs, tokens in (("EXTEND", 2, 3), ("TARGET_VERIFY", 2, 4), ("DECODE", 17, 1)):
-            fb = _batch(mode, bs, tokens)
+            fb = batch(mode, bs, tokens_per_row=tokens)
             assert built.plan(fb.input_ids, fb) is None
             assert forward(fb.input_ids, torch.zeros(bs * tokens, dtype=torch.long), fb) == "stock"
         assert calls == [("EXTEND", 2), ("TARGET_VERIFY", 2), ("DECODE", 17)]
-        fb = _batch("DECODE", 4)
+        fb = batch("DECODE", 4)
         step = built.plan(fb.input_ids, fb)
         assert isinstance(step, nv.Step) and (step.mode, step.rows) == ("decode", 4)
         with forward_context(ForwardContext(attn_backend=backend)):
@@ -304,3 +255,181 @@ else:
         assert out.next_token_logits.shape == (4, model.mc.hf_config.vocab_size)
         assert backend.calls == 1  # the engine attention of the one attention layer
         assert built.serving.active and built.router.routed_steps == 1
+
+    # -- FailStop after every step --------------------------------------------------------------
+    def test_load_plugins_puts_the_failstop_hook_on_model_runner_forward():
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        assert hooks.applied(hooks.FORWARD_TARGET, hooks.after_forward)
+        assert hooks.applied(hooks.RPC_TARGET, hooks.around_handle_rpc_request)
+        assert hasattr(ModelRunner.forward, "__wrapped__")  # HookRegistry's wrapper
+        assert v0523.failstop_reasons() == []
+
+    def test_model_stage_refuses_where_the_hook_is_not_applied(model, monkeypatch):
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched) - {FWD})
+        try:
+            reasons = v0523.megakernel_spec("reference").model_disable_reasons(
+                model.model, model.mc.hf_config
+            )
+        finally:
+            model.model.__dict__.pop(hooks.SERVING_ATTR, None)
+        assert len(reasons) == 1 and reasons[0].startswith(
+            f"mono_ext's FailStop hook on {FWD} is not applied in this process"
+        )
+
+    class Graphs:
+        """The decode CUDA-graph runner as ``ModelRunner._forward_raw`` sees it: graphs of
+        batch sizes ``capture_bs``; a replay pads the batch to the next one (``bs``) and
+        returns the captured output without running any Python of the model."""
+
+        capture_bs = (1, 2, 4, 8, 16, 24)
+
+        def __init__(self):
+            self.bs = None
+
+        def can_run_graph(self, fb):
+            return fb.batch_size <= max(self.capture_bs)
+
+        def execute(self, fb, pp_proxy_tensors=None):
+            self.bs = min(b for b in self.capture_bs if b >= fb.batch_size)
+            return f"replayed graph {self.bs}"
+
+    class Eager:
+        """SGLang's eager runner: the model's (dispatching) forward, in the forward context
+        ``_forward_raw`` set."""
+
+        def __init__(self, model):
+            self.model = model
+
+        def execute(self, fb, pp_proxy_tensors=None):
+            n = fb.input_ids.shape[0]
+            return self.model.forward(fb.input_ids, torch.zeros(n, dtype=torch.long), fb)
+
+    class Runner:
+        """A ModelRunner with SGLang's own ``forward`` (as HookRegistry patched it: the
+        FailStop after-hook) and ``_forward_raw`` (which picks replay or eager), over
+        stand-ins for what needs a GPU."""
+
+        def forward(self, *args, **kwargs):  # looked up now: load_plugins patched it
+            return ModelRunner.forward(self, *args, **kwargs)
+
+        _forward_raw = ModelRunner._forward_raw
+        _maybe_execute_deferred_mamba_cow_and_clear = (
+            ModelRunner._maybe_execute_deferred_mamba_cow_and_clear
+        )
+        forward_pass_id, msprobe_debugger, canary_manager, eplb_manager = 0, None, None, None
+        is_draft_worker = enable_elastic_ep = False
+        hisparse_coordinator = prefill_cuda_graph_runner = None
+        device = "cuda"  # decode batches may replay a graph
+
+        def __init__(self, model, attn_backend, graphs=True):
+            self.model, self.attn_backend = model, attn_backend
+            self.req_to_token_pool = attn_backend.req_to_token_pool
+            self.decode_cuda_graph_runner = Graphs() if graphs else None
+            self.eager_runner = Eager(model)
+
+        def _prepare_eager_forward_batch(self, fb):  # DP / MLP-sync padding: none here
+            pass
+
+    def _capture(model, deployed, monkeypatch):
+        """What capturing the decode graphs of ``Graphs.capture_bs`` (the largest first, as
+        SGLang does) and then a prefill graph runs on the host: the dispatching forward under
+        capture, in the capture's forward context."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        router = deployed.built.router
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        router.capturing = lambda: True  # CPU torch never captures
+        shapes = [("DECODE", bs, 1) for bs in sorted(Graphs.capture_bs, reverse=True)]
+        with forward_context(ForwardContext(attn_backend=deployed.backend)):
+            for mode, bs, tokens in [*shapes, ("EXTEND", 4, 8)]:
+                fb = batch(mode, bs, tokens_per_row=tokens)
+                model.model.forward(fb.input_ids, torch.zeros(bs * tokens, dtype=torch.long), fb)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        router.capturing = lambda: False
+        return router
+
+    def test_each_routed_step_is_checked_before_sglang_samples_it(model, deployed, monkeypatch):
+        router = _capture(model, deployed, monkeypatch)
+        # every captured decode graph's plan, the prefill graph not mixed in
+        assert {bs: s and s.width for bs, s in router.captured.items()} == {
+            1: 1,
+            2: 2,
+            4: 4,
+            8: 8,
+            16: 16,
+            24: None,
+        }
+        assert router.replayed_steps == router.released == 0  # a capture releases nothing
+        shared = persistent_launches(deployed.built.serving)
+        runner = Runner(model.model, deployed.backend)
+        for bs in (3, 1, 8, 3):  # healthy replays of routed graphs: each checked once
+            out = runner.forward(batch("DECODE", bs))
+            assert out.can_run_graph and out.logits_output.startswith("replayed graph")
+        assert (shared["steps"], shared["releases"]) == (4, 4)
+        assert router.replayed == {4: 2, 1: 1, 8: 1} and router.released == 4
+        runner.forward(batch("DECODE", 20))  # a stock graph (24)
+        runner.forward(batch("EXTEND", 2, tokens_per_row=3))  # prefill: SGLang's forward
+        assert (shared["steps"], shared["releases"], router.stock_decode) == (4, 4, 1)
+        # graphs off: an eager routed step runs the launches here and is released too
+        eager = Runner(model.model, deployed.backend, graphs=False)
+        out = eager.forward(batch("DECODE", 4))
+        assert not out.can_run_graph and out.logits_output.next_token_logits.shape[0] == 4
+        assert (shared["steps"], shared["releases"], router.released) == (5, 5, 5)
+        assert router.replayed_steps == 4 and router.routed_steps == 5 + 1  # + the capture
+        assert deployed.original.calls == [("DECODE", 24), ("EXTEND", 4), ("EXTEND", 2)]
+
+    def test_a_failed_wait_raises_before_sglang_samples_the_step(model, deployed, monkeypatch):
+        from mono_ext.runtime.failstop import FailStopError
+
+        router = _capture(model, deployed, monkeypatch)
+        shared = persistent_launches(deployed.built.serving)
+        runner = Runner(model.model, deployed.backend)
+        runner.forward(batch("DECODE", 2))
+        shared["src"].fail()  # a device wait of the next step gives up
+        with pytest.raises(FailStopError, match="gave up") as info:
+            runner.forward(batch("DECODE", 2))  # a replay: raised before any token is sampled
+        assert "region#0[9]: rank 0 CTA 1" in str(info.value)  # the wait, named
+        with pytest.raises(FailStopError):  # sticky: eager steps too
+            Runner(model.model, deployed.backend, graphs=False).forward(batch("DECODE", 3))
+        assert router.released == 1
+
+    def test_a_forward_outside_model_runner_forward_does_not_hide_a_replay(
+        model, deployed, monkeypatch
+    ):
+        """SGLang's warmups (e.g. FlashInfer autotune's ``_dummy_run``) call the model's
+        forward without ``ModelRunner.forward``: the next replay is still checked as one."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        router = _capture(model, deployed, monkeypatch)
+        shared = persistent_launches(deployed.built.serving)
+        fb = batch("DECODE", 2)
+        with forward_context(ForwardContext(attn_backend=deployed.backend)):
+            model.model.forward(fb.input_ids, torch.zeros(2, dtype=torch.long), fb)
+        assert router._pending is not None and shared["steps"] == 1  # ran, never released
+        Runner(model.model, deployed.backend).forward(batch("DECODE", 2))
+        assert router.replayed == {2: 1} and (shared["steps"], shared["releases"]) == (2, 1)
+
+    def test_the_report_rpc_on_0523(model, deployed, monkeypatch, tmp_path):
+        from sglang.srt.managers import scheduler as sched_mod
+        from sglang.srt.managers.io_struct import RpcReqInput
+
+        from mono_ext.engines.sglang.report import REPORT_RPC
+
+        _capture(model, deployed, monkeypatch)
+        runner = Runner(model.model, deployed.backend)
+        runner.forward(batch("DECODE", 3))
+        monkeypatch.setattr(sched_mod, "barrier", lambda group=None: None)  # one rank
+        fake = SimpleNamespace(  # 0.5.23's scheduler has no tp_rank: the runtime context's
+            tp_worker=SimpleNamespace(model_runner=runner),
+            tp_group=SimpleNamespace(cpu_group=None),
+        )
+        handler = sched_mod.Scheduler.handle_rpc_request  # as HookRegistry patched it
+        out = handler(fake, RpcReqInput(method=REPORT_RPC, parameters={"path": str(tmp_path)}))
+        assert out.success, out.message
+        r = json.loads((tmp_path / f"{REPORT_RPC}.tp0.json").read_text())
+        assert (r["state"], r["backend"], r["tp_rank"]) == ("on", "reference", 0)
+        assert r["captured"] == {"1": 1, "2": 2, "4": 4, "8": 8, "16": 16, "24": None}
+        assert (r["replayed"], r["released"]) == ({"4": 1}, 1)

@@ -19,12 +19,15 @@ After the decode graphs are captured, :class:`CaptureCheck` (a ``capture_tail_ho
 entry) refuses a deployment none of whose graphs routes to the kernels.
 
 FailStop: SGLang samples a step's tokens after ``ModelRunner.forward`` returns (the logits come
-out of the forward, replayed graph or not). An after-hook on ``ModelRunner.forward`` calls
-:meth:`Router.after_forward`: an eager routed step (its forward ran here and called
-``end_step``) is released; a decode step that replayed a graph without entering the router is
+out of the forward, replayed graph or not). An after-hook on ``ModelRunner.forward``
+(:mod:`.hooks`) calls :meth:`Router.after_forward`: an eager routed step (its forward ran here
+and called ``end_step``) is released; a decode step that replayed a graph without entering the
+router (``ModelRunnerOutput.can_run_graph``: only a replay sets it for a decode step) is
 looked up by the graph's padded batch size (``decode_cuda_graph_runner.bs``) in the plans
-recorded at capture, and a routed one gets ``end_step`` (once) and ``release``. A failed device
-wait raises :class:`~mono_ext.runtime.failstop.FailStopError` there, before sampling.
+recorded at capture (:meth:`Router.note`), and a routed one gets ``end_step`` (once) and
+``release``. A failed device wait raises :class:`~mono_ext.runtime.failstop.FailStopError`
+there, before sampling. On SGLang 0.5.23 SGLang's own dispatch calls the spec's ``plan`` and
+``forward`` instead of :meth:`Router.__call__` (:mod:`.v0523`); they feed the same router.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ __all__ = [
     "Router",
     "CaptureCheck",
     "install",
+    "attach",
     "uninstall",
     "is_capturing",
     "ROUTED_ATTR",
@@ -88,7 +92,9 @@ def plan_step(spec: Any, forward_batch: Any, args: tuple, kwargs: dict) -> Step 
 
 
 class Router:
-    """Routes one model's steps. ``serving`` is an active :class:`.serving.Serving`."""
+    """Routes one model's steps. ``serving`` is a :class:`.serving.Serving` past its model
+    stage; steps route once it is active (0.5.17: installed after the cache stage; 0.5.23:
+    made at the build, the cache stage runs at the first routed forward)."""
 
     def __init__(self, serving: Any, original: Callable[..., Any], *, attn_backend: Any = None):
         self.serving = serving
@@ -117,14 +123,23 @@ class Router:
 
     def __call__(self, input_ids, positions, forward_batch, *args, **kwargs):
         step = self.plan(forward_batch, *args, **kwargs)
-        capturing = self.capturing()
-        if capturing:
-            self.captured[int(forward_batch.batch_size)] = step
-        # a capture runs nothing: the replays are checked in after_forward
-        self._pending = None if capturing else ("stock" if step is None else "eager", step)
+        self.note(forward_batch, step)
         if step is None:
             return self.original(input_ids, positions, forward_batch, *args, **kwargs)
         return self.run(step, input_ids, positions, forward_batch)
+
+    def note(self, forward_batch: Any, step: Step | None) -> None:
+        """Record a model forward that reached mono_ext's dispatch with plan ``step`` (None:
+        SGLang's forward), for :meth:`after_forward`. While a decode CUDA graph is captured:
+        the plan of its batch size, which every replay of it runs (a capture itself runs
+        nothing; other graphs, e.g. prefill ones, are never routed); otherwise the step that
+        this forward runs in Python."""
+        if self.capturing():
+            if _is_decode(forward_batch):
+                self.captured[int(forward_batch.batch_size)] = step
+            self._pending = None
+        else:
+            self._pending = ("stock" if step is None else "eager", step)
 
     def after_forward(self, forward_batch: Any, output: Any, graph_runner: Any) -> None:
         """After ``ModelRunner.forward`` and before SGLang samples the step (see the module
@@ -133,14 +148,16 @@ class Router:
         pending, self._pending = self._pending, None
         if driver is None:
             return
-        if pending is not None:
-            kind, step = pending
-            if kind == "eager" and driver.after_step(step, replayed=False):
-                self.released += 1
-            elif kind == "stock" and _is_decode(forward_batch):
-                self.stock_decode += 1
-            return
+        # SGLang's own answer: a decode step with can_run_graph replayed a decode graph (an
+        # eager decode returns False), whatever a forward outside ModelRunner.forward (a
+        # warmup) left pending
         if not getattr(output, "can_run_graph", False) or not _is_decode(forward_batch):
+            if pending is not None:
+                kind, step = pending
+                if kind == "eager" and driver.after_step(step, replayed=False):
+                    self.released += 1
+                elif kind == "stock" and _is_decode(forward_batch):
+                    self.stock_decode += 1
             return
         bs = getattr(graph_runner, "bs", None)
         step = None if bs is None else self.captured.get(int(bs))
@@ -227,8 +244,15 @@ def install(model: Any, router: Router) -> None:
     def forward(input_ids, positions, forward_batch, *args, **kwargs):
         return router(input_ids, positions, forward_batch, *args, **kwargs)
 
-    model.__dict__[ROUTED_ATTR] = router
+    attach(model, router)
     model.forward = forward
+
+
+def attach(model: Any, router: Router) -> None:
+    """Keep ``router`` on ``model`` for the after-hook on ``ModelRunner.forward`` and the
+    report (what :func:`install` does besides replacing the forward; SGLang 0.5.23 replaces
+    it itself)."""
+    model.__dict__[ROUTED_ATTR] = router
 
 
 def uninstall(model: Any) -> None:

@@ -34,24 +34,26 @@ managers.scheduler.Scheduler.handle_rpc_request         around  answers ``Engine
                                                                 ...)`` (:mod:`.report`)
 ======================================================  ======  ===============================
 
+The last two (:mod:`.hooks`) are the ones :mod:`.v0523` registers on 0.5.23 as well.
+
 With the flag off every hook returns at once and the model keeps SGLang's own forward.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from typing import Any
 
 from . import flags as _flags
 from . import has_native_api
+from . import hooks as _hooks
 
 __all__ = ["register", "HOOKS", "has_native_api"]
 
 log = logging.getLogger("mono_ext.sglang")
 
-_SERVING_ATTR = "_mono_ext_serving"
+_SERVING_ATTR = _hooks.SERVING_ATTR
 _registered = False
 
 
@@ -178,26 +180,9 @@ def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwarg
         )
 
 
-def _after_forward(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-    from .dispatch import router_of
-
-    router = router_of(getattr(runner, "model", None))
-    if router is None:
-        return None
-    forward_batch = args[0] if args else kwargs.get("forward_batch")
-    router.after_forward(forward_batch, result, getattr(runner, "decode_cuda_graph_runner", None))
-    return None  # keep SGLang's result
-
-
-def _around_handle_rpc_request(original: Any, scheduler: Any, recv_req: Any, *a, **kw) -> Any:
-    """SGLang's RPC calls the scheduler method named by the request: give the scheduler
-    :func:`.report.write_report` under that name when it is asked for, then let SGLang run it
-    (its reply and TP barrier unchanged)."""
-    from .report import REPORT_RPC, write_report
-
-    if getattr(recv_req, "method", None) == REPORT_RPC and REPORT_RPC not in vars(scheduler):
-        scheduler.__dict__[REPORT_RPC] = functools.partial(write_report, scheduler)
-    return original(scheduler, recv_req, *a, **kw)
+# The run-time hooks are shared with 0.5.23's kernel-plugin path (:mod:`.hooks`).
+_after_forward = _hooks.after_forward
+_around_handle_rpc_request = _hooks.around_handle_rpc_request
 
 
 _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
@@ -209,12 +194,8 @@ HOOKS: tuple[tuple[str, str, Any], ...] = (
     ("sglang.srt.entrypoints.engine.Engine.__init__", "AROUND", _around_engine_init),
     (f"{_MR}.load_model", "AROUND", _around_load_model),
     (f"{_MR}.init_attention_backends", "AFTER", _after_init_attention_backends),
-    (f"{_MR}.forward", "AFTER", _after_forward),
-    (
-        "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request",
-        "AROUND",
-        _around_handle_rpc_request,
-    ),
+    (_hooks.FORWARD_TARGET, "AFTER", _after_forward),
+    (_hooks.RPC_TARGET, "AROUND", _around_handle_rpc_request),
 )
 
 
@@ -230,8 +211,5 @@ def register() -> None:
         )
         _registered = True
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    for target, kind, hook in HOOKS:
-        HookRegistry.register(target, hook, getattr(HookType, kind))
+    _hooks.register(HOOKS)
     _registered = True

@@ -1,8 +1,9 @@
-"""What mono_ext did in an SGLang 0.5.17 scheduler, for tests and operators.
+"""What mono_ext did in an SGLang scheduler (0.5.17 and 0.5.23), for tests and operators.
 
 ``Engine.collective_rpc("mono_ext_report", path=DIR)`` makes every scheduler process write
 ``DIR/mono_ext_report.tp<rank>.json`` (:func:`runner_report` of its model runner): SGLang's
-RPC calls a scheduler method by name, and :mod:`.plugin` puts this one on the scheduler the
+RPC calls a scheduler method by name, and the around-hook of :mod:`.hooks` (registered by
+:mod:`.plugin` on 0.5.17, by :mod:`.v0523` on 0.5.23) puts this one on the scheduler the
 first time it is asked for. ``collective_rpc`` returns nothing, hence the files.
 
 Nothing here imports SGLang or torch.
@@ -35,14 +36,37 @@ def _failstop(driver: Any) -> dict[str, Any] | None:
     return None
 
 
+def _serving_of(runner: Any) -> Any:
+    """The deployment: on the runner (0.5.17's hooks) or on its model (0.5.23's spec)."""
+    from .hooks import SERVING_ATTR
+
+    for holder in (runner, getattr(runner, "model", None)):
+        serving = getattr(holder, "__dict__", {}).get(SERVING_ATTR)
+        if serving is not None:
+            return serving
+    return None
+
+
+def _tp_rank(scheduler: Any) -> int:
+    """0.5.17's scheduler has ``tp_rank``; 0.5.23 publishes it in its runtime context."""
+    rank = getattr(scheduler, "tp_rank", None)
+    if rank is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            rank = get_parallel().tp_rank
+        except Exception:  # no published context: one process
+            rank = 0
+    return int(rank or 0)
+
+
 def runner_report(runner: Any) -> dict[str, Any]:
     """One rank's mono_ext state: ``state`` None (flag off), "off" (refused), "on" or
     "pending" (stages left); refusals; served widths; the plan recorded per captured decode
     graph; routed, replayed (by graph batch size), released and stock decode steps."""
     from .dispatch import router_of
-    from .plugin import serving_of
 
-    serving = serving_of(runner)
+    serving = _serving_of(runner)
     out: dict[str, Any] = {"pid": os.getpid(), "state": None}
     if serving is None:
         return out
@@ -77,7 +101,7 @@ def runner_report(runner: Any) -> dict[str, Any]:
 
 def write_report(scheduler: Any, path: str) -> None:
     """The RPC: write this scheduler's :func:`runner_report` under the folder ``path``."""
-    rank = int(getattr(scheduler, "tp_rank", 0) or 0)
+    rank = _tp_rank(scheduler)
     report = runner_report(scheduler.tp_worker.model_runner)
     report["tp_rank"] = rank
     with open(os.path.join(path, f"{REPORT_RPC}.tp{rank}.json"), "w") as f:

@@ -26,12 +26,29 @@ config checks          ``config_disable_reasons``: the spec's      same
 model checks           ``model_disable_reasons``: planes bound     same (with ``copies``)
                        in place against the spec
 plan / forward         :class:`Built` (``plan`` from host facts;   ``forward(plan, ...)``
-                       ``forward`` runs the step through the
+                       ``forward`` runs the step through the       (:class:`BuiltMono`)
                        shared :class:`.dispatch.Router`)
+FailStop               the after-hook on ``ModelRunner.forward``   same
+                       (:mod:`.hooks`), as on 0.5.17
 =====================  ==========================================  ==========================
 
 The cache stage (GDN states from ``MambaPool``, KV buffers) runs at the first routed
 forward, when the pools exist; a refusal there raises, as SGLang's own checks do.
+
+FailStop. 0.5.23's binding has no call after a step: ``_Dispatch`` (``sglang.srt.
+kernel_plugins.nvidia.binding``) wraps ``model.forward`` only, so a decode-graph replay
+never reaches the plugin. Every decode step still comes back to Python in
+``ModelRunner.forward`` before it is sampled (``ModelRunner._forward_raw`` returns
+``decode_cuda_graph_runner.execute``'s logits as ``ModelRunnerOutput(can_run_graph=True)``;
+``TpModelWorker.forward_batch_generation`` samples after it returns), exactly as on 0.5.17.
+So :func:`register` also puts 0.5.17's after-hook on ``ModelRunner.forward`` (and the report
+RPC) through ``HookRegistry``, which 0.5.23's ``load_plugins`` applies right after running
+this entry point. The build makes the :class:`.dispatch.Router` and keeps it on the model
+(:func:`.dispatch.attach`); ``plan`` records each decision (:meth:`.dispatch.Router.note`:
+the plan of every captured decode graph, or the eager step), ``forward`` runs it, and the
+hook releases each routed step, eager or replayed, or raises
+:class:`~mono_ext.runtime.failstop.FailStopError` before SGLang samples it. The model stage
+refuses a process where the hook is not applied.
 
 The spec objects are built on first access (module ``__getattr__``), so importing this
 module on an older SGLang costs nothing and :func:`register` does nothing there.
@@ -40,10 +57,12 @@ module on an older SGLang costs nothing and :func:`register` does nothing there.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
+from . import hooks as _hooks
 from .flags import Monokernel
 
 __all__ = [
@@ -52,6 +71,8 @@ __all__ = [
     "ARCHITECTURES",
     "ISAS",
     "Built",
+    "BuiltMono",
+    "failstop_reasons",
     "megakernel_spec",
     "mono_spec",
     "register",
@@ -72,7 +93,7 @@ ISAS: dict[str, tuple[str, ...]] = {
     "reference": ("sm_90",),
 }
 _AMD_BACKENDS = ("flydsl",)
-_SERVING_ATTR = "_mono_ext_serving"
+_SERVING_ATTR = _hooks.SERVING_ATTR
 
 
 def _spec_class() -> Any:
@@ -124,15 +145,19 @@ def _config_reasons(backend: str, cfg: Any, hf_config: Any) -> list[str]:
         dtype=_resolved_dtype(cfg, hf_config),
         quantization=getattr(cfg, "quantization", None),
     )
-    reasons = list(refusal.reasons)
-    chosen = serving.backend
-    if chosen is not None and not chosen.testing_only:
-        reasons.append(
-            f"backend {chosen.name}: through SGLang 0.5.23's kernel-plugin API mono_ext does not "
-            "yet check FailStop after decode-graph replays (0.5.17's --monokernel does), so a "
-            "failed step could return tokens"
-        )
-    return reasons
+    return list(refusal.reasons)
+
+
+def failstop_reasons() -> list[str]:
+    """Why FailStop would not see this process's steps: the after-hook on
+    ``ModelRunner.forward`` is not applied (e.g. ``load_plugins`` did not run this entry
+    point here), so a step whose device wait gave up could return tokens."""
+    if _hooks.applied(_hooks.FORWARD_TARGET, _hooks.after_forward):
+        return []
+    return [
+        f"mono_ext's FailStop hook on {_hooks.FORWARD_TARGET} is not applied in this process "
+        f"(pid {os.getpid()}): a decode step whose device wait gave up could return tokens"
+    ]
 
 
 def _model_reasons(backend: str, model: Any, hf_config: Any) -> list[str]:
@@ -149,38 +174,52 @@ def _model_reasons(backend: str, model: Any, hf_config: Any) -> list[str]:
     if not refusal:
         refusal = serving.accept_model(model)
     model.__dict__[_SERVING_ATTR] = serving
-    return list(refusal.reasons)
+    return list(refusal.reasons) + failstop_reasons()
 
 
 # -- the built object -------------------------------------------------------------------------
 class Built:
-    """What a spec's build returns (0.5.23's ``BuiltMegakernel`` / ``BuiltMonokernels``)."""
+    """What a spec's build returns (0.5.23's ``BuiltMegakernel`` / ``BuiltMonokernels``).
 
-    def __init__(self, serving: Any, widths: tuple[int, ...], *, step_type: Any = None) -> None:
+    ``router`` (made here, kept on the model for the FailStop hook) records every plan and
+    runs the routed steps; the cache stage runs at the first routed forward."""
+
+    def __init__(
+        self, serving: Any, widths: tuple[int, ...], model: Any, *, step_type: Any = None
+    ) -> None:
+        from .dispatch import Router, attach
+
         self.serving = serving
         self.widths = widths
         self.draft_sampler = None
         self._step_type = step_type  # nvidia Step; None for the AMD contract
-        self.router: Any = None
+        # SGLang's dispatch calls the model's own forward for stock steps, not the router
+        self.router = Router(serving, None)
+        attach(model, self.router)
+        self._caches = False  # the cache stage accepted
 
     def summary(self) -> str:
         s = self.serving
         lay = ", ".join(f"{k}={v}" for k, v in sorted(s.spec.deployment.layouts.items()))
         return f"mono_ext {s.spec.name} on backend {s.backend.name} ({lay})"
 
-    def plan(self, input_ids: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    def _plan(self, forward_batch: Any, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        """The core step for this forward, or None (stock)."""
         from .dispatch import plan_step
 
-        step = plan_step(self.serving.spec, forward_batch, args, kwargs)
-        if step is None or step.width not in self.widths:
-            return None
-        return self._step_type(mode="decode", rows=step.width)
+        step = plan_step(self.serving.spec, forward_batch, args, dict(kwargs))
+        return None if step is None or step.width not in self.widths else step
 
-    def _router(self, original: Any) -> Any:
-        if self.router is None:
+    def plan(self, input_ids: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        step = self._plan(forward_batch, args, kwargs)
+        # SGLang calls plan once per model forward, capture or eager: the FailStop record
+        self.router.note(forward_batch, step)
+        return None if step is None else self._step_type(mode="decode", rows=step.width)
+
+    def _ready(self, original: Any = None) -> Any:
+        """The router, after the cache stage (at the first routed forward: the pools exist)."""
+        if not self._caches:
             from sglang.srt.model_executor.forward_context import get_attn_backend
-
-            from .dispatch import Router
 
             backend = get_attn_backend()
             kv_pool = getattr(backend, "token_to_kv_pool", None)
@@ -189,27 +228,32 @@ class Built:
             refusal = self.serving.accept_caches(backend.req_to_token_pool, kv_pool)
             if refusal:
                 raise ValueError(refusal.message())
-            self.router = Router(self.serving, original, attn_backend=backend)
+            self.router.attn_backend = backend
+            self._caches = True
+        if original is not None:
+            self.router.original = original
         return self.router
 
     def forward(self, step: Any, original: Any, input_ids, positions, forward_batch, *a, **k):
         from ...core.spec import Step as CoreStep
 
-        router = self._router(original)
+        router = self._ready(original)
         core = CoreStep(width=int(step.rows), key=self.serving.spec.build_key(int(step.rows)))
         return router.run(core, input_ids, positions, forward_batch)
 
 
 class BuiltMono(Built):
-    """The AMD contract: ``forward(plan, *args, **kwargs)`` (the plan holds the graph key)."""
+    """The AMD contract: ``forward(plan, *args, **kwargs)`` (the plan holds the graph key),
+    called for served keys only (no ``plan`` call): the FailStop record is made here."""
 
     def forward(self, plan: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         from ...core.spec import Step as CoreStep
 
         input_ids, positions, forward_batch = _model_args(args, kwargs)
-        router = self._router(None)
+        router = self._ready()
         rows = int(plan.key.rows)
         core = CoreStep(width=rows, key=self.serving.spec.build_key(rows))
+        router.note(forward_batch, core)
         return router.run(core, input_ids, positions, forward_batch)
 
 
@@ -225,10 +269,10 @@ def _build(backend: str, model: Any, hf_config: Any, ctx: Any, *, amd: bool = Fa
         raise ValueError("mono_ext: build before model_disable_reasons accepted the model")
     widths = tuple(w for w in ctx.widths if w in serving.launches)
     if amd:
-        return BuiltMono(serving, widths)
+        return BuiltMono(serving, widths, model)
     from sglang.kernels.plugin_kernels.nvidia.spec import Step
 
-    return Built(serving, widths, step_type=Step)
+    return Built(serving, widths, model, step_type=Step)
 
 
 # -- spec objects ---------------------------------------------------------------------------
@@ -326,6 +370,8 @@ def register() -> None:
         return
     for arch in ARCHITECTURES:
         nv.register(architecture=arch, path=f"{__name__}:MEGAKERNEL_SPEC")
+    # FailStop after every step and the report RPC, as on 0.5.17 (see the module doc)
+    _hooks.register(_hooks.RUNTIME_HOOKS)
     try:
         from sglang.kernels.plugin_kernels.amd import spec as amd
 
