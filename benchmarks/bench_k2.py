@@ -1,6 +1,7 @@
-"""K2 (layer tail) per-launch time on one GPU vs a torch op chain of the same math.
+"""K2 (layer tail) per-launch time on one GPU vs the stock op chains of the same math.
 
     PYTHONPATH=src python benchmarks/bench_k2.py [--csv docs/k2_h200.csv] [--plot docs/k2.png]
+    PYTHONPATH=src:/tmp/site python benchmarks/bench_k2.py --stock both   # with vLLM 0.26 importable
 
 Shapes: Qwen3-Next-80B-A3B tail at TP1 (H 2048, GDN out_proj input 4096, 512 experts top-10,
 I 512, shared 512). Every arm runs ``ROT`` rotations per CUDA-graph replay: each rotation has
@@ -11,14 +12,32 @@ replay time / ROT, median of several replays.
 
 Arms:
 - ``k2``: this package's one persistent launch (config variants, see ``VARIANTS``).
+- ``vllm``: vLLM 0.26's own modules and ops for the same work, as an engine with
+  ``enforce_eager`` dispatches them, captured in the CUDA graph like every other arm:
+  RowParallelLinear out_proj (F.linear), GemmaRMSNorm(hidden, residual) (vllm.ir
+  fused_add_rms_norm), then the model's own Qwen3NextSparseMoeBlock: gate F.linear, fused_topk
+  (``_moe_C.topk_softmax``, renormalised), the unquantized Triton fused MoE (TritonExperts via
+  FusedMoEKernel), the Qwen2MoeMLP shared expert (SiluAndMul ``_C.silu_and_mul``, sigmoid
+  gate) on vLLM's aux stream, shared + routed. benchmarks/_vllm_chain.py builds it and names
+  every file / function it runs. Needs ``import vllm`` and CUDA.
+- ``vllm-compiled``: the same modules under vLLM's default compilation config (custom ops
+  off): out_proj + add + norm through torch.compile (Inductor), as vLLM's compiled graph fuses
+  them; the MoE block (an opaque op in vLLM's graph) as vLLM runs it there.
 - ``torch``: the same math as a torch op chain under a CUDA graph: cuBLAS linears
   (out_proj, router, shared gate_up/down, shared gate), fp32 Gemma RMSNorm, softmax +
   torch.topk + renormalise, routed experts as a gather of the picked experts' planes
-  (``w13[ids]``, ``w2[ids]``) + ``torch.bmm``, weighted sum. This is a stand-in for vLLM
-  0.26's chain (its unquantized Triton fused MoE, fused RMSNorm), which was not installed on
-  the device: the vLLM comparison is still owed.
+  (``w13[ids]``, ``w2[ids]``) + ``torch.bmm``, weighted sum. A stand-in for vLLM where vLLM
+  does not import.
 - ``torch-loop``: the experts as a per-pick loop of ``F.linear`` on the picked planes (no
   gather copies; needs the ids on the host, so eager, one sync per rotation); widths <= 4.
+
+``--stock`` picks the stock arms (default ``both`` where vLLM imports, else ``torch``). Before
+timing, each stock arm's output is checked against K2's on rotation 0 at width 4 (hidden
+cosine >= 0.999). The "vs stock" column is (stock time) / (arm time), the stock time being the
+fastest vLLM arm at that width when one was timed under a CUDA graph, else the fastest of
+torch / torch-loop (the CSV names it in ``stock_arm``). A vLLM arm whose graph capture fails
+is timed with eager launches under the name "<arm> (eager launches)" and is not a stock
+reference.
 
 Bytes per launch count each weight byte read once (dense planes + the distinct picked
 experts' w13/w2 planes of that rotation) plus activations; % HBM is (bytes / time) over the
@@ -30,9 +49,12 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
+import time
+import traceback
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
@@ -275,6 +297,88 @@ def print_trace(su: Setup, sms: int, state: RankState, vname: str, b: int) -> No
         print(f"    {i} {name:<13} {col.min():7.1f} {col.median():7.1f} {col.max():7.1f}")
 
 
+VLLM_ARMS = ("vllm", "vllm-compiled")
+TORCH_ARMS = ("torch", "torch-loop")
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+def vllm_arms(su: Setup, widths: list[int], modes: list[str], refs: dict, rows: list) -> None:
+    """vLLM 0.26's own chain (benchmarks/_vllm_chain.py) per mode: built, checked against K2 on
+    rotation 0 at width 4, timed per width under a CUDA graph (eager launches where capture
+    fails). Appends (width, arm, median_us, best_us) to ``rows``; a mode that cannot be built or
+    fails its check is reported and skipped."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _vllm_chain as vc
+
+    problem = vc.import_problem()
+    if problem is not None:
+        print(f"vllm arms skipped: vLLM does not import ({problem})")
+        return
+    w0, wide = su.rot[0], max(widths)
+    for mode in modes:
+        arm = vc.ARMS[mode]
+        t0 = time.perf_counter()
+        try:
+            tail = vc.VllmTail(su.rot, mode=mode, device="cuda")
+            # widest first: vLLM's MoE workspace (current_workspace_manager) grows here, never
+            # inside a capture
+            for r, w in enumerate(su.rot):
+                tail(r, w["o_in"][:wide], w["residual"][:wide])
+            hid, res = tail(0, w0["o_in"][:4], w0["residual"][:4])
+            torch.cuda.synchronize()
+            print(f"{arm}: {tail.describe(wide)}")
+            copied = tail.copies(su.rot)
+            print(f"{arm}: planes bound to vLLM's parameters without copies: "
+                  f"{'all' if not copied else 'all but ' + ', '.join(copied)}")  # fmt: skip
+        except Exception as e:  # report and go on: the other arms' numbers still stand
+            traceback.print_exc()
+            print(f"{arm}: could not build or run ({type(e).__name__}: {e}); not timed")
+            continue
+        ck = cosine(hid, refs["k2"])
+        print(f"{arm} vs k2 (width 4): hidden cosine {ck:.6f}, vs torch chain "
+              f"{cosine(hid, refs['torch']):.6f}; residual cosine vs k2 "
+              f"{cosine(res, refs['k2_res']):.6f}")  # fmt: skip
+        if not ck >= 0.999:
+            print(f"{arm}: hidden cosine vs k2 below 0.999; not timed")
+            continue
+        for b in widths:
+
+            def body(b=b, tail=tail):
+                for r, w in enumerate(su.rot):
+                    tail(r, w["o_in"][:b], w["residual"][:b])
+
+            name = arm
+            try:
+                med, best = time_graph(body)
+            except Exception as e:
+                print(f"  {arm} w{b}: CUDA graph capture failed ({type(e).__name__}: {e}); "
+                      "timed with eager launches")  # fmt: skip
+                torch.cuda.synchronize()
+                name = f"{arm} (eager launches)"
+                med, best = time_eager(body)
+            rows.append((b, name, med, best))
+            print(f"  {name:<16} w{b:<2} {med:8.1f} us")
+        print(f"  {arm}: built, checked and timed in {time.perf_counter() - t0:.0f} s")
+        tail = None
+        torch.cuda.empty_cache()
+
+
+def stock_times(rows: list) -> tuple[dict, dict]:
+    """Per width, the stock reference: the fastest graph-timed vLLM arm, else the fastest of
+    torch / torch-loop. Returns ({width: us}, {width: arm})."""
+    stock, arm_of = {}, {}
+    for b in sorted({row[0] for row in rows}):
+        for group in (VLLM_ARMS, TORCH_ARMS):
+            timed = [(med, arm) for w, arm, med, _ in rows if w == b and arm in group]
+            if timed:
+                stock[b], arm_of[b] = min(timed)
+                break
+    return stock, arm_of
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
@@ -286,7 +390,19 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", action="store_true",
         help="per-CTA %%globaltimer stamps of each variant (where the time goes)",
     )  # fmt: skip
+    ap.add_argument(
+        "--stock", choices=("vllm", "torch", "both"), default=None,
+        help="stock arms: vLLM 0.26's own ops, the torch op chain, or both (default: both where "
+             "vllm is installed, else torch)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--vllm-modes", default="eager,compiled",
+        help="vllm arms: eager (arm vllm, enforce_eager dispatch) and/or compiled "
+             "(arm vllm-compiled, vLLM's default compilation)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.stock is None:
+        args.stock = "both" if importlib.util.find_spec("vllm") is not None else "torch"
     widths = [int(x) for x in args.widths.split(",")]
     name = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -306,9 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     k2.launch(w0["o_in"][:4], w0["residual"][:4], w0, w0["out_h"][:4], w0["out_r"][:4], ws=ws,
               ctrl=state.ctrl, health=state.health)  # fmt: skip
     got = w0["out_h"][:4].float().clone()
+    refs = {"k2": got, "k2_res": w0["out_r"][:4].float().clone()}
     torch_chain(w0, 4, d)
-    cos = F.cosine_similarity(got.flatten(), w0["out_h"][:4].float().flatten(), dim=0).item()
-    print(f"k2 vs torch chain (width 4): hidden cosine {cos:.6f}")
+    refs["torch"] = w0["out_h"][:4].float().clone()
+    print(f"k2 vs torch chain (width 4): hidden cosine {cosine(got, refs['torch']):.6f}")
     print(f"k2 build: {k2.label()} regs {k2.resources.regs_per_thread} "
           f"smem {k2.resources.shared_bytes} kspl1 {k2.kspl1}")  # fmt: skip
 
@@ -334,21 +451,26 @@ def main(argv: list[str] | None = None) -> int:
     if not h.ok:
         raise RuntimeError(h.describe(k2.layout.describe))
 
-    for b in widths:
-        med, best = time_graph(lambda b=b: [torch_chain(w, b, d) for w in su.rot])
-        rows.append((b, "torch", med, best))
-        print(f"  torch            w{b:<2} {med:8.1f} us")
-        if b <= 4:
-            med, best = time_eager(lambda b=b: [torch_loop_chain(w, b, d) for w in su.rot])
-            rows.append((b, "torch-loop", med, best))
-            print(f"  torch-loop       w{b:<2} {med:8.1f} us")
+    if args.stock in ("vllm", "both"):
+        modes = [m for m in args.vllm_modes.split(",") if m]
+        vllm_arms(su, widths, modes, refs, rows)
+    timed_vllm = any(arm in VLLM_ARMS for _, arm, _, _ in rows)
+    if args.stock in ("torch", "both") or not timed_vllm:
+        if args.stock == "vllm":
+            print("no vllm arm timed: timing the torch arms as the stock reference")
+        for b in widths:
+            med, best = time_graph(lambda b=b: [torch_chain(w, b, d) for w in su.rot])
+            rows.append((b, "torch", med, best))
+            print(f"  torch            w{b:<2} {med:8.1f} us")
+            if b <= 4:
+                med, best = time_eager(lambda b=b: [torch_loop_chain(w, b, d) for w in su.rot])
+                rows.append((b, "torch-loop", med, best))
+                print(f"  torch-loop       w{b:<2} {med:8.1f} us")
 
-    stock = {}
-    for b, arm, med, _ in rows:
-        if arm in ("torch", "torch-loop"):
-            stock[b] = min(stock.get(b, float("inf")), med)
+    stock, stock_arm = stock_times(rows)
     date = datetime.date.today().isoformat()
     print(f"\n{name}, {date}; bytes/launch from the routed inputs; HBM = {bw / 1e12:.2f} TB/s")
+    print("vs stock: " + ", ".join(f"w{b} {stock_arm[b]}" for b in widths if b in stock_arm))
     print(f"{'width':>5} {'arm':<34} {'us':>8} {'best':>8} {'MB':>7} {'TB/s':>6} {'%HBM':>5} "
           f"{'vs stock':>8}")  # fmt: skip
     out = []
@@ -360,12 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{b:>5} {arm:<34} {med:8.1f} {best:8.1f} {mb:7.1f} {tbs:6.2f} {pct:5.1f} "
               f"{ratio:8.2f}")  # fmt: skip
         out.append([name, date, b, arm, f"{med:.2f}", f"{best:.2f}", f"{mb:.1f}", f"{tbs:.3f}",
-                    f"{pct:.1f}", f"{ratio:.3f}", f"{bw / 1e12:.3f}"])  # fmt: skip
+                    f"{pct:.1f}", f"{ratio:.3f}", f"{bw / 1e12:.3f}", stock_arm.get(b, "")])  # fmt: skip
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.writer(f)
             wr.writerow(["device", "date", "width", "arm", "median_us", "best_us", "mbytes",
-                         "tb_per_s", "pct_hbm", "stock_over_arm", "copy_tb_per_s"])  # fmt: skip
+                         "tb_per_s", "pct_hbm", "stock_over_arm", "copy_tb_per_s",
+                         "stock_arm"])  # fmt: skip
             wr.writerows(out)
     if args.plot:
         import matplotlib
@@ -374,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for arm in ("k2", "torch", "torch-loop"):
+        for arm in ("k2", *VLLM_ARMS, "torch", "torch-loop"):
             pts = [(b, m) for b, a, m, _ in rows if a == arm]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=arm)
