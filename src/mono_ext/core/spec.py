@@ -27,7 +27,10 @@ class BuildKey:
     """Everything a compiled K1/K2 pair depends on, besides kernel sources.
 
     ``layouts`` holds engine layout tags (conv-state layout, qkvz packing, ...),
-    sorted so equal deployments give equal keys.
+    sorted so equal deployments give equal keys. ``formats`` holds the matrix planes whose
+    format (``core.views.PLANE_FORMATS``) is not bf16, as sorted (plane, format) pairs: a
+    build that reads fp8 or mxfp4 planes is a different build from the bf16 one, and an
+    all-bf16 build has none (its digest is the one it had before formats existed).
     """
 
     spec: str
@@ -36,16 +39,23 @@ class BuildKey:
     dtype: str
     tp_size: int
     layouts: tuple[tuple[str, str], ...] = ()
+    formats: tuple[tuple[str, str], ...] = ()
 
     def digest(self, sources: str = "") -> str:
         """A stable sha256 hex digest; ``sources`` is where a backend mixes in its kernel sources."""
-        blob = json.dumps(asdict(self), sort_keys=True) + sources
+        fields = asdict(self)
+        if not self.formats:
+            del fields["formats"]  # all-bf16 builds keep the digests they always had
+        blob = json.dumps(fields, sort_keys=True) + sources
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def label(self) -> str:
         lay = ",".join(f"{k}={v}" for k, v in self.layouts)
-        return f"{self.spec}/{self.backend}/w{self.width}/{self.dtype}/tp{self.tp_size}" + (
-            f"/{lay}" if lay else ""
+        fmt = ",".join(f"{k}={v}" for k, v in self.formats)
+        return (
+            f"{self.spec}/{self.backend}/w{self.width}/{self.dtype}/tp{self.tp_size}"
+            + (f"/{lay}" if lay else "")
+            + (f"/formats:{fmt}" if fmt else "")
         )
 
 
@@ -66,6 +76,11 @@ class Deployment:
     tp_size: int
     widths: tuple[int, ...]
     layouts: Mapping[str, str] = field(default_factory=dict)
+    # matrix plane -> format (core.views.PLANE_FORMATS), known once the model stage accepts;
+    # bf16 planes may be left out
+    formats: Mapping[str, str] = field(default_factory=dict)
+    # the plane formats the deployed backend reads (its builder's ``plane_formats``)
+    plane_formats: frozenset[str] = frozenset({"bf16"})
 
 
 class ModelSpec(ABC):
@@ -116,6 +131,7 @@ class ModelSpec(ABC):
             dtype=d.dtype,
             tp_size=d.tp_size,
             layouts=tuple(sorted(d.layouts.items())),
+            formats=tuple(sorted((p, f) for p, f in d.formats.items() if f != "bf16")),
         )
 
     def build_keys(self) -> list[BuildKey]:

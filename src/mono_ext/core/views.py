@@ -20,6 +20,12 @@ A_log        (Hv,)        o_proj   (H, Hq*D)        shared_gate_up (2Is, H)
 dt_bias      (Hv,)                                  shared_down    (H, Is)
 norm         (Dv,)  gated RMSNorm weight            shared_expert_gate (1, H)
 out_proj     (H, Hv*Dv)
+
+Matrix planes (the projections above, ``MATRIX_PLANES``) also carry a *format*: how their
+values are stored (``PLANE_FORMATS``). A plane's ``shape`` is always the logical one, (N, K)
+or (E, N, K) as in the table, whatever the storage (mxfp4 packs two codes per byte, so its
+storage is [..., N, K/2]); ``dtype`` is the storage dtype. What each engine leaves after
+loading, per format and kernel, is in docs/quantized_planes.md.
 """
 
 from __future__ import annotations
@@ -37,7 +43,11 @@ __all__ = [
     "LayerCacheView",
     "CacheView",
     "StepView",
+    "ScaleView",
     "FEATURES",
+    "PLANE_FORMATS",
+    "MATRIX_PLANES",
+    "QUANT_METHODS",
     "STEP_MODES",
 ]
 
@@ -54,6 +64,44 @@ FEATURES: dict[str, str] = {
     "sequence_parallel": "sequence parallelism (rows split inside a layer)",
 }
 
+#: Weight-plane formats an adapter may report for a matrix plane. "bf16" is what every built
+#: kernel reads; the others are recognised (docs/quantized_planes.md) so that a quantized
+#: deployment is judged plane by plane, and refused with exact reasons until a backend reads
+#: them. Values: (family, description of the readable layout).
+PLANE_FORMATS: dict[str, tuple[str, str]] = {
+    "bf16": ("bf16", "bf16 (row-major [N, K])"),
+    "fp8_block128": (
+        "fp8",
+        "fp8 block-128 (e4m3fn [N, K] row-major, fp32 scales [ceil(N/128), ceil(K/128)])",
+    ),
+    "fp8_channel": ("fp8", "fp8 per-channel (e4m3fn [N, K] row-major, fp32 scale per row)"),
+    "fp8_tensor": ("fp8", "fp8 per-tensor (e4m3fn [N, K] row-major, one fp32 scale)"),
+    "mxfp4": (
+        "mxfp4",
+        "mxfp4 (e2m1 codes 2 per byte [N, K/2] row-major, e8m0 scale per 32 along K [N, K/32])",
+    ),
+}
+
+#: The planes that are matrices (a format applies), and the launch that reads each.
+MATRIX_PLANES: dict[str, str] = {
+    "in_proj_qkvz": "K1",
+    "in_proj_ba": "K1",
+    "qkv_proj": "K1",
+    "out_proj": "K2",
+    "o_proj": "K2",
+    "router": "K2",
+    "w13": "K2",
+    "w2": "K2",
+    "shared_gate_up": "K2",
+    "shared_down": "K2",
+    "shared_expert_gate": "K2",
+}
+
+#: Engine quantization methods (``ConfigView.quantization``) whose planes an adapter that
+#: derives plane formats (``ConfigView.reads_plane_formats``) can judge at the model stage.
+#: Any other method is refused at the config stage.
+QUANT_METHODS: tuple[str, ...] = ("fp8", "fbgemm_fp8", "compressed-tensors", "mxfp4")
+
 #: Step modes an adapter reports; only "decode" is ever served.
 STEP_MODES = ("decode", "prefill", "mixed", "spec_verify", "idle", "other")
 
@@ -66,6 +114,9 @@ class ConfigView:
     tp_size: int = 1
     dtype: str = "bfloat16"  # activation/weight dtype the engine runs
     quantization: str | None = None  # the engine's quant method name, None when unquantized
+    # True when the adapter derives each matrix plane's format at the model stage (a quantized
+    # deployment of a QUANT_METHODS method is then judged plane by plane there)
+    reads_plane_formats: bool = False
     features: frozenset[str] = frozenset()  # names from FEATURES that are on
     engine: str = "none"  # "vllm", "sglang", or "none" (CLI, tests)
     engine_version: str = ""
@@ -83,14 +134,35 @@ class ConfigView:
 
 
 @dataclass(frozen=True)
-class PlaneView:
-    """One weight plane as this rank holds it."""
+class ScaleView:
+    """The scale tensor of a quantized plane, as the engine keeps it."""
 
     shape: tuple[int, ...]
     dtype: str
+    contiguous: bool = True  # dense row-major
+    name: str = ""  # the engine's attribute, e.g. "weight_scale_inv"
+
+
+@dataclass(frozen=True)
+class PlaneView:
+    """One weight plane as this rank holds it."""
+
+    shape: tuple[int, ...]  # logical: (N, K) / (E, N, K) for matrix planes, whatever the storage
+    dtype: str  # storage dtype ("float8_e4m3fn", "uint8" for packed mxfp4, ...)
     quant: str = "none"  # the engine's quant method for the owning module
     contiguous: bool = True
-    layout: str = "row_major"  # engine layout tag when not a plain (out, in) matrix
+    # "row_major": the memory is a dense [.., N, K] (or [.., N, K/2]) array a kernel streams
+    # row by row (possibly exposed by the engine as a transposed (K, N) view of it);
+    # "transposed": the memory is [K, N]; "strided": anything else; "padded": the storage is
+    # larger than the logical shape; "marlin" / "triton_kernels": an engine kernel's tiled or
+    # swizzled layout; "dropped": the engine freed the plane after converting it elsewhere.
+    layout: str = "row_major"
+    format: str = "bf16"  # a PLANE_FORMATS key, or another tag the spec refuses
+    scale: ScaleView | None = None  # quantized formats: the engine's scale tensor
+    block: tuple[int, ...] | None = None  # fp8 block shape (rows, cols) a scale covers
+    bias: bool = False  # the owning module adds a bias
+    input_scale: bool = False  # a static activation scale (W8A8 with a fixed input scale)
+    kernel: str = ""  # the engine kernel that reads the plane (informational)
 
 
 @dataclass(frozen=True)

