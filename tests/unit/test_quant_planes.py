@@ -74,9 +74,8 @@ def fp8_channel_linear(n, k, device=META, per_tensor=False):
         bias=None,
         output_size_per_partition=n,
         input_size_per_partition=k,
-        quant_method=SimpleNamespace(
-            scheme=SimpleNamespace(fp8_linear=CutlassFP8ScaledMMLinearKernel())
-        ),
+        quant_method=SimpleNamespace(),  # CompressedTensorsLinearMethod: the scheme is on
+        scheme=SimpleNamespace(fp8_linear=CutlassFP8ScaledMMLinearKernel()),  # the layer
     )
 
 
@@ -345,12 +344,28 @@ def test_vllm_fp8_channel_weight_is_a_transposed_view_of_row_major_storage():
     assert view.format == "fp8_channel" and view.layout == "row_major"
     assert view.shape == (384, 128) and view.contiguous
     assert view.scale == ScaleView((384, 1), "float32", True, "weight_scale")
+    assert view.kernel == "CutlassFP8ScaledMMLinearKernel"
     assert bound.shape == (384, 128) and bound.is_contiguous()
     assert bound.data_ptr() == mod.weight.data_ptr()  # the engine's storage, no copy
     assert format_problems(view, (384, 128)) == []
     tensor = fp8_channel_linear(384, 128, per_tensor=True)
     view, _ = plane_view(tensor, "out_proj", "weight", tensor.weight, "Fp8LinearMethod")
     assert view.format == "fp8_tensor" and format_problems(view, (384, 128)) == []
+
+
+def test_vllm_square_fp8_channel_plane_is_read_through_its_transposed_view():
+    """out_proj / shared_down of the tiny FP8 checkpoint are square: the (K, N) view and the
+    [N, K] storage have the same shape, and the engine's (K, N) convention decides."""
+    mod = fp8_channel_linear(128, 128, device="cpu")
+    view, bound = plane_view(mod, "out_proj", "weight", mod.weight, "CompressedTensorsW8A8")
+    assert (view.format, view.layout, view.shape) == ("fp8_channel", "row_major", (128, 128))
+    assert bound.is_contiguous() and bound.data_ptr() == mod.weight.data_ptr()
+    mod.weight = torch.empty(128, 128, dtype=FP8)  # a contiguous (K, N): stored [K, N]
+    view, bound = plane_view(mod, "out_proj", "weight", mod.weight, "CompressedTensorsW8A8")
+    assert view.layout == "transposed" and bound is None
+    block = fp8_block_linear(128, 128, device="cpu")  # block fp8 stays (N, K)
+    view, bound = plane_view(block, "out_proj", "weight", block.weight, "Fp8LinearMethod")
+    assert view.layout == "row_major" and bound is block.weight
 
 
 def test_vllm_transposed_and_biased_storages_are_reported():

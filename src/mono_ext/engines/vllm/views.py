@@ -310,7 +310,8 @@ def _engine_kernel(mod: Any) -> str:
     qm = getattr(mod, "quant_method", None)
     if qm is None:
         return ""
-    for holder in (qm, getattr(qm, "scheme", None)):
+    # compressed-tensors keeps its scheme on the layer (CompressedTensorsLinearMethod)
+    for holder in (qm, getattr(mod, "scheme", None)):
         k = getattr(holder, "fp8_linear", None)
         if k is not None:
             return type(k).__name__
@@ -339,17 +340,23 @@ def _logical(mod: Any, plane: str) -> tuple[int, ...] | None:
     return None if n is None or k is None else (n, k)
 
 
-def _layout(t: torch.Tensor, logical: tuple[int, ...], packed: bool) -> tuple[str, torch.Tensor]:
-    """(layout tag, the tensor to bind as row-major [.., N, K]) of a matrix plane's storage."""
+def _layout(
+    t: torch.Tensor, logical: tuple[int, ...], packed: bool, kn: bool
+) -> tuple[str, torch.Tensor]:
+    """(layout tag, the tensor to bind as row-major [.., N, K]) of a matrix plane's storage.
+
+    ``kn``: the engine keeps this format's weight as (K, N) (vLLM's fp8 per-channel and
+    per-tensor methods all end with ``weight.t()``), which decides square planes."""
     *lead, n, k = logical
     want = (*lead, n, k // 2 if packed else k)
+    kn_shape = (want[-1], n)
+    if not lead and tuple(t.shape) == kn_shape and (kn or kn_shape != want):
+        if t.t().is_contiguous():  # a (K, N) view of the row-major [N, K] storage
+            return "row_major", t.t()
+        if t.is_contiguous():
+            return "transposed", t
     if tuple(t.shape) == want:
         return ("row_major" if t.is_contiguous() else "strided"), t
-    if not lead and tuple(t.shape) == (want[1], n):
-        tt = t.t()  # vLLM's fp8 per-channel / per-tensor weights: a (K, N) view of [N, K]
-        if tt.is_contiguous():
-            return "row_major", tt
-        return ("transposed" if t.is_contiguous() else "strided"), t
     if t.dim() == len(want) and all(a >= b for a, b in zip(t.shape, want, strict=True)):
         return "padded", t
     return "strided", t
@@ -396,7 +403,7 @@ def plane_view(
     if "marlin" in kernel.lower():
         layout, bound = "marlin", None
     else:
-        layout, bound = _layout(t, logical, packed)
+        layout, bound = _layout(t, logical, packed, fmt in ("fp8_channel", "fp8_tensor"))
     if layout == "padded":
         logical = (*t.shape[:-1], t.shape[-1] * (2 if packed else 1))
     bias = _tensor(getattr(mod, f"{prefix}bias", None))
