@@ -49,6 +49,12 @@ __all__ = [
     "MATRIX_PLANES",
     "QUANT_METHODS",
     "STEP_MODES",
+    "KN_FORMATS",
+    "dtype_name",
+    "plane_format",
+    "plane_layout",
+    "matrix_plane_view",
+    "container_plane_view",
 ]
 
 #: Engine features that change what a step is or where weights live. An adapter
@@ -213,3 +219,149 @@ class StepView:
     def __post_init__(self) -> None:
         if self.mode not in STEP_MODES:
             raise ValueError(f"unknown step mode {self.mode!r}; known: {STEP_MODES}")
+
+
+# -- plane formats from an engine's tensors ------------------------------------------------------
+# Shared by the engine adapters (vLLM 0.26, SGLang 0.5.17/0.5.23): both leave the same tensors
+# after ``process_weights_after_loading`` (docs/quantized_planes.md), so what a plane's format
+# and layout are follows from its tensors alone; the adapter says only where they live (the
+# weight, its scale, the block size, the logical shape the module records, bias, static input
+# scale, the engine kernel). Tensors are read duck-typed (``dtype``, ``shape``,
+# ``is_contiguous``, ``t``): the core imports no torch.
+
+_FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32"})
+_FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
+#: formats whose weights both engines leave as a (K, N) ``weight.t()`` view of the loaded
+#: [N, K] storage (their per-channel / per-tensor methods all end with ``weight.t()``); block and
+#: MXFP4 methods keep (N, K). This decides square planes.
+KN_FORMATS = frozenset({"fp8_channel", "fp8_tensor"})
+
+
+def dtype_name(t: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (of a tensor or a dtype)."""
+    return str(getattr(t, "dtype", t)).removeprefix("torch.")
+
+
+def _numel(t: Any) -> int:
+    n = 1
+    for d in t.shape:
+        n *= int(d)
+    return n
+
+
+def plane_format(dtype: str, *, block: Any, scale: Any, rows: int) -> str:
+    """The ``PLANE_FORMATS`` tag of a matrix plane stored as ``dtype`` with weight scale
+    ``scale`` (None: none), quantisation block ``block`` ((rows, cols), None: not block
+    quantized); ``rows`` = [E *] N."""
+    if dtype in _FLOAT_DTYPES:
+        return "bf16" if scale is None else "unknown"
+    if dtype in _FP8_DTYPES:
+        if block is not None:
+            return "fp8_block128" if list(block) == [128, 128] else "fp8_block"
+        if scale is not None and _numel(scale) == rows and rows > 1:
+            return "fp8_channel"
+        return "fp8_tensor"
+    if dtype == "uint8" and scale is not None:
+        return "mxfp4"
+    return "unknown"
+
+
+def plane_layout(t: Any, logical: tuple[int, ...], *, packed: bool, kn: bool) -> tuple[str, Any]:
+    """(layout tag, the tensor to bind as row-major [.., N, K]) of a matrix plane's storage
+    ``t`` of logical shape ``logical``; ``packed``: two codes per byte along K; ``kn``: the
+    engine keeps this format as (K, N) (``KN_FORMATS``), which decides square planes."""
+    *lead, n, k = logical
+    want = (*lead, n, k // 2 if packed else k)
+    kn_shape = (want[-1], n)
+    shape = tuple(t.shape)
+    if not lead and shape == kn_shape and (kn or kn_shape != want):
+        if t.t().is_contiguous():  # a (K, N) view of the row-major [N, K] storage
+            return "row_major", t.t()
+        if t.is_contiguous():
+            return "transposed", t
+    if shape == want:
+        return ("row_major" if t.is_contiguous() else "strided"), t
+    if len(shape) == len(want) and all(a >= b for a, b in zip(shape, want, strict=True)):
+        return "padded", t
+    return "strided", t
+
+
+def matrix_plane_view(
+    t: Any,
+    logical: tuple[int, ...] | None,
+    *,
+    quant: str = "none",
+    scale: Any = None,
+    scale_name: str = "",
+    block: Any = None,
+    kernel: str = "",
+    layout: str | None = None,
+    bias: bool = False,
+    input_scale: bool = False,
+) -> tuple[PlaneView, Any]:
+    """The PlaneView of a matrix plane from the engine's weight ``t`` and its scale, and the
+    tensor to bind for it (row-major [.., N, K]; None when the storage cannot be bound).
+
+    ``logical``: the plane's ([E,] N, K) as the module records it (None: taken from the
+    storage; a (K, N) view of a per-channel / per-tensor weight is recognised by its strides);
+    ``block``: the fp8 block size the engine quantized with (None: not block-quantized);
+    ``layout``: a layout the adapter knows the engine repacked into ("marlin", ...), which
+    overrides the one read from the strides; ``input_scale``: a static activation scale.
+    """
+    dtype = dtype_name(t)
+    packed = dtype == "uint8"
+    storage = (*t.shape[:-1], t.shape[-1] * (2 if packed else 1))
+    rows = 1
+    for d in (logical or storage)[:-1]:
+        rows *= int(d)
+    fmt = plane_format(dtype, block=block, scale=scale, rows=rows)
+    if logical is None:
+        logical = tuple(storage)
+        if fmt in KN_FORMATS and t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
+            logical = (int(t.shape[1]), int(t.shape[0]))  # the (K, N) view of [N, K]
+    if layout is not None:
+        bound = None
+    else:
+        layout, bound = plane_layout(t, tuple(logical), packed=packed, kn=fmt in KN_FORMATS)
+    if layout == "padded":
+        logical = tuple(storage)
+    view = PlaneView(
+        shape=tuple(int(d) for d in logical),
+        dtype=dtype,
+        quant=quant,
+        contiguous=layout == "row_major",
+        layout=layout,
+        format=fmt,
+        scale=(
+            None
+            if scale is None
+            else ScaleView(
+                tuple(int(d) for d in scale.shape),
+                dtype_name(scale),
+                bool(scale.is_contiguous()),
+                scale_name,
+            )
+        ),
+        block=tuple(block) if block is not None and fmt.startswith("fp8_block") else None,
+        bias=bias,
+        input_scale=fmt.startswith("fp8") and input_scale,
+        kernel=kernel if fmt != "bf16" else "",
+    )
+    return view, (bound if layout == "row_major" else None)
+
+
+def container_plane_view(
+    container: Any, logical: tuple[int, ...] | None, *, quant: str, kernel: str = ""
+) -> PlaneView:
+    """The PlaneView of a plane an engine kernel holds in its own container, not a torch
+    tensor (triton_kernels' swizzled MXFP4 tensors): never bound."""
+    fmt = "mxfp4" if "mxfp4" in quant.lower() else "unknown"
+    return PlaneView(
+        tuple(logical or ()),
+        type(container).__name__,
+        quant,
+        False,
+        "triton_kernels",
+        fmt,
+        kernel=kernel,
+    )

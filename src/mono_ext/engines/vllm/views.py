@@ -57,8 +57,6 @@ with their layout so the spec refuses them by name.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -74,8 +72,9 @@ from ...core.views import (
     LayerView,
     ModelView,
     PlaneView,
-    ScaleView,
     StepView,
+    container_plane_view,
+    matrix_plane_view,
 )
 from ...models.qwen3_next.configs import family
 from ...models.qwen3_next.dims import text_config as _text_config
@@ -285,13 +284,6 @@ def _quant_name(mod: Any) -> str:
     return "none" if qm is None else type(qm).__name__
 
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-_FP8_DTYPES = tuple(
-    getattr(torch, n)
-    for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
-)
-
-
 def _tensor(obj: Any) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
@@ -340,96 +332,36 @@ def _logical(mod: Any, plane: str) -> tuple[int, ...] | None:
     return None if n is None or k is None else (n, k)
 
 
-def _layout(
-    t: torch.Tensor, logical: tuple[int, ...], packed: bool, kn: bool
-) -> tuple[str, torch.Tensor]:
-    """(layout tag, the tensor to bind as row-major [.., N, K]) of a matrix plane's storage.
-
-    ``kn``: the engine keeps this format's weight as (K, N) (vLLM's fp8 per-channel and
-    per-tensor methods all end with ``weight.t()``), which decides square planes."""
-    *lead, n, k = logical
-    want = (*lead, n, k // 2 if packed else k)
-    kn_shape = (want[-1], n)
-    if not lead and tuple(t.shape) == kn_shape and (kn or kn_shape != want):
-        if t.t().is_contiguous():  # a (K, N) view of the row-major [N, K] storage
-            return "row_major", t.t()
-        if t.is_contiguous():
-            return "transposed", t
-    if tuple(t.shape) == want:
-        return ("row_major" if t.is_contiguous() else "strided"), t
-    if t.dim() == len(want) and all(a >= b for a, b in zip(t.shape, want, strict=True)):
-        return "padded", t
-    return "strided", t
-
-
-def _format(t: torch.Tensor, mod: Any, scale: torch.Tensor | None, rows: int) -> str:
-    """The PLANE_FORMATS tag of a matrix plane's storage (``rows``: [E *] N)."""
-    if t.dtype in _FLOATS:
-        return "bf16" if scale is None else "unknown"
-    if t.dtype in _FP8_DTYPES:
-        block = getattr(mod, "weight_block_size", None)
-        if block is not None:
-            return "fp8_block128" if list(block) == [128, 128] else "fp8_block"
-        if scale is not None and scale.numel() == rows and rows > 1:
-            return "fp8_channel"
-        return "fp8_tensor"
-    if t.dtype == torch.uint8 and scale is not None:
-        return "mxfp4"
-    return "unknown"
-
-
 def plane_view(
     mod: Any, plane: str, attr: str, t: Any, quant: str
 ) -> tuple[PlaneView, torch.Tensor | None]:
     """The PlaneView of one plane of a vLLM module, and the tensor to bind for it (None where
     the storage cannot be bound as a row-major plane). Matrix planes get a format derived
-    from their tensors (module docstring)."""
+    from their tensors (module docstring; the engine-neutral part is
+    ``core.views.matrix_plane_view``, shared with the SGLang adapter)."""
     kernel = _engine_kernel(mod)
     if plane in _NON_MATRIX or not attr.endswith("weight"):
         return PlaneView(tuple(t.shape), _dtype(t), quant, t.is_contiguous()), t
     if not isinstance(t, torch.Tensor):  # an engine kernel's container (triton_kernels Tensor)
-        fmt = "mxfp4" if "mxfp4" in quant.lower() else "unknown"
-        shape = _logical(mod, plane) or ()
-        view = PlaneView(shape, type(t).__name__, quant, False, "triton_kernels", fmt)
-        return dataclasses.replace(view, kernel=kernel), None
+        return container_plane_view(t, _logical(mod, plane), quant=quant, kernel=kernel), None
     prefix = attr[: -len("weight")]  # "" or "w13_" / "w2_"
     found = _scale_of(mod, prefix)
-    scale = found[1] if found is not None else None
-    packed = t.dtype == torch.uint8
-    logical = _logical(mod, plane)
-    if logical is None:  # no recorded sizes: the storage is the logical shape
-        logical = (*t.shape[:-1], t.shape[-1] * (2 if packed else 1))
-    fmt = _format(t, mod, scale, math.prod(logical[:-1]))
-    if "marlin" in kernel.lower():
-        layout, bound = "marlin", None
-    else:
-        layout, bound = _layout(t, logical, packed, fmt in ("fp8_channel", "fp8_tensor"))
-    if layout == "padded":
-        logical = (*t.shape[:-1], t.shape[-1] * (2 if packed else 1))
     bias = _tensor(getattr(mod, f"{prefix}bias", None))
     has_bias = (bias is not None and bias.numel() > 0) or bool(
         plane in ("w13", "w2") and getattr(getattr(mod, "moe_config", None), "has_bias", False)
     )
-    block = getattr(mod, "weight_block_size", None)
-    view = PlaneView(
-        shape=tuple(logical),
-        dtype=_dtype(t),
+    return matrix_plane_view(
+        t,
+        _logical(mod, plane),
         quant=quant,
-        contiguous=layout == "row_major",
-        layout=layout,
-        format=fmt,
-        scale=(
-            None
-            if found is None
-            else ScaleView(tuple(scale.shape), _dtype(scale), scale.is_contiguous(), found[0])
-        ),
-        block=tuple(block) if block is not None and fmt.startswith("fp8_block") else None,
+        scale=None if found is None else found[1],
+        scale_name="" if found is None else found[0],
+        block=getattr(mod, "weight_block_size", None),
+        kernel=kernel,
+        layout="marlin" if "marlin" in kernel.lower() else None,
         bias=has_bias,
-        input_scale=fmt.startswith("fp8")
-        and _tensor(getattr(mod, f"{prefix}input_scale", None)) is not None,
-        kernel=kernel if fmt != "bf16" else "",
+        input_scale=_tensor(getattr(mod, f"{prefix}input_scale", None)) is not None,
     )
-    return view, (bound if layout == "row_major" else None)
 
 
 #: planes named ".weight" that are not matrices
