@@ -96,10 +96,25 @@ class LayerBinding:
     quant: dict[str, str] = field(default_factory=dict)  # plane -> owning module's quant method
     facts: dict[str, Any] = field(default_factory=dict)
     module: Any = None  # the decoder layer (for the engine attention and check mode)
+    # matrix plane -> (owning module, weight attribute, index into the engine tensor or None):
+    # where :func:`.views.model_view` finds the plane's scale, block size and sizes
+    sources: dict[str, tuple[Any, str, Any]] = field(default_factory=dict)
+    # planes an engine kernel holds outside torch tensors (triton_kernels' swizzled MXFP4
+    # experts): plane -> the container; never bound, the view reports them
+    containers: dict[str, Any] = field(default_factory=dict)
 
-    def put(self, name: str, tensor: torch.Tensor, owner: Any = None) -> None:
+    def put(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        owner: Any = None,
+        attr: str = "weight",
+        index: Any = None,
+    ) -> None:
         self.planes[name] = tensor
         self.quant[name] = _quant_name(owner) if owner is not None else _NO_QUANT
+        if owner is not None:
+            self.sources[name] = (owner, attr, index)
 
 
 @dataclass
@@ -167,6 +182,22 @@ def _bind_moe(b: LayerBinding, layer: Any, num_experts: int, reasons: list[str])
             return
     experts = mlp.experts
     b.put("router", _weight(mlp.gate), mlp.gate)
+    qm = getattr(experts, "quant_method", None)
+    if getattr(experts, "w13_weight", None) is None and hasattr(qm, "w13_weight_triton_tensor"):
+        # Mxfp4MoEMethod with --moe-runner-backend triton_kernel: the experts were swizzled
+        # into triton_kernels tensors and the module's w13_weight / w2_weight deleted
+        b.containers["w13"] = qm.w13_weight_triton_tensor
+        b.containers["w2"] = getattr(qm, "w2_weight_triton_tensor", None)
+        b.quant["w13"] = b.quant["w2"] = _quant_name(experts)
+        b.sources["w13"] = (experts, "w13_weight", slice(0, num_experts))
+        b.sources["w2"] = (experts, "w2_weight", slice(0, num_experts))
+        b.put("shared_expert_gate", _weight(mlp.shared_expert_gate), mlp.shared_expert_gate)
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:
+            b.put("shared_gate_up", _weight(shared.gate_up_proj), shared.gate_up_proj)
+            b.put("shared_down", _weight(shared.down_proj), shared.down_proj)
+            b.facts["shared_expert"] = "module"
+        return
     w13, w2 = experts.w13_weight.detach(), experts.w2_weight.detach()
     fused = int(getattr(mlp, "num_fused_shared_experts", 0) or 0)
     slots = w13.shape[0]
@@ -176,8 +207,9 @@ def _bind_moe(b: LayerBinding, layer: Any, num_experts: int, reasons: list[str])
             "(expert parallelism)"
         )
         return
-    b.put("w13", w13[:num_experts], experts)
-    b.put("w2", w2[:num_experts], experts)
+    routed = slice(0, num_experts)
+    b.put("w13", w13[routed], experts, "w13_weight", routed)
+    b.put("w2", w2[routed], experts, "w2_weight", routed)
     b.put("shared_expert_gate", _weight(mlp.shared_expert_gate), mlp.shared_expert_gate)
     shared = getattr(mlp, "shared_expert", None)
     if fused == 0:
@@ -195,8 +227,8 @@ def _bind_moe(b: LayerBinding, layer: Any, num_experts: int, reasons: list[str])
     elif fused == 1 and shared is None and slots == num_experts + 1:
         # SGLang's fused shared expert: the extra slot E of the routed experts, loaded from
         # mlp.shared_expert.* by the model's load_weights; read in place like any expert.
-        b.put("shared_gate_up", w13[num_experts], experts)
-        b.put("shared_down", w2[num_experts], experts)
+        b.put("shared_gate_up", w13[num_experts], experts, "w13_weight", num_experts)
+        b.put("shared_down", w2[num_experts], experts, "w2_weight", num_experts)
         b.facts["shared_expert"] = "fused_slot"
     else:
         # Any other fused layout: the spec refuses it, naming the flag that turns fusion off.

@@ -80,6 +80,7 @@ def runner_report(runner: Any) -> dict[str, Any]:
         refusals=[] if refusal is None else list(refusal.reasons),
         refused_at=None if refusal is None else refusal.stage.value,
         widths=None if deployment is None else list(deployment.widths),
+        plane_formats=dict(getattr(spec, "plane_formats", None) or {}),
         build_extra={k: str(v) for k, v in serving.build_extra.items()},
     )
     router = router_of(getattr(runner, "model", None))

@@ -8,8 +8,10 @@ stage      when                              what is checked (every reason, rank
 =========  ================================  ===========================================
 config     before the weights load           the spec's config refusals, the backend's,
                                              SGLang settings (:func:`.views.engine_reasons`)
-model      after load                        every plane bound in place (:mod:`.binding`)
-                                             against the spec; then every width is built
+model      after load                        every plane bound in place (:mod:`.binding`),
+                                             its format derived from the module
+                                             (:func:`.views.plane_view`), against the
+                                             spec; then every width is built
 caches     once the pools exist (0.5.17:     GDN states / KV buffers bound in place
            after the attention backends;     against the spec
            0.5.23: the first routed step)
@@ -208,6 +210,10 @@ class Serving:
                     tp_size=cfg.tp_size,
                     widths=widths,
                     layouts=layouts,
+                    # plane formats the backend reads (its builder's ``plane_formats``; bf16
+                    # when it declares none): the model stage refuses any other format by
+                    # name, and an accepted one goes into every build key
+                    plane_formats=frozenset(getattr(self.builder, "plane_formats", ("bf16",))),
                 )
             )
         return reasons

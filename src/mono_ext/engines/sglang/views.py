@@ -8,6 +8,22 @@ SGLang settings that change what a step is or where tensors live map onto the co
 ``FEATURES``; the SGLang-only ones the kernels cannot serve are returned as extra config
 reasons by :func:`engine_reasons`. Attribute reads use defaults so a field that an SGLang
 release lacks reads as "off".
+
+Quantized planes (docs/quantized_planes.md, section 3): each matrix plane's format is derived
+from its owning module's tensors after ``process_weights_after_loading``, by the same
+engine-neutral code as the vLLM adapter's (``core.views.matrix_plane_view``). SGLang keeps
+vLLM's attribute names: ``weight_scale_inv`` for ``fp8`` block (fp32 [ceil(N/128),
+ceil(K/128)]), ``weight_scale`` for per-channel / per-tensor and compressed-tensors,
+``w13_weight_scale_inv`` / ``w13_weight_scale`` for experts (sliced like the bound experts:
+``[:E]`` routed, ``[E]`` the fused shared slot); per-channel / per-tensor weights are a (K, N)
+``weight.t()`` view of the loaded [N, K] storage, bound as ``weight.t()``. What differs from
+vLLM: ``Fp8LinearMethod`` / ``Fp8MoEMethod`` keep the block size on the quant method
+(``weight_block_size``), not on the layer (compressed-tensors sets it on the layer); Marlin is
+the method's ``use_marlin`` (``SGLANG_FORCE_FP8_MARLIN``, ``--moe-runner-backend marlin``);
+SGLang's CPU path VNNI-packs fp8 weights for AMX (``use_intel_amx_backend``, layout
+``amx_packed``); MXFP4 experts under ``--moe-runner-backend triton_kernel`` leave the module
+(triton_kernels containers on the quant method), and under the default Hopper path arrive
+upcast to bf16 (then refused by the quant method's name, ``Mxfp4MoEMethod``).
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...core.views import (
+    MATRIX_PLANES,
     CacheTensorView,
     CacheView,
     ConfigView,
@@ -24,6 +41,9 @@ from ...core.views import (
     ModelView,
     PlaneView,
     StepView,
+    container_plane_view,
+    dtype_name,
+    matrix_plane_view,
 )
 from ...models.qwen3_next.dims import text_config
 from .binding import CacheBinding, ModelBinding
@@ -36,6 +56,7 @@ __all__ = [
     "engine_reasons",
     "config_view",
     "model_view",
+    "plane_view",
     "cache_view",
     "step_mode",
     "step_view",
@@ -199,24 +220,167 @@ def config_view(
         tp_size=int(tp_size),
         dtype=_dtype_name(dtype),
         quantization=quantization,
+        reads_plane_formats=True,  # model_view derives every matrix plane's format
         features=features,
         engine=ENGINE,
         engine_version=engine_version,
     )
 
 
+def _tensor(obj: Any) -> Any:
+    return obj if hasattr(obj, "dtype") and hasattr(obj, "shape") else None
+
+
+def _scale_of(mod: Any, prefix: str) -> tuple[str, Any] | None:
+    """The module's weight scale (``{prefix}weight_scale_inv`` or ``{prefix}weight_scale``)."""
+    for name in (f"{prefix}weight_scale_inv", f"{prefix}weight_scale"):
+        t = _tensor(getattr(mod, name, None))
+        if t is not None:
+            return name, t
+    return None
+
+
+def _block(mod: Any) -> Any:
+    """The fp8 block size: on the layer (compressed-tensors), else on SGLang's Fp8 method."""
+    block = getattr(mod, "weight_block_size", None)
+    if block is not None:
+        return block
+    qm = getattr(mod, "quant_method", None)
+    if getattr(qm, "block_quant", False):
+        return getattr(qm, "weight_block_size", None)
+    return None
+
+
+def _moe_backend(qm: Any) -> Any:
+    runner = getattr(getattr(qm, "runner", None), "runner_backend", None)
+    if runner is not None:
+        return runner
+    try:
+        from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+        return get_moe_runner_backend()
+    except Exception:  # no SGLang (unit tests) or flags not set up
+        return None
+
+
+def _engine_kernel(mod: Any, moe: bool) -> str:
+    """The SGLang kernel that reads a quantized module's weights (informational)."""
+    qm = getattr(mod, "quant_method", None)
+    if qm is None:
+        return ""
+    if getattr(mod, "use_intel_amx_backend", False):
+        return "intel_amx"
+    if getattr(qm, "use_marlin", False):
+        return "marlin"
+    scheme = getattr(mod, "scheme", None)  # compressed-tensors keeps its scheme on the layer
+    if scheme is not None:
+        return type(scheme).__name__
+    for attr in ("w8a8_block_fp8_linear", "w8a8_mxfp8_linear"):
+        fn = getattr(qm, attr, None)  # Fp8LinearMethod sets one even when not block-quantized
+        if fn is not None and getattr(qm, "block_quant", False):
+            return str(getattr(fn, "__name__", type(fn).__name__))
+    if moe:
+        for flag, name in (
+            ("use_triton_kernels", "triton_kernels"),
+            ("use_flashinfer", "flashinfer_mxfp4"),
+        ):
+            if getattr(qm, flag, False):
+                return name
+        backend = _moe_backend(qm)
+        return "" if backend is None else f"moe runner {getattr(backend, 'value', backend)}"
+    if hasattr(qm, "cutlass_fp8_supported"):
+        return "apply_fp8_linear (" + (
+            "cutlass)" if qm.cutlass_fp8_supported else "torch._scaled_mm)"
+        )
+    return ""
+
+
+def _repacked_layout(mod: Any, kernel: str, moe: bool) -> str | None:
+    """A layout SGLang repacked a quantized plane into (None: read it from the strides)."""
+    if kernel == "intel_amx":
+        return "amx_packed"
+    if kernel == "marlin":
+        return "marlin"
+    if moe:
+        backend = _moe_backend(getattr(mod, "quant_method", None))
+        if backend is not None and getattr(backend, "value", backend) == "marlin":
+            return "marlin"
+        if kernel == "flashinfer_mxfp4":
+            return "flashinfer_interleaved"
+    return None
+
+
+def _logical(mod: Any, attr: str, index: Any) -> tuple[int, ...] | None:
+    """A plane's logical ([E,] N, K) from the sizes SGLang's modules record."""
+    if attr in ("w13_weight", "w2_weight"):
+        h = getattr(mod, "hidden_size", None)
+        i = getattr(mod, "intermediate_size_per_partition", None)
+        if h is None or i is None:
+            return None
+        nk = (2 * i, h) if attr == "w13_weight" else (h, i)
+        if isinstance(index, slice):
+            return (len(range(*index.indices(index.stop or 0))), *nk)
+        return nk
+    n = getattr(mod, "output_size_per_partition", None)
+    k = getattr(mod, "input_size_per_partition", None)
+    return None if n is None or k is None else (int(n), int(k))
+
+
+def plane_view(name: str, t: Any, quant: str, source: Any = None) -> tuple[PlaneView, Any]:
+    """The PlaneView of one bound plane, and the tensor to bind for it (None where the storage
+    cannot be bound as a row-major plane). ``source``: (owning module, weight attribute,
+    index into it) for matrix planes (:class:`.binding.LayerBinding.sources`)."""
+    if name not in MATRIX_PLANES or source is None:
+        return PlaneView(tuple(t.shape), dtype_name(t), quant, t.is_contiguous()), t
+    mod, attr, index = source
+    moe = attr in ("w13_weight", "w2_weight")
+    prefix = attr[: -len("weight")]  # "" or "w13_" / "w2_"
+    kernel = _engine_kernel(mod, moe)
+    found = _scale_of(mod, prefix)
+    scale = None if found is None else found[1]
+    if scale is not None and index is not None and scale.dim() >= 1:
+        scale = scale[index]  # the bound experts' scales (routed [:E], fused slot [E])
+    bias = _tensor(getattr(mod, f"{prefix}bias", None))
+    has_bias = (bias is not None and bias.numel() > 0) or (
+        moe and bool(getattr(mod, "with_bias", False))
+    )
+    layout = None
+    if dtype_name(t) not in ("bfloat16", "float16", "float32"):
+        layout = _repacked_layout(mod, kernel, moe)
+    return matrix_plane_view(
+        t,
+        _logical(mod, attr, index),
+        quant=quant,
+        scale=scale,
+        scale_name="" if found is None else found[0],
+        block=_block(mod),
+        kernel=kernel,
+        layout=layout,
+        bias=has_bias,
+        input_scale=_tensor(getattr(mod, f"{prefix}input_scale", None)) is not None,
+    )
+
+
 def model_view(bound: ModelBinding, *, tp_size: int, tp_rank: int) -> ModelView:
+    """The bound model as a ModelView. Matrix planes get their format derived from the owning
+    module (:func:`plane_view`); a plane SGLang keeps as a (K, N) ``weight.t()`` view is
+    rebound here as the row-major [N, K] it views (``bound.layers[i].planes``)."""
     layers = []
     for b in bound.layers:
-        planes = {
-            name: PlaneView(
-                shape=tuple(t.shape),
-                dtype=_dtype_name(t.dtype),
+        planes = {}
+        for name, t in list(b.planes.items()):
+            view, row_major = plane_view(name, t, b.quant.get(name, "none"), b.sources.get(name))
+            planes[name] = view
+            if row_major is not None and row_major is not t:
+                b.planes[name] = row_major
+        for name, container in b.containers.items():
+            mod, attr, index = b.sources[name]
+            planes[name] = container_plane_view(
+                container,
+                _logical(mod, attr, index),
                 quant=b.quant.get(name, "none"),
-                contiguous=t.is_contiguous(),
+                kernel=_engine_kernel(mod, True),
             )
-            for name, t in b.planes.items()
-        }
         layers.append(LayerView(b.index, b.kind, planes, dict(b.facts)))
     return ModelView(tuple(layers), tp_size=tp_size, tp_rank=tp_rank)
 
