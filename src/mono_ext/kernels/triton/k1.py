@@ -88,8 +88,7 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
 from mono_ext.kernels.triton.primitives import (
-    mailbox_put,
-    pack_tagged,
+    put_words,
     seq_tag,
     step_seq,
     unpack_value,
@@ -127,11 +126,7 @@ L2NORM_EPS = tl.constexpr(1e-6)  # FLA / vLLM: x / sqrt(sum(x^2) + 1e-6)
 @triton.jit
 def _put(region_ptr, offs, values, mask, tag, INTERP: tl.constexpr):
     """Hand fp32 ``values`` to a later stage as tagged words."""
-    bits = values.to(tl.int32, bitcast=True)
-    if INTERP:  # the CPU interpreter runs stages as separate launches: plain stores do
-        tl.store(region_ptr + offs, pack_tagged(bits, tag), mask=mask)
-    else:
-        mailbox_put(region_ptr, offs, bits, mask, tag, False)
+    put_words(region_ptr, offs, values.to(tl.int32, bitcast=True), mask, tag, INTERP)
 
 
 @triton.jit

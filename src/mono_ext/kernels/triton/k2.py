@@ -70,8 +70,8 @@ import triton.language as tl
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
 from mono_ext.kernels.triton.primitives import (
     global_timer_ns,
-    mailbox_put,
     pack_tagged,
+    put_words,
     seq_tag,
     step_seq,
     store_tagged,
@@ -137,16 +137,6 @@ def _wait2d(
         )
         words2 = tl.reshape(words, (R, C))
     return words2, ok
-
-
-@triton.jit
-def _put(region_ptr, offs, bits, mask, tag, INTERP: tl.constexpr):
-    """Hand int32 ``bits`` to a later stage as tagged words (plain stores in the interpreter,
-    which has no inline PTX)."""
-    if INTERP:
-        tl.store(region_ptr + offs, pack_tagged(bits, tag), mask=mask)
-    else:
-        mailbox_put(region_ptr, offs, bits, mask, tag, False)
 
 
 @triton.jit
@@ -444,7 +434,7 @@ def k2_kernel(
             off = rows[:, None] * H + cols[None, :]
             r = tl.load(res_in_ptr + off, mask=cm, other=0.0).to(tl.float32) + s1
             tl.store(out_r_ptr + off, r.to(tl.bfloat16), mask=cm)
-            _put(resid_ptr, off, _fp32_bits(r), cm, tag, INTERP)
+            put_words(resid_ptr, off, _fp32_bits(r), cm, tag, INTERP)
 
     _stamp(trace_ptr, 2, TRACE)
 
@@ -506,7 +496,7 @@ def k2_kernel(
                 acc2 = tl.dot(wr, xa, acc2)
                 acc2 = tl.dot(wr, xl, acc2)
             off2 = ks * (BB * E) + rows[None, :] * E + e[:, None]
-            _put(logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, INTERP)
+            put_words(logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, INTERP)
 
     _stamp(trace_ptr, 4, TRACE)
 
@@ -702,7 +692,7 @@ def k2_kernel(
                 am3 = (pr3[None, :] >= 0) & ((cl < L3 // 2) & (c2 < tl.where(sh, IWS, IWR)))[
                     :, None
                 ]
-                _put(act_ptr, off3, hi_b | lo_b, am3, tag, INTERP)
+                put_words(act_ptr, off3, hi_b | lo_b, am3, tag, INTERP)
                 acc3 = tl.zeros([BN3, BB], dtype=tl.float32)
 
     _stamp(trace_ptr, 6, TRACE)
@@ -794,7 +784,7 @@ def k2_kernel(
             acc4 = tl.dot(w4, a_m.to(tl.bfloat16), acc4)
             if ic == KCH4 - 1:
                 ppr = tl.sum(tl.where((js == sj4 - s0)[:, None], pp_j, 0), axis=0)  # [BB]
-                _put(p4l_ptr, ppr[None, :] * H + hr[:, None], _fp32_bits(acc4),
+                put_words(p4l_ptr, ppr[None, :] * H + hr[:, None], _fp32_bits(acc4),
                      (ppr >= 0)[None, :] & hm[:, None], tag, INTERP)  # fmt: skip
                 acc4 = tl.zeros([BN4, BB], dtype=tl.float32)
 

@@ -38,6 +38,7 @@ __all__ = [
     "mailbox_put",
     "pack_bf16x2",
     "pack_tagged",
+    "put_words",
     "seq_tag",
     "step_seq",
     "store_tagged",
@@ -173,6 +174,17 @@ def wait_tagged(ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id):
 def mailbox_put(region_ptr, offs, values, mask, tag, SYS: tl.constexpr):
     """Hand int32 ``values`` to a later stage: words ``offs`` of a region, tagged."""
     store_tagged(region_ptr + offs, pack_tagged(values, tag), mask, SYS)
+
+
+@triton.jit
+def put_words(region_ptr, offs, values, mask, tag, INTERP: tl.constexpr):
+    """``mailbox_put``, or under Triton's CPU interpreter (no inline PTX; a kernel's stages run
+    as separate launches there, so nothing reads a word before its writer's launch ends) a
+    plain store of the same tagged words."""
+    if INTERP:
+        tl.store(region_ptr + offs, pack_tagged(values, tag), mask=mask)
+    else:
+        mailbox_put(region_ptr, offs, values, mask, tag, False)
 
 
 @triton.jit
