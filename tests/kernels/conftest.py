@@ -3,7 +3,7 @@ bounded waits, tagged stores, %globaltimer): on a ROCm build of torch (the MI355
 step) they are skipped with that reason rather than failing; the flydsl backend's GPU tests
 are its own.
 
-With ``TRITON_INTERPRET=1`` (the CPU interpreter stage of tools/test.sh) three gaps of Triton's
+With ``TRITON_INTERPRET=1`` (the CPU interpreter stage of tools/test.sh) four gaps of Triton's
 stock interpreter (3.6 as released) that the kernels hit are filled before any kernel runs, so
 the interpreter computes what the GPU does:
 
@@ -12,6 +12,8 @@ the interpreter computes what the GPU does:
   operands are widened to float32 first (exact).
 - float32 -> bfloat16 casts truncated the mantissa (and could turn a NaN into an infinity);
   they round to nearest even with NaN kept, as ``cvt.rn.bf16.f32`` does.
+- float8 e4m3fn -> bfloat16 / float32 casts turned the NaN codes (0x7F, 0xFF) into +-480 (the
+  generic float conversion knows no e4m3fn NaN); they give NaN, as ``cvt`` does on the GPU.
 - a one-element tensor that is not 0-d (a value loaded as a 1-block) used as a Python int
   (``tl.range`` bounds) raised; it is taken by ``.item()`` (one element only, as in 3.8).
 """
@@ -60,7 +62,21 @@ def _patch_triton_interpreter():
             return ti.TensorHandle(_rne_bf16_bits(src.data), dst_type.scalar)
         return stock_cast(self, src, dst_type)
 
+    stock_fp_to_fp = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        out = stock_fp_to_fp(self, src, dst_type, rounding_mode)
+        if src.dtype.scalar != tl.float8e4nv:
+            return out
+        nan = (np.asarray(src.data).view(np.uint8) & 0x7F) == 0x7F
+        if not nan.any():
+            return out
+        data = np.array(out.data, copy=True)
+        data[nan] = 0x7FC0 if dst_type.scalar == tl.bfloat16 else np.nan
+        return ti.TensorHandle(data, out.dtype)
+
     builder.create_dot, builder.cast_impl = create_dot, cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
     builder._mono_ext_patched = True
 
     stock_patch_tensor = getattr(ti, "_patch_lang_tensor", None)

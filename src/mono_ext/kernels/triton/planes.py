@@ -1,0 +1,139 @@
+"""Weight-plane formats the Triton K1/K2 read in place: bf16, and fp8 e4m3fn with fp32 scales
+(block 128x128, per row, per tensor), as vLLM 0.26 and SGLang 0.5.17 leave them on sm_90
+(docs/quantized_planes.md).
+
+A launch is compiled for one format per plane (``core.spec.BuildKey.formats``); each plane's
+format is a constexpr ``Q`` code, so a bf16 plane compiles to the same code as before formats
+existed. A quantized plane ``name`` comes with its scale tensor as ``weights[name + ".scale"]``
+(fp32, dense, the engine's own tensor):
+
+| format        | Q | weight                     | scale (per expert for w13/w2)           |
+|---------------|---|----------------------------|-----------------------------------------|
+| bf16          | 0 | bf16 [.., N, K]            | none                                    |
+| fp8_block128  | 1 | e4m3fn [.., N, K]          | fp32 [.., ceil(N/128), ceil(K/128)]     |
+| fp8_channel   | 2 | e4m3fn [.., N, K]          | fp32 [.., N] (or [.., N, 1])            |
+| fp8_tensor    | 3 | e4m3fn [.., N, K]          | fp32 one per plane ([E] for experts)    |
+
+How a GEMV reads them (:func:`qdot`): every fp8 code converts to bf16 exactly (3 mantissa bits
+into 7, the exponent range fits), the MMA multiplies it by the bf16 activations with fp32
+accumulation, and the chunk's fp32 partial is multiplied by its scale before it joins the
+accumulator. So the result equals the product with the dequantized plane up to fp32 rounding
+(no bf16 rounding of ``w * scale``), which is also what the engines' block-scaled GEMMs compute.
+A chunk must not straddle a scale column: block-128 planes are read in K chunks that divide 128
+(:func:`chunk_limit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "FORMAT_CODES",
+    "READ_FORMATS",
+    "chunk_limit",
+    "format_code",
+    "plane_reasons",
+    "qdot",
+    "scale_index",
+    "scale_numel",
+]
+
+#: Format -> the ``Q`` constexpr the kernels branch on.
+FORMAT_CODES = {"bf16": 0, "fp8_block128": 1, "fp8_channel": 2, "fp8_tensor": 3}
+#: What the Triton K1/K2 read (a backend's ``plane_formats``).
+READ_FORMATS = frozenset(FORMAT_CODES)
+BLOCK = 128  # fp8 block-128: rows and columns per scale
+
+
+def format_code(formats: Mapping[str, str], plane: str) -> int:
+    """The ``Q`` code of ``plane`` (bf16 when the build names no format for it)."""
+    fmt = formats.get(plane, "bf16")
+    if fmt not in FORMAT_CODES:
+        raise ValueError(f"{plane}: the Triton kernels do not read {fmt!r} planes")
+    return FORMAT_CODES[fmt]
+
+
+def chunk_limit(formats: Mapping[str, str], *planes: str) -> int | None:
+    """The largest K chunk the GEMVs over ``planes`` may use: a block-128 plane's chunks must
+    stay inside one scale column (None: no limit)."""
+    if any(formats.get(p) == "fp8_block128" for p in planes):
+        return BLOCK
+    return None
+
+
+def scale_numel(fmt: str, n: int, k: int) -> int:
+    """Scales one [N, K] plane (one expert) has in ``fmt``."""
+    if fmt == "fp8_block128":
+        return -(-n // BLOCK) * -(-k // BLOCK)
+    if fmt == "fp8_channel":
+        return n
+    if fmt == "fp8_tensor":
+        return 1
+    return 0
+
+
+def plane_reasons(name: str, weights: Mapping[str, Any], fmt: str, shape: tuple) -> list[str]:
+    """What is wrong with plane ``name`` (logical ``shape`` ([E,] N, K)) and its scale for
+    format ``fmt``: dtype, shape, density, 16-byte alignment (Triton keys variants on it; another
+    alignment would compile mid-step). Missing planes are the caller's to report."""
+    import torch
+
+    t = weights.get(name)
+    if t is None:
+        return []
+    bad = []
+    want = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+    if t.dtype != want:
+        bad.append(f"{name} is {t.dtype}, expected {want} ({fmt})")
+    if tuple(t.shape) != tuple(shape):
+        bad.append(f"{name} is {tuple(t.shape)}, expected {tuple(shape)}")
+    if not t.is_contiguous():
+        bad.append(f"{name} is not contiguous")
+    if t.data_ptr() % 16:
+        bad.append(f"{name} is not 16-byte aligned (no JIT mid-step)")
+    if fmt == "bf16":
+        return bad
+    s = weights.get(name + ".scale")
+    *lead, n, k = shape
+    experts = int(lead[0]) if lead else 1
+    need = experts * scale_numel(fmt, int(n), int(k))
+    if s is None:
+        bad.append(f"missing {name}.scale ({fmt} planes need their fp32 scales)")
+    elif s.dtype != torch.float32 or s.numel() != need or not s.is_contiguous():
+        bad.append(
+            f"{name}.scale is {s.dtype} {tuple(s.shape)} "
+            f"({'dense' if s.is_contiguous() else 'strided'}), expected {need} dense float32 "
+            f"scales ({fmt})"
+        )
+    elif s.data_ptr() % 16:
+        bad.append(f"{name}.scale is not 16-byte aligned (no JIT mid-step)")
+    return bad
+
+
+@triton.jit
+def scale_index(rows, k0, Q: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    """Index into one [N, K] plane's scales of output ``rows`` for the chunk starting at
+    column ``k0`` (``Q``: FORMAT_CODES; the caller adds expert * scales per expert)."""
+    if Q == 1:
+        return (rows // 128) * ((K + 127) // 128) + k0 // 128
+    elif Q == 2:
+        return rows
+    else:
+        return rows * 0
+
+
+@triton.jit
+def qdot(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N: tl.constexpr,
+         K: tl.constexpr):  # fmt: skip
+    """``acc + W[rows, k0:k0+BK] @ x`` for a plane in format ``Q``: bf16 planes accumulate in
+    the MMA; fp8 planes multiply bf16(codes) @ x (exact products, fp32 sums) by each row's
+    scale of this chunk. ``scale_ptr`` points at this plane's (expert's) scales."""
+    if Q == 0:
+        return tl.dot(w, x, acc)
+    else:
+        s = tl.load(scale_ptr + scale_index(rows, k0, Q, N, K), mask=rmask, other=0.0)
+        return acc + tl.dot(w.to(tl.bfloat16), x) * s[:, None]
