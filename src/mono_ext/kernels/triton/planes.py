@@ -115,9 +115,11 @@ def plane_reasons(name: str, weights: Mapping[str, Any], fmt: str, shape: tuple)
 
 
 @triton.jit
-def scale_index(rows, k0, Q: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+def scale_index(rows, k0, Q: tl.constexpr, N, K):
     """Index into one [N, K] plane's scales of output ``rows`` for the chunk starting at
-    column ``k0`` (``Q``: FORMAT_CODES; the caller adds expert * scales per expert)."""
+    column ``k0`` (``Q``: FORMAT_CODES; the caller adds expert * scales per expert). ``N`` and
+    ``K`` may be constexprs or run-time values (K2's down stage reads two planes of different
+    K in one loop)."""
     if Q == 1:
         return (rows // 128) * ((K + 127) // 128) + k0 // 128
     elif Q == 2:
@@ -127,8 +129,7 @@ def scale_index(rows, k0, Q: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def qdot(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N: tl.constexpr,
-         K: tl.constexpr):  # fmt: skip
+def qdot(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
     """``acc + W[rows, k0:k0+BK] @ x`` for a plane in format ``Q``: bf16 planes accumulate in
     the MMA; fp8 planes multiply bf16(codes) @ x (exact products, fp32 sums) by each row's
     scale of this chunk. ``scale_ptr`` points at this plane's (expert's) scales."""
