@@ -20,6 +20,8 @@ INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not torch.cuda.is_available() and not INTERP:
     pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
+from _fp8 import quantize_planes  # noqa: E402
+
 from mono_ext.core.numerics import CheckTracker  # noqa: E402
 from mono_ext.kernels.triton.k2 import BLOCK_B, K2Config, K2Launch, K2Shape  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
@@ -36,14 +38,37 @@ WIDTHS = [1, 3, 16] if INTERP else list(range(1, BLOCK_B + 1))
 GRID = 8  # more CTAs than some stages have tasks: idle CTAs must not break a hand-off
 
 
-class TinyTail:
-    """One TP1 K2 build for a preset, its weights (random, O(1) activations) and buffers."""
+#: A tiny config whose K2 planes are whole 128 x 128 blocks (fp8 block-128 checkpoints are)
+FP8_CONFIG = {
+    **get_preset("qwen3-next-tiny"),
+    "hidden_size": 256,
+    "linear_value_head_dim": 64,  # out_proj K = 4 heads x 64
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+}
+FP8_CASES = {
+    "block128": dict.fromkeys(("out_proj", "w13", "w2", "shared_gate_up", "shared_down"),
+                              "fp8_block128"),  # fmt: skip
+    "channel": dict.fromkeys(("out_proj", "w13", "w2", "shared_gate_up", "shared_down"),
+                             "fp8_channel"),  # fmt: skip
+    # formats differ per plane (the shared expert's always matches the routed one's)
+    "mixed": {"out_proj": "fp8_tensor", "w13": "fp8_block128", "shared_gate_up": "fp8_block128",
+              "w2": "fp8_channel", "shared_down": "fp8_channel"},  # fmt: skip
+}
 
-    def __init__(self, preset: str, seed: int):
-        cfg = text_config(get_preset(preset))
+
+class TinyTail:
+    """One TP1 K2 build for a preset (or config), its weights (random, O(1) activations) and
+    buffers. ``formats``: planes given to K2 in fp8 (codes + scales); the reference then
+    computes with the dequantized planes (``self.w_ref``)."""
+
+    def __init__(self, preset: str | dict, seed: int, formats: dict | None = None):
+        full = get_preset(preset) if isinstance(preset, str) else preset
+        cfg = text_config(full)
         self.dims = Dims.from_config(cfg, tp=1)
-        self.rdims = ModelDims.from_config(get_preset(preset))
-        self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRID))
+        self.rdims = ModelDims.from_config(full)
+        self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRID),
+                           formats=formats or {})  # fmt: skip
         self.k2.build(DEV)
         self.ws = self.k2.workspace(DEV)
         self.state = RankState.create(0, torch.device(DEV), 2.0)
@@ -64,6 +89,7 @@ class TinyTail:
             "shared_down": r(h, s, scale=s**-0.5),
             "shared_expert_gate": r(1, h, scale=h**-0.5),
         }
+        self.w, self.w_ref = quantize_planes(self.w, formats or {})
         self.k_in = k_in
 
     def inputs(self, b: int, gen: torch.Generator):
@@ -97,7 +123,7 @@ def test_k2_tiny_matches_reference(tiny):
         o_in, res = tiny.inputs(b, gen)
         out_h, out_r = tiny.run(o_in, res)
         assert not torch.isnan(out_h).any() and not torch.isnan(out_r).any(), "unwritten output"
-        ref = layer_tail(o_in, res, tiny.w, tiny.rdims)
+        ref = layer_tail(o_in, res, tiny.w_ref, tiny.rdims)
         tracker.check("k2", "hidden", out_h, ref.hidden_out, skip_rows=ref.near_tie, where=f"w{b}")
         tracker.check("k2", "residual", out_r, ref.residual_out, where=f"w{b}")
     print(f"\n{tracker.summary()}")
@@ -120,3 +146,42 @@ def test_k2_tiny_batch_invariance_and_non_finite_row(tiny):
     for j in (0, 2, 3):
         assert torch.equal(h[j], h16[j]) and torch.equal(r[j], r16[j]), f"row {j} beside NaN"
     assert torch.isnan(h[1]).any()
+
+
+@pytest.fixture(scope="module", params=sorted(FP8_CASES))
+def tiny_fp8(request):
+    return TinyTail(FP8_CONFIG, seed=6, formats=FP8_CASES[request.param])
+
+
+def test_k2_tiny_fp8_planes_match_the_reference_on_dequantized_planes(tiny_fp8):
+    """K2 reads fp8 e4m3fn planes with their fp32 scales in place (block-128, per row, per
+    tensor; issue 9): the same NUMERICS as bf16 against the fp32 reference computing with the
+    dequantized planes, and a row's output stays independent of the batch."""
+    test_k2_tiny_matches_reference(tiny_fp8)
+    gen = torch.Generator(device=DEV).manual_seed(23)
+    o_all, r_all = tiny_fp8.inputs(BLOCK_B, gen)
+    h16, r16 = tiny_fp8.run(o_all, r_all)
+    h, r = tiny_fp8.run(o_all[[9, 4]], r_all[[9, 4]])
+    assert torch.equal(h[0], h16[9]) and torch.equal(h[1], h16[4])
+    assert torch.equal(r[0], r16[9]) and torch.equal(r[1], r16[4])
+
+
+def test_k2_refuses_planes_it_cannot_read():
+    d = Dims.from_config(text_config(FP8_CONFIG), tp=1)
+    shape = K2Shape.from_dims(d)
+    with pytest.raises(ValueError, match="w13 is fp8_block128 but shared_gate_up is bf16"):
+        K2Launch(shape, K2Config(grid=GRID), formats={"w13": "fp8_block128"})
+    with pytest.raises(ValueError, match="router in bf16 only"):
+        K2Launch(shape, K2Config(grid=GRID), formats={"router": "fp8_channel"})
+    with pytest.raises(ValueError, match="do not read 'mxfp4'"):
+        K2Launch(shape, K2Config(grid=GRID), formats={"w2": "mxfp4", "shared_down": "mxfp4"})
+    tail = TinyTail(FP8_CONFIG, seed=7, formats=FP8_CASES["block128"])
+    o_in, res = tail.inputs(2, torch.Generator(device=DEV).manual_seed(1))
+    out = torch.empty(2, d.hidden, dtype=torch.bfloat16, device=DEV)
+    w = dict(tail.w)
+    del w["w2.scale"]
+    w["out_proj.scale"] = w["out_proj.scale"][:1]
+    with pytest.raises(ValueError) as err:
+        tail.k2.check(o_in, res, w, out, out.clone())
+    assert "missing w2.scale" in str(err.value)
+    assert "out_proj.scale is torch.float32 (1, 2)" in str(err.value)

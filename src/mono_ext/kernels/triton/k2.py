@@ -61,6 +61,7 @@ are bit-identical.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,13 @@ import triton
 import triton.language as tl
 
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
+from mono_ext.kernels.triton.planes import (
+    chunk_limit,
+    format_code,
+    plane_reasons,
+    qdot,
+    scale_numel,
+)
 from mono_ext.kernels.triton.primitives import (
     global_timer_ns,
     pack_tagged,
@@ -254,6 +262,11 @@ def k2_kernel(
     w2_ptr,
     sgu_ptr,
     sdown_ptr,
+    s_o_ptr,
+    s_13_ptr,
+    s_2_ptr,
+    s_sgu_ptr,
+    s_sd_ptr,
     scratch_ptr,
     xs_ptr,
     pw_ptr,
@@ -323,6 +336,11 @@ def k2_kernel(
     BAL3: tl.constexpr,
     TASK_ROWS: tl.constexpr,
     PF3: tl.constexpr,
+    Q_O: tl.constexpr,
+    Q_13: tl.constexpr,
+    Q_2: tl.constexpr,
+    SPE13: tl.constexpr,
+    SPE2: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -344,6 +362,8 @@ def k2_kernel(
     W_P: tl.constexpr = BB * H  # words per partials slot (p1 / p4)
     NS1: tl.constexpr = RANKS * KSPL1  # out_proj partial slots per parity
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
+    EB13: tl.constexpr = 1 if Q_13 else 2  # bytes per gate_up weight (fp8 / bf16)
+    EB2: tl.constexpr = 1 if Q_2 else 2  # bytes per down weight
 
     rows = tl.arange(0, BB)
     rmask = rows < n_rows
@@ -395,7 +415,8 @@ def k2_kernel(
             )
             x_t = _o_in_tile(o_in_ptr, gate_ptr, rows[None, :] * KO + k[:, None],
                              rmask[None, :] & km[:, None], GATED)  # fmt: skip
-            acc = tl.dot(w_t, x_t, acc)
+            acc = qdot(w_t, x_t, acc, s_o_ptr, hr, hr < H, (t // RB1) * KSP1 + kc * BK1, Q_O, H,
+                       KO)  # fmt: skip
             if kc == KCH1 - 1:
                 _put_partial(
                     scratch_ptr, peers_ptr, OFF_P1, slot1 + rank * KSPL1 + t // RB1, acc, hr,
@@ -412,11 +433,11 @@ def k2_kernel(
             _prefetch_l2(
                 (router_ptr + part * (ch_r // 2)).to(tl.pointer_type(tl.int8)), nb_r, nb_r > 0
             )
-            tot_s: tl.constexpr = 2 * ISR * H * 2
+            tot_s: tl.constexpr = 2 * ISR * H * EB13
             ch_s: tl.constexpr = (tot_s // 16 + 127) // 128 * 16
             nb_s = tl.minimum(tl.maximum(tot_s - part * ch_s, 0), ch_s)
             _prefetch_l2(
-                (sgu_ptr + part * (ch_s // 2)).to(tl.pointer_type(tl.int8)), nb_s, nb_s > 0
+                (sgu_ptr + part * (ch_s // EB13)).to(tl.pointer_type(tl.int8)), nb_s, nb_s > 0
             )
 
     _stamp(trace_ptr, 1, TRACE)
@@ -646,7 +667,7 @@ def k2_kernel(
                 r_lo = tl.minimum((q % 4) * pc, nrow_)
                 r_hi = tl.minimum(r_lo + pc, nrow_)
                 row0 = (q // 4) * isl_ + ib_ * L3 + r_lo
-                nbp = (r_hi - r_lo) * H * 2
+                nbp = (r_hi - r_lo) * H * EB13
                 _prefetch_l2((wb_ + row0.to(tl.int64) * H).to(tl.pointer_type(tl.int8)), nbp,
                              (nbp > 0) & (nbp % 16 == 0))  # fmt: skip
         # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
@@ -674,7 +695,9 @@ def k2_kernel(
                 mask=rmask[None, :] & km[:, None],
                 other=0.0,
             )
-            acc3 = tl.dot(w_t, x_t, acc3)
+            # the shared plane and the routed ones share a format (K2Launch checks it)
+            sp3 = tl.where(sh, s_sgu_ptr, s_13_ptr + ex.to(tl.int64) * SPE13)
+            acc3 = qdot(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
             if kc == KCH3 - 1:
                 slot = tl.where(sh, UM, (t - nbs3) // nb3)
                 wr3 = tl.load(wsc_base + slot * BB + rows)
@@ -727,7 +750,7 @@ def k2_kernel(
             sh_j = sj == n_u4
             isl_j = tl.where(sh_j, ISR, IR)
             base_j = tl.where(sh_j, sdown_ptr, w2_ptr + ex_j.to(tl.int64) * (H * IR))
-            nb_j = (h_hi - h_lo) * isl_j * 2
+            nb_j = (h_hi - h_lo) * isl_j * EB2
             _prefetch_l2((base_j + h_lo.to(tl.int64) * isl_j).to(tl.pointer_type(tl.int8)),
                          nb_j, s_live & (nb_j > 0) & (nb_j % 16 == 0))  # fmt: skip
         # the activation rows this run reads: one bounded wait per ACH of (slot, row)
@@ -781,7 +804,8 @@ def k2_kernel(
             lo4 = (v4 << 16).to(tl.float32, bitcast=True)
             hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
             a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
-            acc4 = tl.dot(w4, a_m.to(tl.bfloat16), acc4)
+            sp4 = tl.where(sh4, s_sd_ptr, s_2_ptr + ex4.to(tl.int64) * SPE2)
+            acc4 = qdot(w4, a_m.to(tl.bfloat16), acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
             if ic == KCH4 - 1:
                 ppr = tl.sum(tl.where((js == sj4 - s0)[:, None], pp_j, 0), axis=0)  # [BB]
                 put_words(p4l_ptr, ppr[None, :] * H + hr[:, None], _fp32_bits(acc4),
@@ -957,6 +981,10 @@ def _interp() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: planes K2 reads through ``planes.qdot`` (any format of ``planes.READ_FORMATS``), besides
+#: out_proj / o_proj
+QUANTIZABLE = ("w13", "w2", "shared_gate_up", "shared_down")
+
 _WEIGHT_KEYS = (
     "post_attention_layernorm",
     "router",
@@ -976,7 +1004,9 @@ class K2Launch:
     for virtual TP, 1 for real TP). ``kind``: "gdn" reads ``weights["out_proj"]``, "attn"
     ``weights["o_proj"]``. ``gated`` (attention only): :meth:`launch` takes the pre-sigmoid
     output ``gate`` next to the raw attention output and S1 forms bf16(o_in * sigmoid(gate))
-    as it loads (compiled in; no extra launch).
+    as it loads (compiled in; no extra launch). ``formats``: plane -> format of the planes
+    not in bf16 (``kernels.triton.planes``; a quantized plane's scales come as
+    ``weights[plane + ".scale"]``); planes K2 does not read are ignored.
     """
 
     shape: K2Shape
@@ -986,6 +1016,7 @@ class K2Launch:
     co_resident: int = 1
     sys_scope: bool = False
     stages: int = STAGES_ALL
+    formats: Mapping[str, str] = field(default_factory=dict)
     layout: Any = field(init=False)
     _compiled: Any = field(init=False, default=None)
 
@@ -1003,6 +1034,28 @@ class K2Launch:
                 raise ValueError(f"{name}={getattr(c, name)} must be 16, 32 or 64 (MMA rows)")
         self.kspl1 = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
+        self._check_formats()
+
+    # -- plane formats -------------------------------------------------------------------
+    @property
+    def w_o_name(self) -> str:
+        return "out_proj" if self.kind == "gdn" else "o_proj"
+
+    def fmt(self, plane: str) -> str:
+        return self.formats.get(plane, "bf16")
+
+    def _check_formats(self) -> None:
+        for plane in (self.w_o_name, *QUANTIZABLE):
+            format_code(self.formats, plane)  # raises for a format the kernels do not read
+        for routed, shared in (("w13", "shared_gate_up"), ("w2", "shared_down")):
+            if self.fmt(routed) != self.fmt(shared):
+                raise ValueError(
+                    f"{self.label()}: {routed} is {self.fmt(routed)} but {shared} is "
+                    f"{self.fmt(shared)}; K2 streams both in one loop and reads one format"
+                )
+        for plane in ("router", "shared_expert_gate"):
+            if self.fmt(plane) != "bf16":
+                raise ValueError(f"{self.label()}: K2 reads {plane} in bf16 only")
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -1059,6 +1112,10 @@ class K2Launch:
     def _constexprs(self) -> dict:
         s, c, lay = self.shape, self.config, self.layout
         rid = {r.name: i for i, r in enumerate(lay.program.regions)}
+        # a block-128 plane's K chunks stay inside one scale column
+        lim1 = chunk_limit(self.formats, self.w_o_name) or c.bk1
+        lim3 = chunk_limit(self.formats, "w13", "shared_gate_up") or c.bk3
+        lim4 = chunk_limit(self.formats, "w2", "shared_down") or c.bi4
         return dict(
             H=s.hidden,
             KO=s.in_dim,
@@ -1086,12 +1143,12 @@ class K2Launch:
             BN=c.bn,
             BN3=c.bn3,
             BN4=c.bn4,
-            BK1=min(c.bk1, max(16, _next_pow2(-(-s.in_dim // self.kspl1)))),
+            BK1=min(c.bk1, max(16, _next_pow2(-(-s.in_dim // self.kspl1))), lim1),
             KSPL1=self.kspl1,
             KS2=c.ks2,
             BK2=min(c.bk2, max(16, _next_pow2(-(-s.hidden // c.ks2)))),
-            BK3=min(c.bk3, max(16, _next_pow2(s.hidden))),
-            BI4=min(c.bi4, max(32, _next_pow2(max(s.moe_inter, s.shared_inter)))),
+            BK3=min(c.bk3, max(16, _next_pow2(s.hidden)), lim3),
+            BI4=min(c.bi4, max(32, _next_pow2(max(s.moe_inter, s.shared_inter))), lim4),
             JS=self._run_slots(),
             ACH=min(c.ach, self._run_slots() * BLOCK_B),
             CB=c.cb,
@@ -1111,6 +1168,11 @@ class K2Launch:
             BAL3=c.bal3,
             TASK_ROWS=c.task_rows,
             PF3=c.pf3 and not _interp(),
+            Q_O=format_code(self.formats, self.w_o_name),
+            Q_13=format_code(self.formats, "w13"),
+            Q_2=format_code(self.formats, "w2"),
+            SPE13=scale_numel(self.fmt("w13"), 2 * s.moe_inter, s.hidden),
+            SPE2=scale_numel(self.fmt("w2"), s.hidden, s.moe_inter),
             INTERP=_interp(),
             num_warps=c.num_warps,
             num_stages=1,
@@ -1119,7 +1181,11 @@ class K2Launch:
     # -- build / launch ------------------------------------------------------------------
     def _args(self, o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health, peers,
               n_rows, layer, layers_per_step, gate=None):  # fmt: skip
-        w_o = weights["out_proj" if self.kind == "gdn" else "o_proj"]
+        w_o = weights[self.w_o_name]
+
+        def scale(plane):  # bf16 planes have none: any fp32 pointer (never read)
+            return weights.get(plane + ".scale", ws.pw)
+
         return (
             o_in,
             o_in if gate is None else gate,  # read only by gated builds
@@ -1134,6 +1200,11 @@ class K2Launch:
             weights["w2"],
             weights["shared_gate_up"],
             weights["shared_down"],
+            scale(self.w_o_name),
+            scale("w13"),
+            scale("w2"),
+            scale("shared_gate_up"),
+            scale("shared_down"),
             ws.scratch,
             ws.xs,
             ws.pw,
@@ -1158,6 +1229,9 @@ class K2Launch:
         b = o_in.shape[0] if o_in.dim() == 2 else -1
         acts, bad = self.shape.launch_tensors(self.kind, self.gated, b, o_in, residual, weights,
                                               out_hidden, out_residual, gate)  # fmt: skip
+        for plane in (self.w_o_name, *QUANTIZABLE):  # weights and scales in their formats
+            if plane in acts:
+                bad += plane_reasons(plane, weights, self.fmt(plane), acts.pop(plane)[1])
         for name, (t, shp) in acts.items():
             if tuple(t.shape) != shp:
                 bad.append(f"{name} is {tuple(t.shape)}, expected {shp}")
@@ -1202,9 +1276,13 @@ class K2Launch:
         bf = dict(dtype=torch.bfloat16, device=dev)
         # Tiny stand-ins: warmup compiles for dtypes and alignment, it launches nothing.
         one = torch.zeros(16, **bf)
+        f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
         weights = {k: one for k in _WEIGHT_KEYS}
         weights["out_proj"] = weights["o_proj"] = one
-        f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
+        for plane in (self.w_o_name, *QUANTIZABLE):
+            if self.fmt(plane) != "bf16":
+                weights[plane] = torch.zeros(16, dtype=torch.float8_e4m3fn, device=dev)
+                weights[plane + ".scale"] = torch.zeros(16, **f32)
         ws = K2Workspace(
             scratch=torch.zeros(16, dtype=torch.int64, device=dev),
             xs=one,
