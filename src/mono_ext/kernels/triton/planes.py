@@ -31,6 +31,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from mono_ext.kernels.triton.limits import FORMAT_CODES, READ_FORMATS
+
 __all__ = [
     "FORMAT_CODES",
     "READ_FORMATS",
@@ -42,10 +44,6 @@ __all__ = [
     "scale_numel",
 ]
 
-#: Format -> the ``Q`` constexpr the kernels branch on.
-FORMAT_CODES = {"bf16": 0, "fp8_block128": 1, "fp8_channel": 2, "fp8_tensor": 3}
-#: What the Triton K1/K2 read (a backend's ``plane_formats``).
-READ_FORMATS = frozenset(FORMAT_CODES)
 BLOCK = 128  # fp8 block-128: rows and columns per scale
 
 
