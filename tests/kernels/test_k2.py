@@ -20,6 +20,8 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from _fp8 import quantize_planes  # noqa: E402
+
 from mono_ext.core.numerics import CheckTracker, metrics  # noqa: E402
 from mono_ext.kernels.triton.k2 import (  # noqa: E402
     BLOCK_B,
@@ -75,14 +77,15 @@ def ref_dims(dims: Dims) -> ModelDims:
 class Tail:
     """K2 for ``tp`` virtual ranks (tp == 1: one launch on the current stream)."""
 
-    def __init__(self, full: dict, tp: int):
+    def __init__(self, full: dict, tp: int, formats: dict | None = None):
         self.dims = Dims.from_config(get_preset(PRESET), tp=tp)
         self.tp = tp
-        self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRIDS[tp]), co_resident=tp)
+        self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRIDS[tp]), co_resident=tp,
+                           formats=formats or {})  # fmt: skip
         self.k2.build("cuda")
         self.peers = VirtualPeers(tp, max(self.k2.peer_words, 16), "cuda", DEADLINE_S)
         self.ws = [self.k2.workspace("cuda") for _ in range(tp)]
-        self.w = [shard_tail_weights(full, tp, r) for r in range(tp)]
+        self.w = [shard_tail_weights(full, tp, r, formats) for r in range(tp)]
         h, k_in = self.dims.hidden, self.dims.hv_r * self.dims.dv
         # static per-rank buffers (graph-safe): o_in shards, residual, outputs
         self.o = torch.empty(tp, BLOCK_B, k_in, dtype=torch.bfloat16, device="cuda")
@@ -154,11 +157,34 @@ def fresh_inputs(dims: Dims, b: int, gen: torch.Generator):
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_k2_matches_reference_every_width(tails, full_weights, tp):
-    t = tails(tp)
+    check_every_width(tails(tp), full_weights, tp, seed=100 + tp)
+
+
+FP8 = {
+    fmt: dict.fromkeys(("out_proj", "w13", "w2", "shared_gate_up", "shared_down"), fmt)
+    for fmt in ("fp8_block128", "fp8_channel")
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+@pytest.mark.parametrize("tp", [1, 2])  # TP 8 cuts I = 512 below one 128-row block
+def test_k2_fp8_planes_match_reference_every_width(full_weights, fmt, tp):
+    """fp8 e4m3fn planes with their fp32 scales, read in place (issue 9), against the
+    reference on the dequantized planes, at the real shapes."""
+    kern, deq = quantize_planes(full_weights, FP8[fmt])
+    t = Tail(kern, tp, formats=FP8[fmt])
+    try:
+        check_every_width(t, deq, tp, seed=200 + tp)
+    finally:
+        torch.cuda.synchronize()
+        t.peers.close()
+
+
+def check_every_width(t: Tail, ref_weights: dict, tp: int, seed: int) -> None:
     full_dims = Dims.from_config(get_preset(PRESET), tp=1)
     rdims = ref_dims(full_dims)
     tracker = CheckTracker(Qwen3NextSpec.NUMERICS)
-    gen = torch.Generator(device="cuda").manual_seed(100 + tp)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     worst = {}
     for b in range(1, BLOCK_B + 1):
         o_in, res = fresh_inputs(full_dims, b, gen)
@@ -166,7 +192,7 @@ def test_k2_matches_reference_every_width(tails, full_weights, tp):
         t.step(b)
         torch.cuda.synchronize()
         t.healthy()
-        ref = layer_tail(o_in, res, full_weights, rdims)
+        ref = layer_tail(o_in, res, ref_weights, rdims)
         for r in range(tp):
             oh, orr = t.out_h[r, :b], t.out_r[r, :b]
             assert not torch.isnan(oh).any() and not torch.isnan(orr).any(), "unwritten output"

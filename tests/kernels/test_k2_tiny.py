@@ -23,7 +23,13 @@ if not torch.cuda.is_available() and not INTERP:
 from _fp8 import quantize_planes  # noqa: E402
 
 from mono_ext.core.numerics import CheckTracker  # noqa: E402
-from mono_ext.kernels.triton.k2 import BLOCK_B, K2Config, K2Launch, K2Shape  # noqa: E402
+from mono_ext.kernels.triton.k2 import (  # noqa: E402
+    BLOCK_B,
+    K2Config,
+    K2Launch,
+    K2Shape,
+    shard_tail_weights,
+)
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
@@ -185,3 +191,31 @@ def test_k2_refuses_planes_it_cannot_read():
         tail.k2.check(o_in, res, w, out, out.clone())
     assert "missing w2.scale" in str(err.value)
     assert "out_proj.scale is torch.float32 (1, 2)" in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block128", "fp8_channel", "fp8_tensor"])
+def test_shard_tail_weights_cuts_scales_with_their_planes(fmt):
+    """A rank's quantized shard, dequantized with the scales cut for it, is the shard of the
+    dequantized plane (what the virtual-TP fp8 tests on the GPU rely on)."""
+    gen = torch.Generator().manual_seed(3)
+    h, k, e, i = 256, 512, 3, 256
+    planes = {
+        "out_proj": torch.randn(h, k, generator=gen),
+        "w13": torch.randn(e, 2 * i, h, generator=gen),
+        "w2": torch.randn(e, h, i, generator=gen),
+        "shared_gate_up": torch.randn(2 * i, h, generator=gen),
+        "shared_down": torch.randn(h, i, generator=gen),
+    }
+    formats = dict.fromkeys(planes, fmt)
+    kern, deq = quantize_planes(planes, formats)
+    for rank in range(2):
+        got, want = shard_tail_weights(kern, 2, rank, formats), shard_tail_weights(deq, 2, rank)
+        for p in planes:
+            c, s = got[p].float(), got[p + ".scale"]
+            if fmt == "fp8_block128":
+                full = s.repeat_interleave(128, -2).repeat_interleave(128, -1)
+            elif fmt == "fp8_channel":
+                full = s.expand_as(c)
+            else:
+                full = s.reshape(*s.shape, 1, 1).expand_as(c)
+            assert torch.equal(c * full, want[p]), f"{fmt} {p} rank {rank}"

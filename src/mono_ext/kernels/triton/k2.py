@@ -1343,30 +1343,47 @@ class K2Launch:
             k2_kernel[(self.config.grid,)](*args, **cx)
 
 
-def shard_tail_weights(weights: dict, tp: int, rank: int) -> dict:
+def shard_tail_weights(
+    weights: dict, tp: int, rank: int, formats: Mapping[str, str] | None = None
+) -> dict:
     """One rank's K2 planes cut from full (TP1) planes, the way the engines shard them:
     out_proj/o_proj and w2/shared_down split their input columns (row-parallel), w13 and
     shared_gate_up split I within the gate rows and within the up rows (column-parallel),
-    router, shared_expert_gate and the norm weight are replicated. Tests and benchmarks use
+    router, shared_expert_gate and the norm weight are replicated. A quantized plane's
+    ``.scale`` (``formats`` names its format) is cut to match: block-128 scales by blocks,
+    per-row scales with their rows, a per-tensor scale replicated. Tests and benchmarks use
     it; engines hand their own shards."""
     import torch
 
     if tp == 1:
         return dict(weights)
+    formats = formats or {}
+
+    def cols(w, k):  # the rank's share of the last dim, k per rank
+        return w[..., rank * k : (rank + 1) * k].contiguous()
+
+    def gate_up_rows(w, c):  # the rank's c rows of the gate half and of the up half
+        i = w.shape[-2] // 2
+        gate = w[..., rank * c : (rank + 1) * c, :]
+        up = w[..., i + rank * c : i + (rank + 1) * c, :]
+        return torch.cat([gate, up], dim=-2).contiguous()
+
     out = {}
     for name, w in weights.items():
-        if name in ("out_proj", "o_proj", "shared_down"):
-            k = w.shape[-1] // tp
-            out[name] = w[..., rank * k : (rank + 1) * k].contiguous()
-        elif name == "w2":
-            k = w.shape[-1] // tp
-            out[name] = w[:, :, rank * k : (rank + 1) * k].contiguous()
-        elif name in ("w13", "shared_gate_up"):
-            i = w.shape[-2] // 2
-            c = i // tp
-            gate = w[..., rank * c : (rank + 1) * c, :]
-            up = w[..., i + rank * c : i + (rank + 1) * c, :]
-            out[name] = torch.cat([gate, up], dim=-2).contiguous()
+        plane, is_scale = name.removesuffix(".scale"), name.endswith(".scale")
+        fmt = formats.get(plane, "bf16")
+        if is_scale and fmt == "fp8_tensor":
+            out[name] = w
+        elif plane in ("out_proj", "o_proj", "shared_down", "w2"):
+            if not is_scale:
+                out[name] = cols(w, w.shape[-1] // tp)
+            elif fmt == "fp8_block128":
+                out[name] = cols(w, weights[plane].shape[-1] // tp // 128)
+            else:  # per-row scales: the rows are not split
+                out[name] = w
+        elif plane in ("w13", "shared_gate_up"):
+            rows = weights[plane].shape[-2] // 2 // tp  # gate (and up) rows per rank
+            out[name] = gate_up_rows(w, rows // 128 if fmt == "fp8_block128" and is_scale else rows)
         else:
             out[name] = w
     return out
