@@ -5,6 +5,9 @@ states (and the "kv" state layout), padding rows (vLLM's null slot 0, SGLang's -
 first layer (no residual); rows not in the step stay bit-untouched; K1 -> reference -> K1
 switching matches a K1-only run; CUDA-graph replay is bit-identical to eager; no wait gives
 up and nothing compiles after build. Attention: q, k, v, gate after norm + partial RoPE.
+FP8 planes (``formats``): the projections read in e4m3fn with fp32 block-128 / per-row /
+per-tensor scales, in place, against the reference on the fp32 dequantized planes; a plane or
+scale that does not match the build is refused by the launch's check, by name.
 
 Outputs are poisoned (NaN) before every run and test data are never zeros. On a CUDA device
 the real 80B-A3B shapes run as well as a tiny config; without one, ``TRITON_INTERPRET=1``
@@ -55,7 +58,14 @@ WIDTHS = [1, 3, 16] if INTERP else WIDTHS_GPU
 SLOTS = 40  # slots per state tensor (> 16 + padding, so untouched slots exist)
 
 
+# fp8 builds: the tiny config at hidden 256, so the block-128 planes have whole 128x128 scale
+# blocks and two scale columns (qkvz rows 640 = 5 x 128, qkv rows 384 = 3 x 128)
+FP8_TINY = "qwen3.5-moe-tiny@h256"
+
+
 def _cfg(name):
+    if name == FP8_TINY:
+        return {**text_config(get_preset(TINY)), "hidden_size": 256}
     return text_config(get_preset(name))
 
 
@@ -70,22 +80,25 @@ def _grid():
 _BUILDS: dict = {}
 
 
-def gdn_build(name, state_dtype, ssm_layout="vk", packing="interleaved"):
-    key = ("gdn", name, state_dtype, ssm_layout, packing)
+def gdn_build(name, state_dtype, ssm_layout="vk", packing="interleaved", formats=None):
+    formats = formats or {}
+    key = ("gdn", name, state_dtype, ssm_layout, packing, tuple(sorted(formats.items())))
     if key not in _BUILDS:
         shape = K1GdnShape.from_dims(Dims.from_config(_cfg(name)))
         k1 = K1GdnLaunch(shape, K1Config(grid=_grid()), packing=packing,
-                         state_dtype=state_dtype, ssm_layout=ssm_layout)  # fmt: skip
+                         state_dtype=state_dtype, ssm_layout=ssm_layout,
+                         formats=formats)  # fmt: skip
         k1.build(DEV)
         _BUILDS[key] = k1
     return _BUILDS[key]
 
 
-def attn_build(name):
-    key = ("attn", name)
+def attn_build(name, formats=None):
+    formats = formats or {}
+    key = ("attn", name, tuple(sorted(formats.items())))
     if key not in _BUILDS:
         shape = K1AttnShape.from_dims(Dims.from_config(_cfg(name)))
-        k1 = K1AttnLaunch(shape, K1Config(grid=_grid()), max_positions=4096)
+        k1 = K1AttnLaunch(shape, K1Config(grid=_grid()), max_positions=4096, formats=formats)
         k1.build(DEV)
         _BUILDS[key] = k1
     return _BUILDS[key]
@@ -218,17 +231,23 @@ def test_gdn_front_matches_reference(preset, packing, conv_layout, state_dtype, 
     k1 = gdn_build(preset, state_dtype, ssm_layout, packing)
     gen = new_gen(sum(map(ord, f"{preset}{packing}{conv_layout}{state_dtype}{ssm_layout}")))
     w = gdn_weights(md, packing, gen)
+    check_gdn_steps(k1, md, w, w, packing, conv_layout, state_dtype, ssm_layout, gen, WIDTHS)
+
+
+def check_gdn_steps(k1, md, w, w_ref, packing, conv_layout, state_dtype, ssm_layout, gen,
+                    widths):  # fmt: skip
+    """K1 with weights ``w`` against the reference with ``w_ref``, one step per width."""
     null_slot = 0 if conv_layout == "vllm" else None  # vLLM pads with 0, SGLang with -1
     st, ws = rank_state(), k1.workspace(DEV)
     n_jit = jit_cache_size(k1_gdn_kernel)
-    for width in WIDTHS:
+    for width in widths:
         conv, ssm = gdn_states(md, conv_layout, state_dtype, gen)
         slots = step_slots(width, null_slot, gen)
         hid, res = step_inputs(md, width, gen, residual=width != 2)  # width 2: first layer
         conv_r, ssm_r = conv.clone(), ssm.clone()
         conv0, ssm0 = conv.clone(), ssm.clone()
         o_in, r_out = run_k1_gdn(k1, st, ws, hid, res, w, conv, ssm, slots, null_slot)
-        ref = run_ref_gdn(md, hid, res, w, conv_r, ssm_r, slots, packing, conv_layout,
+        ref = run_ref_gdn(md, hid, res, w_ref, conv_r, ssm_r, slots, packing, conv_layout,
                           null_slot, ssm_layout)  # fmt: skip
         ok = _valid(slots, null_slot)
         assert_healthy(st)
@@ -362,10 +381,15 @@ def test_attn_front_matches_reference(preset):
     k1 = attn_build(preset)
     gen = new_gen(3)
     w = attn_weights(md, gen)
+    check_attn_steps(k1, md, w, w, gen, WIDTHS)
+
+
+def check_attn_steps(k1, md, w, w_ref, gen, widths):
+    """K1 with weights ``w`` against the reference with ``w_ref``, one step per width."""
     st, ws = rank_state(), k1.workspace(DEV)
     qd, kvd = md.num_heads * md.head_dim, md.num_kv_heads * md.head_dim
     n_jit = jit_cache_size(k1_attn_kernel)
-    for width in WIDTHS:
+    for width in widths:
         hid, res = step_inputs(md, width, gen, residual=width != 2)
         pos = torch.randint(0, 4096, (width,), generator=gen, device=DEV)
         outs = [torch.full((width, n), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -373,7 +397,7 @@ def test_attn_front_matches_reference(preset):
         r_out = torch.full_like(hid, float("nan"))
         st.bump_epoch()
         k1.launch(hid, res, w, pos, *outs, r_out, ws=ws, ctrl=st.ctrl, health=st.health)
-        ref = attn_front(hid, res, w["input_layernorm"], w, md, pos)
+        ref = attn_front(hid, res, w["input_layernorm"], w_ref, md, pos)
         assert_healthy(st)
         q, k, v, gate = (t.float() for t in outs)
         assert_close("q", q, ref.q.reshape(width, -1))
@@ -419,3 +443,127 @@ def test_launches_adapter_matches_direct_launch():
     assert_close("q", q.float(), ref_a.q.reshape(3, -1))
     assert_close("k", k.float(), ref_a.k.reshape(3, -1))
     assert_healthy(st)
+
+
+# ---------------------------------------------------------------------------- fp8 planes
+
+
+def quantize(w, fmt, gen, scale_shape=None):
+    """bf16 plane ``w`` [N, K] -> (e4m3fn codes, the engine's fp32 scales, the fp32
+    dequantized plane). Each scale is its block's / row's / the plane's amax / 448 times a
+    random factor in [1, 8): a scale read for the wrong block or row is off by up to 8x."""
+    n, k = w.shape
+    wf = w.float()
+    if fmt == "fp8_block128":
+        nb, kb = -(-n // 128), -(-k // 128)
+        amax = torch.zeros(nb * 128, kb * 128, device=DEV)
+        amax[:n, :k] = wf.abs()
+        amax = amax.view(nb, 128, kb, 128).amax(dim=(1, 3))
+    elif fmt == "fp8_channel":
+        amax = wf.abs().amax(dim=1)
+    else:
+        amax = wf.abs().amax().reshape(1)
+    factor = 1.0 + 7.0 * torch.rand(amax.shape, generator=gen, device=DEV)
+    scale = (amax.clamp_min(1e-12) / 448.0 * factor).contiguous()
+    if fmt == "fp8_block128":
+        full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    elif fmt == "fp8_channel":
+        full = scale[:, None].expand(n, k)
+    else:
+        full = scale.expand(n, k)
+    codes = (wf / full).to(torch.float8_e4m3fn)
+    if scale_shape is not None:
+        scale = scale.reshape(scale_shape)
+    return codes, scale, codes.float() * full
+
+
+def quantize_planes(w, formats, gen):
+    """(K1's weights: quantized planes + ``.scale``, the reference's: fp32 dequantized)."""
+    wq, wr = dict(w), dict(w)
+    for plane, fmt in formats.items():
+        if fmt == "bf16":
+            continue
+        n = w[plane].shape[0]
+        # per-row scales as vLLM keeps them ([N, 1]) for GDN, flat [N] for attention
+        shp = (n, 1) if fmt == "fp8_channel" and plane.startswith("in_proj") else None
+        wq[plane], wq[plane + ".scale"], wr[plane] = quantize(w[plane], fmt, gen, shp)
+    return wq, wr
+
+
+# qkvz fp8 with ba bf16 is what an FP8-block checkpoint gives (in_proj_ba kept bf16); the
+# others read both planes in one fp8 format, or in two different ones
+FP8_GDN = [
+    {"in_proj_qkvz": "fp8_block128"},
+    {"in_proj_qkvz": "fp8_channel", "in_proj_ba": "fp8_channel"},
+    {"in_proj_qkvz": "fp8_tensor", "in_proj_ba": "fp8_block128"},
+]
+FP8_WIDTHS = [1, 16] if INTERP else WIDTHS_GPU
+
+
+@pytest.mark.parametrize("formats", FP8_GDN, ids=lambda f: "+".join(f.values()))
+def test_gdn_front_fp8_planes_match_reference(formats):
+    md = ModelDims.from_config(_cfg(FP8_TINY))
+    k1 = gdn_build(FP8_TINY, "float32", formats=formats)
+    gen = new_gen(sum(map(ord, str(formats))))
+    w, w_ref = quantize_planes(gdn_weights(md, "interleaved", gen), formats, gen)
+    check_gdn_steps(k1, md, w, w_ref, "interleaved", "vllm", "float32", "vk", gen, FP8_WIDTHS)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block128", "fp8_channel", "fp8_tensor"])
+def test_attn_front_fp8_planes_match_reference(fmt):
+    md = ModelDims.from_config(_cfg(FP8_TINY))
+    k1 = attn_build(FP8_TINY, {"qkv_proj": fmt})
+    gen = new_gen(sum(map(ord, fmt)))
+    w, w_ref = quantize_planes(attn_weights(md, gen), {"qkv_proj": fmt}, gen)
+    check_attn_steps(k1, md, w, w_ref, gen, FP8_WIDTHS)
+
+
+def test_fp8_planes_refused_by_name():
+    """A plane or scale that does not match the build is refused before anything runs, with
+    the plane's name; an unknown format is refused at construction."""
+    md = ModelDims.from_config(_cfg(FP8_TINY))
+    formats = {"in_proj_qkvz": "fp8_block128"}
+    k1 = gdn_build(FP8_TINY, "float32", formats=formats)
+    gen = new_gen(5)
+    w_bf16 = gdn_weights(md, "interleaved", gen)
+    w, _ = quantize_planes(w_bf16, formats, gen)
+    conv, ssm = gdn_states(md, "vllm", "float32", gen)
+    slots = step_slots(2, 0, gen)
+    hid, res = step_inputs(md, 2, gen)
+    st, ws = rank_state(), k1.workspace(DEV)
+    scale = w["in_proj_qkvz.scale"]
+    bad = {
+        "missing in_proj_qkvz.scale": {k: v for k, v in w.items() if k != "in_proj_qkvz.scale"},
+        # per-row scales where block-128 ones are due
+        r"in_proj_qkvz.scale is torch.float32 \(640,\)": {
+            **w,
+            "in_proj_qkvz.scale": torch.ones(640, device=DEV),
+        },
+        r"in_proj_qkvz.scale is torch.float64": {**w, "in_proj_qkvz.scale": scale.double()},
+        r"in_proj_qkvz is torch.bfloat16, expected torch.float8_e4m3fn": w_bf16,
+        # this build reads in_proj_ba in bf16
+        r"in_proj_ba is torch.float8_e4m3fn, expected torch.bfloat16": {
+            **w,
+            "in_proj_ba": w["in_proj_ba"].to(torch.float8_e4m3fn),
+        },
+    }
+    for want, weights in bad.items():
+        o_in = torch.full((2, md.value_dim), float("nan"), dtype=torch.bfloat16, device=DEV)
+        with pytest.raises(ValueError, match=want):
+            k1.launch(hid, res, weights, conv, ssm, slots, o_in, torch.empty_like(hid), ws=ws,
+                      ctrl=st.ctrl, health=st.health, null_slot=0)  # fmt: skip
+        assert torch.isnan(o_in).all(), "a refused launch ran"
+    ka = attn_build(FP8_TINY, {"qkv_proj": "fp8_channel"})
+    aw, _ = quantize_planes(attn_weights(md, gen), {"qkv_proj": "fp8_channel"}, gen)
+    del aw["qkv_proj.scale"]
+    qd, kvd = md.num_heads * md.head_dim, md.num_kv_heads * md.head_dim
+    outs = [torch.empty((2, n), dtype=torch.bfloat16, device=DEV) for n in (qd, kvd, kvd, qd)]
+    pos = torch.zeros(2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="missing qkv_proj.scale"):
+        ka.launch(hid, res, aw, pos, *outs, torch.empty_like(hid), ws=ka.workspace(DEV),
+                  ctrl=st.ctrl, health=st.health)  # fmt: skip
+    shape = K1GdnShape.from_dims(Dims.from_config(_cfg(FP8_TINY)))
+    with pytest.raises(ValueError, match="in_proj_ba: the Triton kernels do not read 'mxfp4'"):
+        K1GdnLaunch(shape, K1Config(grid=_grid()), formats={"in_proj_ba": "mxfp4"})
+    with pytest.raises(ValueError, match="wt=True"):
+        K1GdnLaunch(shape, K1Config(grid=_grid(), wt=False), formats=formats)

@@ -1,4 +1,5 @@
-"""K1, the layer front, as one persistent Triton launch per layer per decode step (bf16).
+"""K1, the layer front, as one persistent Triton launch per layer per decode step (bf16
+activations; the matrix planes in bf16 or fp8 e4m3fn with fp32 scales, ``formats``).
 
 GDN layers (:func:`mono_ext.reference.gdn.gdn_front` is the fp32 oracle): residual add +
 input Gemma RMSNorm -> ``in_proj_qkvz`` / ``in_proj_ba`` -> causal conv1d update on the
@@ -21,7 +22,11 @@ by ``runtime.layout.check_handoffs`` at build):
   per tile: GDN: the conv update for the conv channels in the tile (read K-1 cached
   values, write the shifted window back, SiLU), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention:
   gate and v go straight to their outputs. Everything a later stage needs goes into one
-  tagged mailbox region (fp32 bits). The loop is software-pipelined (``ns`` stages of async
+  tagged mailbox region (fp32 bits). An fp8 plane is read in place through
+  ``planes.qdot`` (a chunk's MMA on the codes widened to bf16, times its scales); block-128
+  planes cap the K chunk at 128 (one scale column per chunk). When in_proj_qkvz and in_proj_ba
+  differ in format (an FP8 checkpoint keeps ba bf16), each chunk loads from both planes, the
+  other's fully masked. The loop is software-pipelined (``ns`` stages of async
   copies); what an epilogue reads (conv window, taps, A_log, dt_bias) is loaded at the
   tile's first chunk, because a dependent load behind a full memory pipeline costs a
   whole queue's latency (several us, measured on H200).
@@ -49,10 +54,11 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | residual        | [B, H] or None         | bf16      | contiguous rows; None on layer 0        | K2                |
 | residual_out    | [B, H]                 | bf16      | hidden + residual (fp32 add, rounded)   | this launch (CTA0)|
 | input_layernorm | [H]                    | bf16      | Gemma weight (``x * (1 + w)``)          | engine (read)     |
-| in_proj_qkvz    | [2*Hk*Dk + 2*Hv*Dv, H] | bf16      | "interleaved" or "contiguous" packing   | engine (read)     |
+| in_proj_qkvz    | [2*Hk*Dk + 2*Hv*Dv, H] | bf16/fp8  | "interleaved" or "contiguous" packing   | engine (read)     |
 |                 |                        |           | (compiled in; ``gdn_row_map`` is the    |                   |
 |                 |                        |           | host mirror of where each row goes)     |                   |
-| in_proj_ba      | [2*Hv, H]              | bf16      | same packing                            | engine (read)     |
+| in_proj_ba      | [2*Hv, H]              | bf16/fp8  | same packing                            | engine (read)     |
+| P + ".scale"    | per ``planes``         | fp32      | scales of an fp8 plane P (stored rows)  | engine (read)     |
 | conv1d          | [C, 1, 4] or [C, 4]    | bf16      | contiguous                              | engine (read)     |
 | A_log / dt_bias | [Hv]                   | fp32/bf16 | (dtypes fixed at build)                 | engine (read)     |
 | norm            | [Dv]                   | bf16      | plain weight of the gated norm          | engine (read)     |
@@ -64,7 +70,7 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | slots           | [B]                    | int32     | < 0 or == null_slot: padding (no state  | engine            |
 |                 |                        |           | read or written, o_in row = 0)          |                   |
 | o_in            | [B, Hv*Dv]             | bf16      | out_proj's input                        | this launch (S2)  |
-| qkv_proj        | [(2*Hq + 2*Hkv)*D, H]  | bf16      | per q head [q (D), gate (D)]; k; v      | engine (read)     |
+| qkv_proj        | [(2*Hq + 2*Hkv)*D, H]  | bf16/fp8  | per q head [q (D), gate (D)]; k; v      | engine (read)     |
 | q_norm / k_norm | [D]                    | bf16      | Gemma weights                           | engine (read)     |
 | positions       | [B]                    | int64     | 0-based token positions                 | engine            |
 | q / gate        | [B, Hq*D]              | bf16      | normed + RoPE'd q / pre-sigmoid gate    | this launch       |
@@ -80,6 +86,7 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +94,13 @@ import triton
 import triton.language as tl
 
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
+from mono_ext.kernels.triton.planes import (
+    chunk_limit,
+    format_code,
+    plane_reasons,
+    qdot,
+    scale_index,
+)
 from mono_ext.kernels.triton.primitives import (
     put_words,
     seq_tag,
@@ -188,13 +202,16 @@ def _acc_zeros(BB: tl.constexpr, BN: tl.constexpr, WT: tl.constexpr):
 
 
 @triton.jit
-def _dot_chunk(acc, wt, xs_base, rows, rmask, k, H: tl.constexpr, WT: tl.constexpr):
-    """One K chunk of a tile: the weight chunk ``wt`` [BN, BK] times this CTA's normed rows."""
+def _dot_chunk(acc, wt, xs_base, rows, rmask, k, H: tl.constexpr, WT: tl.constexpr, sp, wrows,
+               wlive, k0, Q: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """One K chunk of a tile: the weight chunk ``wt`` [BN, BK] (plane format ``Q``, its scales
+    at ``sp``, stored rows ``wrows``, chunk at column ``k0``) times this CTA's normed rows."""
     if WT:
         xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :],
                      other=0.0)  # fmt: skip
-        acc = tl.dot(wt, xt, acc)
+        acc = qdot(wt, xt, acc, sp, wrows, wlive, k0, Q, N, H)  # Q = 0: tl.dot(wt, xt, acc)
     else:
+        tl.static_assert(Q == 0, "fp8 planes are read with wt (refused at build)")
         xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None],
                      other=0.0)  # fmt: skip
         acc = tl.dot(xa, tl.trans(wt), acc)
@@ -209,6 +226,34 @@ def _acc_rows(acc, WT: tl.constexpr):
     else:
         acc_r = acc
     return acc_r
+
+
+@triton.jit
+def _row_scale(sp, wrows, wlive, k0, Q: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    """Each weight row's scale for the chunk at column ``k0`` (1 for a bf16 plane)."""
+    if Q == 0:  # noqa: SIM108 (a constexpr branch)
+        s = tl.full(wrows.shape, 1.0, tl.float32)
+    else:
+        s = tl.load(sp + scale_index(wrows, k0, Q, N, K), mask=wlive, other=0.0)
+    return s
+
+
+@triton.jit
+def _dot_mixed(acc, wq, wa, is_ba, xs_base, rows, rmask, k, k0, sq_ptr, sba_ptr, wrows, live,
+               H: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, Q_QKVZ: tl.constexpr,
+               Q_BA: tl.constexpr):  # fmt: skip
+    """A GDN chunk when in_proj_qkvz and in_proj_ba differ in format (the usual FP8 checkpoint:
+    fp8 qkvz, bf16 ba): the tile's plane (``is_ba``) was loaded into ``wa`` or ``wq`` (the
+    other fully masked: no traffic); both widen to bf16 exactly, one MMA, then each row's
+    scale (wt only, checked at build)."""
+    xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :], other=0.0)
+    w = tl.where(is_ba, wa.to(tl.bfloat16), wq.to(tl.bfloat16))
+    s = tl.where(
+        is_ba,
+        _row_scale(sba_ptr, wrows, live & is_ba, k0, Q_BA, PBA, H),
+        _row_scale(sq_ptr, wrows, live & (is_ba == 0), k0, Q_QKVZ, PQ, H),
+    )
+    return acc + tl.dot(w, xt) * s[:, None]
 
 
 @triton.jit
@@ -421,6 +466,8 @@ def k1_gdn_kernel(
     ss16,
     eps,
     qscale,
+    sq_ptr,  # fp32 scales of in_proj_qkvz / in_proj_ba (bf16 planes: any pointer, not read)
+    sba_ptr,
     # shapes
     H: tl.constexpr,
     HK: tl.constexpr,
@@ -449,6 +496,8 @@ def k1_gdn_kernel(
     WT: tl.constexpr,
     CVL: tl.constexpr,
     WB: tl.constexpr,
+    Q_QKVZ: tl.constexpr,
+    Q_BA: tl.constexpr,
     STAGES: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -538,17 +587,26 @@ def k1_gdn_kernel(
             r0, nr = _tile(pid + j * G, FT, BN, HB)
             is_ba = r0 < NA
             rs = r0 + nn
-            r_in = tl.where(is_ba, rs, rs - NA)
-            wb = tl.where(is_ba, wba_ptr, wq_ptr)
+            r_in = tl.where(is_ba, rs, rs - NA)  # the plane's stored row (also its scale row)
+            if Q_QKVZ == Q_BA:  # one format: one load from the tile's plane
+                wb = tl.where(is_ba, wba_ptr, wq_ptr)
             lim = tl.where(is_ba, PBA, PQ)
             live = (nn < nr) & (r_in < lim)
             k = kc * BK + kk
-            wt = tl.load(
-                wb + r_in[:, None] * H + k[None, :],
-                mask=live[:, None],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+            if Q_QKVZ == Q_BA:
+                wt = tl.load(
+                    wb + r_in[:, None] * H + k[None, :],
+                    mask=live[:, None],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+            else:  # element types differ: a load per plane, the other plane's fully masked
+                wt = tl.load(wq_ptr + r_in[:, None] * H + k[None, :],
+                             mask=(live & (is_ba == 0))[:, None], other=0.0,
+                             eviction_policy="evict_first")  # fmt: skip
+                wa = tl.load(wba_ptr + r_in[:, None] * H + k[None, :],
+                             mask=(live & is_ba)[:, None], other=0.0,
+                             eviction_policy="evict_first")  # fmt: skip
             p = tl.where(is_ba, PQ + rs, rs - NA)
             dest = tl.where(live, _payload_word(p, PQ, PBA, HV, DK, DV, RR, INTERLEAVED), -1)
             if kc == 0:
@@ -563,7 +621,14 @@ def k1_gdn_kernel(
                         dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
                         cs_t, cs_c, CONV, VD, HV, KC,
                     )  # fmt: skip
-            acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT)
+            if Q_QKVZ == Q_BA:
+                # scale_index reads only K: PQ stands for either plane's N
+                sp = tl.where(is_ba, sba_ptr, sq_ptr)
+                acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT, sp, r_in, live,
+                                 kc * BK, Q_QKVZ, PQ)  # fmt: skip
+            else:
+                acc = _dot_mixed(acc, wt, wa, is_ba, xs_base, rows, rmask, k, kc * BK, sq_ptr,
+                                 sba_ptr, r_in, live, H, PQ, PBA, Q_QKVZ, Q_BA)  # fmt: skip
             if kc == KCH - 1:
                 acc_r = _acc_rows(acc, WT)
                 if CVL:
@@ -689,6 +754,7 @@ def k1_attn_kernel(
     has_res,
     max_pos,
     eps,
+    sqkv_ptr,  # fp32 scales of qkv_proj (a bf16 plane: any pointer, not read)
     H: tl.constexpr,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -706,6 +772,7 @@ def k1_attn_kernel(
     NS: tl.constexpr,
     PRE: tl.constexpr,
     WT: tl.constexpr,
+    Q_QKV: tl.constexpr,
     STAGES: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -764,7 +831,8 @@ def k1_attn_kernel(
                 other=0.0,
                 eviction_policy="evict_first",
             )
-            acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT)
+            acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT, sqkv_ptr, r, r < PA,
+                             kc * BK, Q_QKV, PA)  # fmt: skip
             if kc == KCH - 1:
                 acc_r = _acc_rows(acc, WT)
                 p = r
@@ -1049,6 +1117,18 @@ def _check_tensors(label: str, tensors: dict, bad: list[str]) -> None:
             bad.append(f"{name} is not 16-byte aligned (no JIT mid-step)")
 
 
+def _fp8_stand_ins(planes: list[str], dev: Any) -> dict:
+    """Warmup stand-ins of quantized planes and their scales: warmup compiles for dtypes and
+    alignment, it launches nothing."""
+    import torch
+
+    out = {}
+    for plane in planes:
+        out[plane] = torch.zeros(16, dtype=torch.float8_e4m3fn, device=dev)
+        out[plane + ".scale"] = torch.zeros(16, dtype=torch.float32, device=dev)
+    return out
+
+
 def _dt(name: str) -> Any:
     import torch
 
@@ -1076,20 +1156,56 @@ class _K1LaunchBase:
     launch (S1 and S2 as two launches in the interpreter with more than one program).
 
     Subclasses are dataclasses with the fields ``shape``, ``config``, ``co_resident``,
-    ``stages``, ``layout``, ``resources`` and ``_built``; they set ``_KIND`` (refusals),
-    ``_KERNEL`` and ``_PROGRAM`` and implement ``label``, ``check``, ``_args``,
-    ``_refusals``, ``_proj_rows``, ``_kind_constexprs`` and ``_warmup_args``.
+    ``stages``, ``formats``, ``layout``, ``resources`` and ``_built``; they set ``_KIND``
+    (refusals), ``_KERNEL``, ``_PROGRAM`` and ``_PLANES`` and implement ``label``, ``check``,
+    ``_args``, ``_refusals``, ``_proj_rows``, ``_kind_constexprs`` and ``_warmup_args``.
+
+    ``formats``: plane -> format (``kernels.triton.planes.FORMAT_CODES``) of the matrix planes
+    in ``_PLANES``; absent ones are bf16, other planes are ignored. A quantized plane ``P`` is
+    read in place with its fp32 scales ``weights[P + ".scale"]``; each plane's format is a
+    constexpr, so an all-bf16 build compiles to the kernel it was before formats existed.
     """
 
     _KIND = ""
     _KERNEL: Any = None
     _PROGRAM: Any = None
+    _PLANES: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        bad = self.shape.refusals() + self._refusals()
+        bad = self.shape.refusals() + self._refusals() + self._format_refusals()
         if bad:
             raise ValueError(f"K1 {self._KIND} refused: " + "; ".join(bad))
         self.layout = plan_layout(self._PROGRAM(self.shape))
+
+    def _fmt(self, plane: str) -> str:
+        return self.formats.get(plane, "bf16")
+
+    def _quantized(self) -> list[str]:
+        """Planes of ``_PLANES`` this build reads in a format other than bf16."""
+        return [p for p in self._PLANES if self._fmt(p) != "bf16"]
+
+    def _format_refusals(self) -> list[str]:
+        bad = []
+        for plane in self._PLANES:
+            try:
+                format_code(self.formats, plane)
+            except ValueError as e:
+                bad.append(str(e))
+        if self._quantized() and not self.config.wt:
+            bad.append("fp8 planes are read with wt=True only (the scales are per weight row)")
+        return bad
+
+    def _q(self, plane: str) -> int:
+        return format_code(self.formats, plane)
+
+    def _scale_arg(self, weights: Any, plane: str) -> Any:
+        """A quantized plane's scales; bf16 planes have none: the weight itself (never read,
+        and as aligned as the weight, so no other variant is compiled)."""
+        return weights[plane + ".scale"] if self._fmt(plane) != "bf16" else weights[plane]
+
+    def _formats_label(self) -> str:
+        q = self._quantized()
+        return (" " + ",".join(f"{p}={self._fmt(p)}" for p in q)) if q else ""
 
     def _config_label(self) -> str:
         c = self.config
@@ -1105,19 +1221,22 @@ class _K1LaunchBase:
     def _constexprs(self) -> dict:
         s, c = self.shape, self.config
         bn = _pow2_divisor(self._proj_rows(), c.bn)
+        # a block-128 plane's chunks stay inside one scale column: BK divides 128 (and H, so
+        # every chunk starts at a multiple of BK)
+        bk = min(c.bk, chunk_limit(self.formats, *self._PLANES) or c.bk)
         ft, hb, nt = s1_tiles(self._s1_rows(bn), c.grid, bn)
         return dict(
             H=s.hidden,
             **self._kind_constexprs(),
             BB=BLOCK_B,
             BN=bn,
-            BK=_pow2_divisor(s.hidden, c.bk),
+            BK=_pow2_divisor(s.hidden, bk),
             FT=ft,
             HB=hb,
             NT=nt,
             CH=min(c.ch, _next_pow2(s.hidden)),
             NS=c.ns,
-            PRE=_pre(c, s.hidden),
+            PRE=_pre(c, s.hidden) and not self._quantized(),  # the prefetch assumes bf16
             WT=c.wt,
             STAGES=self.stages,
             INTERP=_interp(),
@@ -1134,6 +1253,7 @@ class _K1LaunchBase:
 
         s, bf = self.shape, torch.bfloat16
         b = hidden.shape[0] if hidden.dim() == 2 else -1
+        planes = {name: params.pop(name)[0] for name in self._PLANES}
         want = {
             "hidden": (hidden, (b, s.hidden), bf),
             "residual_out": (residual_out, (b, s.hidden), bf),
@@ -1145,6 +1265,10 @@ class _K1LaunchBase:
             want["residual"] = (residual, (b, s.hidden), bf)
         bad: list[str] = []
         _check_tensors(self.label(), want, bad)
+        for name, shp in planes.items():  # matrix planes (and scales) in their built formats
+            if weights.get(name) is None:
+                bad.append(f"missing {name}")
+            bad += plane_reasons(name, weights, self._fmt(name), shp)
         bad += more
         if not 1 <= b <= BLOCK_B:
             bad.append(f"width {b} outside 1..{BLOCK_B}")
@@ -1207,6 +1331,7 @@ class K1GdnLaunch(_K1LaunchBase):
     the tensor, so both conv layouts share one compile. ``state_dtype`` ("float32" or
     "bfloat16") and ``ssm_layout`` are compiled in. ``param_dtypes`` fixes A_log / dt_bias
     dtypes (a different dtype would compile mid-step: refused at launch instead).
+    ``formats``: ``in_proj_qkvz`` / ``in_proj_ba`` formats (see :class:`_K1LaunchBase`).
     """
 
     shape: K1GdnShape
@@ -1219,6 +1344,7 @@ class K1GdnLaunch(_K1LaunchBase):
     dt_bias_dtype: str = "bfloat16"
     co_resident: int = 1
     stages: int = STAGES_ALL
+    formats: Mapping[str, str] = field(default_factory=dict)
     layout: Any = field(init=False)
     resources: Any = field(init=False, default=None)
     _built: bool = field(init=False, default=False)
@@ -1226,6 +1352,7 @@ class K1GdnLaunch(_K1LaunchBase):
     _KIND = "GDN"
     _KERNEL = k1_gdn_kernel
     _PROGRAM = staticmethod(k1_gdn_program)
+    _PLANES = ("in_proj_qkvz", "in_proj_ba")
 
     def _refusals(self) -> list[str]:
         bad = []
@@ -1244,6 +1371,7 @@ class K1GdnLaunch(_K1LaunchBase):
         return (
             f"k1 gdn h{s.hidden} hk{s.hk} hv{s.hv} dk{s.dk} dv{s.dv} {self.state_dtype} "
             f"{self.ssm_layout} {self._config_label()} dvs{self.config.dvs}"
+            f"{self._formats_label()}"
         )
 
     def _proj_rows(self) -> int:
@@ -1271,6 +1399,8 @@ class K1GdnLaunch(_K1LaunchBase):
             DVS=c.dvs,
             CVL=c.cvl,
             WB=_next_pow2(2 * s.dk + 2 * s.dv + 2),
+            Q_QKVZ=self._q("in_proj_qkvz"),
+            Q_BA=self._q("in_proj_ba"),
         )
 
     def check(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
@@ -1345,12 +1475,15 @@ class K1GdnLaunch(_K1LaunchBase):
             ssm_state.stride(0) // 16,
             float(self.shape.eps),
             float(self.shape.dk) ** -0.5,
+            self._scale_arg(weights, "in_proj_qkvz"),
+            self._scale_arg(weights, "in_proj_ba"),
         )
 
     def _warmup_args(self, dev, one, ws, ctrl, health) -> tuple:
         import torch
 
         w = {k: one for k in ("input_layernorm", "in_proj_qkvz", "in_proj_ba", "conv1d", "norm")}
+        w.update(_fp8_stand_ins(self._quantized(), dev))
         w["A_log"] = torch.zeros(16, dtype=_dt(self.a_log_dtype), device=dev)
         w["dt_bias"] = torch.zeros(16, dtype=_dt(self.dt_bias_dtype), device=dev)
         conv = torch.zeros(1, 3, 16, dtype=_dt(self.conv_dtype), device=dev)
@@ -1370,7 +1503,8 @@ class K1GdnLaunch(_K1LaunchBase):
 @dataclass
 class K1AttnLaunch(_K1LaunchBase):
     """Attention K1 of one build. RoPE reads a [max_positions, rotary_dim] fp32 cos/sin
-    table built once here (positions are clamped into it)."""
+    table built once here (positions are clamped into it). ``formats``: the ``qkv_proj``
+    format (see :class:`_K1LaunchBase`)."""
 
     shape: K1AttnShape
     config: K1Config
@@ -1378,6 +1512,7 @@ class K1AttnLaunch(_K1LaunchBase):
     positions_dtype: str = "int64"
     co_resident: int = 1
     stages: int = STAGES_ALL
+    formats: Mapping[str, str] = field(default_factory=dict)
     layout: Any = field(init=False)
     rope: Any = field(init=False, default=None)
     resources: Any = field(init=False, default=None)
@@ -1386,6 +1521,7 @@ class K1AttnLaunch(_K1LaunchBase):
     _KIND = "attention"
     _KERNEL = k1_attn_kernel
     _PROGRAM = staticmethod(k1_attn_program)
+    _PLANES = ("qkv_proj",)
 
     def _refusals(self) -> list[str]:
         rows = self.shape.qkv_rows
@@ -1395,7 +1531,7 @@ class K1AttnLaunch(_K1LaunchBase):
         s = self.shape
         return (
             f"k1 attn h{s.hidden} hq{s.hq} hkv{s.hkv} d{s.head_dim} rd{s.rotary_dim} "
-            f"{self._config_label()}"
+            f"{self._config_label()}{self._formats_label()}"
         )
 
     def _proj_rows(self) -> int:
@@ -1410,6 +1546,7 @@ class K1AttnLaunch(_K1LaunchBase):
             RD=s.rotary_dim,
             OFF_QK=lay.offsets["qk"],
             RID_QK=lay.region_id("qk"),
+            Q_QKV=self._q("qkv_proj"),
         )
 
     def check(self, hidden, residual, weights, positions, q, k, v, gate, residual_out) -> int:
@@ -1450,6 +1587,7 @@ class K1AttnLaunch(_K1LaunchBase):
             *_step_args(residual, ws, ctrl, health, n_rows, layer, layers_per_step),
             self.max_positions,
             float(self.shape.eps),
+            self._scale_arg(weights, "qkv_proj"),
         )
 
     def build(self, device: Any = "cuda") -> None:
@@ -1463,6 +1601,7 @@ class K1AttnLaunch(_K1LaunchBase):
         import torch
 
         w = {k: one for k in ("input_layernorm", "qkv_proj", "q_norm", "k_norm")}
+        w.update(_fp8_stand_ins(self._quantized(), dev))
         pos = torch.zeros(16, dtype=_dt(self.positions_dtype), device=dev)
         return self._args(one, None, w, pos, one, one, one, one, one, ws, ctrl, health, 2, 0, 1)
 
