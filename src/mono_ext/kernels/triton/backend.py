@@ -46,7 +46,7 @@ from typing import Any
 from ...core.spec import BuildKey
 from ...core.views import ConfigView
 from ...models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
-from .limits import BLOCK_B
+from .limits import BLOCK_B, READ_FORMATS
 
 __all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build"]
 
@@ -173,6 +173,7 @@ class TritonRuntime:
         k1_cfg = extra.get("k1_config") or k1m.K1Config(grid=sm)
         k2_cfg = extra.get("k2_config") or k2m.K2Config(grid=sm)
         kinds = set(d.kinds)
+        formats = dict(key.formats)  # planes not in bf16 (every launch reads its own)
         gdn = attn = k2_gdn = k2_attn = None
         if "linear_attention" in kinds:
             gdn = k1m.K1GdnLaunch(
@@ -184,8 +185,11 @@ class TritonRuntime:
                 conv_dtype=key.dtype,
                 a_log_dtype=str(extra.get("a_log_dtype", "float32")),
                 dt_bias_dtype=str(extra.get("dt_bias_dtype", key.dtype)),
+                formats=formats,
             )
-            k2_gdn = k2m.K2Launch(k2m.K2Shape.from_dims(d, "gdn"), k2_cfg, kind="gdn")
+            k2_gdn = k2m.K2Launch(
+                k2m.K2Shape.from_dims(d, "gdn"), k2_cfg, kind="gdn", formats=formats
+            )
         if "full_attention" in kinds:
             attn = k1m.K1AttnLaunch(
                 k1m.K1AttnShape.from_dims(d),
@@ -194,9 +198,10 @@ class TritonRuntime:
                     extra.get("max_positions") or text.get("max_position_embeddings") or 8192
                 ),
                 positions_dtype=str(extra.get("positions_dtype", "int64")),
+                formats=formats,
             )
             k2_attn = k2m.K2Launch(
-                k2m.K2Shape.from_dims(d, "attn"), k2_cfg, kind="attn", gated=True
+                k2m.K2Shape.from_dims(d, "attn"), k2_cfg, kind="attn", gated=True, formats=formats
             )
         compiled = {}
         for launch in (gdn, attn, k2_gdn, k2_attn):  # compile + load + residency, now
@@ -330,6 +335,10 @@ class TritonBuilder:
     # decode slower. Deployments route nothing until this holds a width, unless
     # MONO_EXT_SERVE_UNMEASURED=1 (tests and benchmarks; core.backends.served_widths).
     faster_widths: frozenset[int] = frozenset()
+    # Plane formats K1/K2 read in place (kernels/triton/planes.py). A quantized deployment is
+    # judged plane by plane at the model stage (models/qwen3_next/spec.py), so the config stage
+    # names no quantization method.
+    plane_formats: frozenset[str] = READ_FORMATS
 
     def __init__(self) -> None:
         self.runtimes: dict[tuple, TritonRuntime] = {}
@@ -344,8 +353,6 @@ class TritonBuilder:
             )
         if cfg.dtype != "bfloat16":
             reasons.append(f"dtype {cfg.dtype}: the Triton K1/K2 read and write bfloat16")
-        if cfg.quantization is not None:
-            reasons.append(f"quantization {cfg.quantization!r}: the Triton K1/K2 read bf16 planes")
         reasons += _layout_reasons(layouts)
         text = dict(cfg.hf_config)
         ssm = text.get("mamba_ssm_dtype")
@@ -369,6 +376,7 @@ class TritonBuilder:
             key.dtype,
             key.tp_size,
             key.layouts,
+            key.formats,
             frozen(ctx.text_config),
             frozen(ctx.extra),
         )
