@@ -99,7 +99,7 @@ from mono_ext.kernels.triton.planes import (
     format_code,
     plane_reasons,
     qdot,
-    scale_index,
+    qdot_either,
 )
 from mono_ext.kernels.triton.primitives import (
     put_words,
@@ -229,31 +229,15 @@ def _acc_rows(acc, WT: tl.constexpr):
 
 
 @triton.jit
-def _row_scale(sp, wrows, wlive, k0, Q: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
-    """Each weight row's scale for the chunk at column ``k0`` (1 for a bf16 plane)."""
-    if Q == 0:  # noqa: SIM108 (a constexpr branch)
-        s = tl.full(wrows.shape, 1.0, tl.float32)
-    else:
-        s = tl.load(sp + scale_index(wrows, k0, Q, N, K), mask=wlive, other=0.0)
-    return s
-
-
-@triton.jit
 def _dot_mixed(acc, wq, wa, is_ba, xs_base, rows, rmask, k, k0, sq_ptr, sba_ptr, wrows, live,
                H: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, Q_QKVZ: tl.constexpr,
                Q_BA: tl.constexpr):  # fmt: skip
     """A GDN chunk when in_proj_qkvz and in_proj_ba differ in format (the usual FP8 checkpoint:
     fp8 qkvz, bf16 ba): the tile's plane (``is_ba``) was loaded into ``wa`` or ``wq`` (the
-    other fully masked: no traffic); both widen to bf16 exactly, one MMA, then each row's
-    scale (wt only, checked at build)."""
+    other fully masked); ``planes.qdot_either`` (wt only, checked at build)."""
     xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :], other=0.0)
-    w = tl.where(is_ba, wa.to(tl.bfloat16), wq.to(tl.bfloat16))
-    s = tl.where(
-        is_ba,
-        _row_scale(sba_ptr, wrows, live & is_ba, k0, Q_BA, PBA, H),
-        _row_scale(sq_ptr, wrows, live & (is_ba == 0), k0, Q_QKVZ, PQ, H),
-    )
-    return acc + tl.dot(w, xt) * s[:, None]
+    return qdot_either(acc, wq, wa, is_ba, xt, sq_ptr, sba_ptr, wrows, live, k0, Q_QKVZ, Q_BA,
+                       PQ, H, PBA, H)  # fmt: skip
 
 
 @triton.jit

@@ -74,6 +74,7 @@ from mono_ext.kernels.triton.planes import (
     format_code,
     plane_reasons,
     qdot,
+    qdot_either,
     scale_numel,
 )
 from mono_ext.kernels.triton.primitives import (
@@ -339,6 +340,8 @@ def k2_kernel(
     Q_O: tl.constexpr,
     Q_13: tl.constexpr,
     Q_2: tl.constexpr,
+    Q_SGU: tl.constexpr,
+    Q_SD: tl.constexpr,
     SPE13: tl.constexpr,
     SPE2: tl.constexpr,
     INTERP: tl.constexpr,
@@ -362,8 +365,11 @@ def k2_kernel(
     W_P: tl.constexpr = BB * H  # words per partials slot (p1 / p4)
     NS1: tl.constexpr = RANKS * KSPL1  # out_proj partial slots per parity
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
-    EB13: tl.constexpr = 1 if Q_13 else 2  # bytes per gate_up weight (fp8 / bf16)
-    EB2: tl.constexpr = 1 if Q_2 else 2  # bytes per down weight
+    EB13: tl.constexpr = 1 if Q_13 else 2  # bytes per routed gate_up weight (fp8 / bf16)
+    EB2: tl.constexpr = 1 if Q_2 else 2  # bytes per routed down weight
+    EBSG: tl.constexpr = 1 if Q_SGU else 2  # the shared expert's
+    EBSD: tl.constexpr = 1 if Q_SD else 2
+    I8: tl.constexpr = tl.pointer_type(tl.int8)  # prefetches address bytes (planes differ)
 
     rows = tl.arange(0, BB)
     rmask = rows < n_rows
@@ -433,12 +439,10 @@ def k2_kernel(
             _prefetch_l2(
                 (router_ptr + part * (ch_r // 2)).to(tl.pointer_type(tl.int8)), nb_r, nb_r > 0
             )
-            tot_s: tl.constexpr = 2 * ISR * H * EB13
+            tot_s: tl.constexpr = 2 * ISR * H * EBSG
             ch_s: tl.constexpr = (tot_s // 16 + 127) // 128 * 16
             nb_s = tl.minimum(tl.maximum(tot_s - part * ch_s, 0), ch_s)
-            _prefetch_l2(
-                (sgu_ptr + part * (ch_s // EB13)).to(tl.pointer_type(tl.int8)), nb_s, nb_s > 0
-            )
+            _prefetch_l2(sgu_ptr.to(I8) + part * ch_s, nb_s, nb_s > 0)
 
     _stamp(trace_ptr, 1, TRACE)
 
@@ -658,7 +662,9 @@ def k2_kernel(
                 tl_ = pid + (n_mine3 - 1) * G
                 sh_ = tl_ < nbs3
                 ex_ = tl.sum(tl.where(jv == n_mine3 - 1, ex_v, 0), axis=0)
-                wb_ = tl.where(sh_, sgu_ptr, w13_ptr + ex_.to(tl.int64) * (2 * IR * H))
+                wb_ = tl.where(sh_, sgu_ptr.to(I8),
+                               (w13_ptr + ex_.to(tl.int64) * (2 * IR * H)).to(I8))  # fmt: skip
+                eb_ = tl.where(sh_, EBSG, EB13)
                 isl_ = tl.where(sh_, ISR, IR)
                 ib_ = tl.where(sh_, tl_, (tl_ - nbs3) % nb3)
                 nrow_ = tl.minimum(L3, isl_ - ib_ * L3)
@@ -667,9 +673,8 @@ def k2_kernel(
                 r_lo = tl.minimum((q % 4) * pc, nrow_)
                 r_hi = tl.minimum(r_lo + pc, nrow_)
                 row0 = (q // 4) * isl_ + ib_ * L3 + r_lo
-                nbp = (r_hi - r_lo) * H * EB13
-                _prefetch_l2((wb_ + row0.to(tl.int64) * H).to(tl.pointer_type(tl.int8)), nbp,
-                             (nbp > 0) & (nbp % 16 == 0))  # fmt: skip
+                nbp = (r_hi - r_lo) * H * eb_
+                _prefetch_l2(wb_ + row0.to(tl.int64) * H * eb_, nbp, (nbp > 0) & (nbp % 16 == 0))
         # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
         for it in tl.range(0, n_it3, num_stages=PIPE3):
             j = it // KCH3
@@ -677,7 +682,6 @@ def k2_kernel(
             t = pid + j * G
             sh = t < nbs3
             ex = tl.sum(tl.where(jv == j, ex_v, 0), axis=0)
-            wb = tl.where(sh, sgu_ptr, w13_ptr + ex.to(tl.int64) * (2 * IR * H))
             isl = tl.where(sh, ISR, IR)
             ib = tl.where(sh, t, (t - nbs3) % nb3)
             gr = ib * L3 + ri
@@ -685,19 +689,24 @@ def k2_kernel(
             wrow = half * isl + gr
             k3 = kc * BK3 + kk3
             km = k3 < H
-            w_t = tl.load(
-                wb + wrow[:, None] * H + k3[None, :],
-                mask=live3[:, None] & km[None, :],
-                other=0.0,
-            )
             x_t = tl.load(
                 xs_base + rows[None, :] * H + k3[:, None],
                 mask=rmask[None, :] & km[:, None],
                 other=0.0,
             )
-            # the shared plane and the routed ones share a format (K2Launch checks it)
-            sp3 = tl.where(sh, s_sgu_ptr, s_13_ptr + ex.to(tl.int64) * SPE13)
-            acc3 = qdot(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
+            w13_e = w13_ptr + ex.to(tl.int64) * (2 * IR * H)
+            s13_e = s_13_ptr + ex.to(tl.int64) * SPE13
+            woff = wrow[:, None] * H + k3[None, :]
+            wm = live3[:, None] & km[None, :]
+            if Q_13 == Q_SGU:  # one format: one load through the task's plane
+                w_t = tl.load(tl.where(sh, sgu_ptr, w13_e) + woff, mask=wm, other=0.0)
+                sp3 = tl.where(sh, s_sgu_ptr, s13_e)
+                acc3 = qdot(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
+            else:
+                w_r = tl.load(w13_e + woff, mask=wm & (sh == 0), other=0.0)
+                w_s = tl.load(sgu_ptr + woff, mask=wm & sh, other=0.0)
+                acc3 = qdot_either(acc3, w_r, w_s, sh, x_t, s13_e, s_sgu_ptr, wrow, live3,
+                                   kc * BK3, Q_13, Q_SGU, 2 * IR, H, 2 * ISR, H)  # fmt: skip
             if kc == KCH3 - 1:
                 slot = tl.where(sh, UM, (t - nbs3) // nb3)
                 wr3 = tl.load(wsc_base + slot * BB + rows)
@@ -749,10 +758,12 @@ def k2_kernel(
             h_hi = tl.minimum(tl.minimum(t1 - sj * RB4, RB4) * BN4, H)
             sh_j = sj == n_u4
             isl_j = tl.where(sh_j, ISR, IR)
-            base_j = tl.where(sh_j, sdown_ptr, w2_ptr + ex_j.to(tl.int64) * (H * IR))
-            nb_j = (h_hi - h_lo) * isl_j * EB2
-            _prefetch_l2((base_j + h_lo.to(tl.int64) * isl_j).to(tl.pointer_type(tl.int8)),
-                         nb_j, s_live & (nb_j > 0) & (nb_j % 16 == 0))  # fmt: skip
+            base_j = tl.where(sh_j, sdown_ptr.to(I8),
+                              (w2_ptr + ex_j.to(tl.int64) * (H * IR)).to(I8))  # fmt: skip
+            eb_j = tl.where(sh_j, EBSD, EB2)
+            nb_j = (h_hi - h_lo) * isl_j * eb_j
+            _prefetch_l2(base_j + h_lo.to(tl.int64) * isl_j * eb_j, nb_j,
+                         s_live & (nb_j > 0) & (nb_j % 16 == 0))  # fmt: skip
         # the activation rows this run reads: one bounded wait per ACH of (slot, row)
         fc = tl.arange(0, ACH)
         cwa = tl.arange(0, IWP)
@@ -782,15 +793,17 @@ def k2_kernel(
             hm = hr < H
             sh4 = sj4 == n_u4
             ex4 = tl.sum(tl.where(js == sj4 - s0, ex_j, 0), axis=0)
-            wb4 = tl.where(sh4, sdown_ptr, w2_ptr + ex4.to(tl.int64) * (H * IR))
+            w2_e = w2_ptr + ex4.to(tl.int64) * (H * IR)
             isl4 = IR if IR == ISR else tl.where(sh4, ISR, IR)
             c4 = ic * BI4 + ci
             cw4 = ic * (BI4 // 2) + cw
-            w4 = tl.load(
-                wb4 + hr[:, None] * isl4 + c4[None, :],
-                mask=hm[:, None] & (c4[None, :] < isl4),
-                other=0.0,
-            )
+            woff4 = hr[:, None] * isl4 + c4[None, :]
+            wm4 = hm[:, None] & (c4[None, :] < isl4)
+            if Q_2 == Q_SD:
+                w4 = tl.load(tl.where(sh4, sdown_ptr, w2_e) + woff4, mask=wm4, other=0.0)
+            else:  # two formats: the task's plane through its own pointer type
+                w4 = tl.load(w2_e + woff4, mask=wm4 & (sh4 == 0), other=0.0)
+                w4s = tl.load(sdown_ptr + woff4, mask=wm4 & sh4, other=0.0)
             # all live rows of the slot: a row that did not pick it reads a stale word, but
             # MMA columns are independent and that column is never stored
             s_act = tl.where(sh4, UM, sj4)
@@ -804,8 +817,13 @@ def k2_kernel(
             lo4 = (v4 << 16).to(tl.float32, bitcast=True)
             hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
             a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
-            sp4 = tl.where(sh4, s_sd_ptr, s_2_ptr + ex4.to(tl.int64) * SPE2)
-            acc4 = qdot(w4, a_m.to(tl.bfloat16), acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
+            s2_e = s_2_ptr + ex4.to(tl.int64) * SPE2
+            if Q_2 == Q_SD:
+                sp4 = tl.where(sh4, s_sd_ptr, s2_e)
+                acc4 = qdot(w4, a_m.to(tl.bfloat16), acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
+            else:
+                acc4 = qdot_either(acc4, w4, w4s, sh4, a_m.to(tl.bfloat16), s2_e, s_sd_ptr, hr, hm,
+                                   ic * BI4, Q_2, Q_SD, H, IR, H, ISR)  # fmt: skip
             if ic == KCH4 - 1:
                 ppr = tl.sum(tl.where((js == sj4 - s0)[:, None], pp_j, 0), axis=0)  # [BB]
                 put_words(p4l_ptr, ppr[None, :] * H + hr[:, None], _fp32_bits(acc4),
@@ -1047,12 +1065,6 @@ class K2Launch:
     def _check_formats(self) -> None:
         for plane in (self.w_o_name, *QUANTIZABLE):
             format_code(self.formats, plane)  # raises for a format the kernels do not read
-        for routed, shared in (("w13", "shared_gate_up"), ("w2", "shared_down")):
-            if self.fmt(routed) != self.fmt(shared):
-                raise ValueError(
-                    f"{self.label()}: {routed} is {self.fmt(routed)} but {shared} is "
-                    f"{self.fmt(shared)}; K2 streams both in one loop and reads one format"
-                )
         for plane in ("router", "shared_expert_gate"):
             if self.fmt(plane) != "bf16":
                 raise ValueError(f"{self.label()}: K2 reads {plane} in bf16 only")
@@ -1171,6 +1183,8 @@ class K2Launch:
             Q_O=format_code(self.formats, self.w_o_name),
             Q_13=format_code(self.formats, "w13"),
             Q_2=format_code(self.formats, "w2"),
+            Q_SGU=format_code(self.formats, "shared_gate_up"),
+            Q_SD=format_code(self.formats, "shared_down"),
             SPE13=scale_numel(self.fmt("w13"), 2 * s.moe_inter, s.hidden),
             SPE2=scale_numel(self.fmt("w2"), s.hidden, s.moe_inter),
             INTERP=_interp(),

@@ -40,6 +40,8 @@ __all__ = [
     "format_code",
     "plane_reasons",
     "qdot",
+    "qdot_either",
+    "row_scale",
     "scale_index",
     "scale_numel",
 ]
@@ -136,3 +138,29 @@ def qdot(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
     else:
         s = tl.load(scale_ptr + scale_index(rows, k0, Q, N, K), mask=rmask, other=0.0)
         return acc + tl.dot(w.to(tl.bfloat16), x) * s[:, None]
+
+
+@triton.jit
+def row_scale(scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
+    """Each weight row's scale for the chunk at column ``k0`` (1 for a bf16 plane)."""
+    if Q == 0:  # noqa: SIM108 (a constexpr branch)
+        s = tl.full(rows.shape, 1.0, tl.float32)
+    else:
+        s = tl.load(scale_ptr + scale_index(rows, k0, Q, N, K), mask=rmask, other=0.0)
+    return s
+
+
+@triton.jit
+def qdot_either(acc, wa, wb, use_b, x, sa_ptr, sb_ptr, rows, rmask, k0, QA: tl.constexpr,
+                QB: tl.constexpr, NA, KA, NB, KB):  # fmt: skip
+    """``qdot`` for a loop that streams two planes of different formats (A and B), one per
+    tile: the tile was loaded into ``wa`` or ``wb`` (``use_b``; the other load fully masked,
+    so no traffic), since one load cannot go through pointers of two element types. Both
+    widen to bf16 exactly; one MMA; then each row's scale of its own plane."""
+    w = tl.where(use_b, wb.to(tl.bfloat16), wa.to(tl.bfloat16))
+    s = tl.where(
+        use_b,
+        row_scale(sb_ptr, rows, rmask & use_b, k0, QB, NB, KB),
+        row_scale(sa_ptr, rows, rmask & (use_b == 0), k0, QA, NA, KA),
+    )
+    return acc + tl.dot(w, x) * s[:, None]
