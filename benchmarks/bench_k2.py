@@ -124,9 +124,9 @@ VARIANTS = {
     "k2 bn4=32": {"bn4": 32},
     "k2 bal3": {"bal3": True},
     "k2 no-prefetch": {"prefetch": False},
-    # fp8 block-128 planes stream 128-byte K chunks (a chunk stays in one scale column): twice
-    # the stages keep about as many bytes in flight as bf16's 512-byte chunks (sm_90 offline:
-    # 120 KB shared, 234 registers, no spills)
+    # fp8 block-128 planes stream 128-byte K chunks per row (a chunk stays in one scale
+    # column), a quarter of bf16's 512: twice the stages give half bf16's bytes in flight per
+    # CTA (sm_90 offline: 120 KB shared, 234 registers, no spills)
     "k2 ns=8": {"ns1": 8, "ns3": 8, "ns4": 8},
 }
 PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (all)
