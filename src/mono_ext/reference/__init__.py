@@ -42,6 +42,10 @@ topk_ids / weights    [B, k]                      int64 / fp32  descending proba
 near_tie              [B]                         bool          p_k - p_(k+1) <= bf16 ulp(p_k)
 ====================  ==========================  ============  ==============================
 
+Matrix planes may also be fp8 (e4m3fn codes) with the engine's fp32 scale under
+``"<plane>.scale"``; ``convert.dequantized_weights`` turns them into fp32 values first (the
+``reference`` backend does so at every launch, following its build key's formats).
+
 Dense-MLP layers (Qwen3-Next ``mlp_only_layers`` / ``decoder_sparse_step``) are supported
 by ``layer_tail`` with ``gate_up`` [2I, H] and ``down`` [H, I].
 """
@@ -50,6 +54,8 @@ from .attention import AttnFrontOut, apply_neox_rope, attn_front, attn_out_input
 from .common import ModelDims, bf16_ulp, gemma_rms_norm, rel_l2
 from .convert import (
     conv_state_to_layout,
+    dequantize,
+    dequantized_weights,
     gdn_state_from_hf,
     layer_weights_from_hf,
     layer_weights_from_state_dict,
@@ -70,6 +76,8 @@ __all__ = [
     "conv_state_to_layout",
     "decode_attention",
     "decoder_layer_step",
+    "dequantize",
+    "dequantized_weights",
     "gdn_front",
     "gdn_state_from_hf",
     "gemma_rms_norm",

@@ -6,6 +6,11 @@ the result, rounded once, into the caller's buffers in the engine's dtype; GDN s
 updated in place in the engine's own cache tensors. It allocates temporaries and reads device
 values on the host (boolean row masks), so it is neither fast nor graph-capturable: testing
 only, never picked by ``auto``.
+
+Quantized planes (fp8 block-128 / per-channel / per-tensor, with their ``<plane>.scale``) are
+dequantized to fp32 at every launch (``convert.dequantized_weights``, following the build
+key's ``formats``), so the reference stays the fp32 oracle of what the engine's codes and
+scales mean.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ..core.views import ConfigView
 from ..models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
 from .attention import attn_front, attn_out_input
 from .common import ModelDims
+from .convert import dequantized_weights
 from .gdn import gdn_front
 from .tail import layer_tail
 
@@ -45,6 +51,10 @@ class ReferenceLaunches:
     layouts: Mapping[str, str]
     null_slot: int | None = None
 
+    def _weights(self, layer: BoundLayer) -> dict[str, torch.Tensor]:
+        """The layer's planes, quantized ones dequantized to fp32 (per call: testing only)."""
+        return dequantized_weights(layer.weights, dict(self.key.formats))
+
     def begin_step(self) -> None:
         """Nothing per step: the reference keeps no device state between launches."""
 
@@ -68,12 +78,12 @@ class ReferenceLaunches:
         residual_out: torch.Tensor,
     ) -> None:
         self._check_rows(hidden)
-        w = layer.weights
+        w = self._weights(layer)
         front = gdn_front(
             hidden,
             residual,
             w["input_layernorm"],
-            dict(w),
+            w,
             self.dims,
             layer.conv_state,
             layer.ssm_state,
@@ -100,8 +110,8 @@ class ReferenceLaunches:
         residual_out: torch.Tensor,
     ) -> None:
         self._check_rows(hidden)
-        w = layer.weights
-        front = attn_front(hidden, residual, w["input_layernorm"], dict(w), self.dims, positions)
+        w = self._weights(layer)
+        front = attn_front(hidden, residual, w["input_layernorm"], w, self.dims, positions)
         rows = hidden.shape[0]
         q.copy_(front.q.reshape(rows, -1))
         k.copy_(front.k.reshape(rows, -1))
@@ -122,7 +132,7 @@ class ReferenceLaunches:
         self._check_rows(o_in)
         x = o_in if gate is None else attn_out_input(o_in, gate)
         tail = layer_tail(
-            x, residual, dict(layer.weights), self.dims, kind="gdn" if layer.is_gdn else "attn"
+            x, residual, self._weights(layer), self.dims, kind="gdn" if layer.is_gdn else "attn"
         )
         hidden_out.copy_(tail.hidden_out)
         residual_out.copy_(tail.residual_out)
@@ -130,6 +140,10 @@ class ReferenceLaunches:
 
 class ReferenceBuilder:
     """The backend's ``target``: ``build(key, ctx)`` -> :class:`ReferenceLaunches`."""
+
+    #: matrix-plane formats the launches read (``Deployment.plane_formats``): fp8 planes are
+    #: dequantized with their bound scales; mxfp4 is not read
+    plane_formats = frozenset({"bf16", "fp8_block128", "fp8_channel", "fp8_tensor"})
 
     def refusals(self, cfg: ConfigView, layouts: Mapping[str, str]) -> list[str]:
         reasons = []

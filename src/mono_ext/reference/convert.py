@@ -27,6 +27,10 @@ gate_up, down               dense MLP: cat(mlp.gate_proj, mlp.up_proj), mlp.down
 ==========================  =====================================================
 
 A ``packing`` different from the source's repacks in_proj_qkvz / in_proj_ba.
+
+Quantized planes as the engines bind them (``BoundLayer.weights``: the fp8 plane, and its fp32
+scale under ``"<plane>.scale"``) become fp32 values with :func:`dequantized_weights`; the
+reference then computes with those exactly as with bf16 planes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..core.views import SCALE_SUFFIX, scale_key
 from .common import ModelDims
 from .gdn import pack_ba, pack_qkvz, repack_ba, repack_qkvz
 
@@ -43,7 +48,13 @@ __all__ = [
     "layer_weights_from_hf",
     "gdn_state_from_hf",
     "conv_state_to_layout",
+    "dequantize",
+    "dequantized_weights",
+    "FP8_BLOCK",
 ]
+
+#: rows and columns one fp8 block-128 scale covers
+FP8_BLOCK = 128
 
 
 def _get(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -157,3 +168,60 @@ def gdn_state_from_hf(
         conv_state_to_layout(conv, conv_layout).contiguous(),
         recurrent_hf.transpose(-1, -2).contiguous(),
     )
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp32 values of a quantized plane ``w`` [.., N, K] (per expert for [E, N, K]): codes times
+    scale, the scale taken as the engines keep it for ``fmt`` (``core.views.PLANE_FORMATS``):
+
+    - ``fp8_block128``: [.., ceil(N/128), ceil(K/128)], one per 128x128 block (edge blocks cut);
+    - ``fp8_channel``: one per row, [.., N] or [.., N, 1];
+    - ``fp8_tensor``: one per plane (per expert: [E]).
+
+    Raises ValueError when the scale does not hold that many values.
+    """
+    *lead, n, k = w.shape
+    try:
+        if fmt == "fp8_block128":
+            nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+            s = scale.reshape(*lead, nb, kb)
+            s = s.repeat_interleave(FP8_BLOCK, -2)[..., :n, :]
+            s = s.repeat_interleave(FP8_BLOCK, -1)[..., :k]
+        elif fmt == "fp8_channel":
+            s = scale.reshape(*lead, n, 1)
+        elif fmt == "fp8_tensor":
+            s = scale.reshape(*lead, 1, 1)
+        else:
+            raise ValueError(f"the reference does not read {fmt!r} planes")
+    except RuntimeError as exc:  # reshape: the scale holds another number of values
+        raise ValueError(
+            f"{fmt} scale {tuple(scale.shape)} does not fit a {tuple(w.shape)} plane"
+        ) from exc
+    return w.float() * s.float()
+
+
+def dequantized_weights(
+    weights: Mapping[str, torch.Tensor], formats: Mapping[str, str]
+) -> dict[str, torch.Tensor]:
+    """``weights`` with each plane that ``formats`` (plane -> format, e.g. a build key's
+    ``formats``) names as quantized replaced by its fp32 :func:`dequantize` values, and the
+    ``.scale`` entries dropped. A quantized plane without its scale, a scale without a
+    quantized format, or an fp8 plane the formats call bf16 raise ValueError: computing with
+    raw codes or ignoring a scale would be silently wrong."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if name.endswith(SCALE_SUFFIX):
+            if formats.get(name.removesuffix(SCALE_SUFFIX), "bf16") == "bf16":
+                raise ValueError(f"{name} given for a plane read as bf16")
+            continue
+        fmt = formats.get(name, "bf16")
+        if fmt == "bf16":
+            if t.dtype.is_floating_point and t.element_size() == 1:
+                raise ValueError(f"{name} is {t.dtype} but read as bf16 (no format given)")
+            out[name] = t
+            continue
+        scale = weights.get(scale_key(name))
+        if scale is None:
+            raise ValueError(f"{name} is {fmt} but no {scale_key(name)} was bound")
+        out[name] = dequantize(t, scale, fmt)
+    return out

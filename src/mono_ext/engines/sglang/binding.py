@@ -92,6 +92,8 @@ class LayerBinding:
 
     index: int
     kind: str  # "linear_attention" or "full_attention"
+    # plane -> tensor; :func:`.views.model_view` adds each quantized plane's scale as
+    # "<plane>.scale" (the BoundLayer weights contract)
     planes: dict[str, torch.Tensor] = field(default_factory=dict)
     quant: dict[str, str] = field(default_factory=dict)  # plane -> owning module's quant method
     facts: dict[str, Any] = field(default_factory=dict)

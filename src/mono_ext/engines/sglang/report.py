@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any
 
+from ...core.views import SCALE_SUFFIX
+
 __all__ = ["REPORT_RPC", "runner_report", "write_report"]
 
 #: The method name to pass to ``Engine.collective_rpc``.
@@ -73,6 +75,7 @@ def runner_report(runner: Any) -> dict[str, Any]:
     refusal = serving.refusal
     spec = serving.spec
     deployment = getattr(spec, "deployment", None)
+    launches = serving.launches
     out.update(
         state="off" if serving.off else "on" if serving.active else "pending",
         backend=getattr(serving.backend, "name", None),
@@ -81,6 +84,11 @@ def runner_report(runner: Any) -> dict[str, Any]:
         refused_at=None if refusal is None else refusal.stage.value,
         widths=None if deployment is None else list(deployment.widths),
         plane_formats=dict(getattr(spec, "plane_formats", None) or {}),
+        # quantized planes' formats in the build keys, and the engine scales bound for them
+        key_formats=dict(next(iter(launches.values())).key.formats) if launches else {},
+        scales_bound=sum(
+            k.endswith(SCALE_SUFFIX) for b in getattr(serving.model, "layers", ()) for k in b.planes
+        ),
         build_extra={k: str(v) for k, v in serving.build_extra.items()},
     )
     router = router_of(getattr(runner, "model", None))

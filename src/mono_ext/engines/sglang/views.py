@@ -24,6 +24,8 @@ SGLang's CPU path VNNI-packs fp8 weights for AMX (``use_intel_amx_backend``, lay
 ``amx_packed``); MXFP4 experts under ``--moe-runner-backend triton_kernel`` leave the module
 (triton_kernels containers on the quant method), and under the default Hopper path arrive
 upcast to bf16 (then refused by the quant method's name, ``Mxfp4MoEMethod``).
+A quantized plane bound row-major gets its scale bound next to it as ``<plane>.scale``
+(``core.views.scale_key``): SGLang's own scale tensor, sliced like the plane (:func:`model_view`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 from ...core.views import (
     MATRIX_PLANES,
+    SCALE_SUFFIX,
     CacheTensorView,
     CacheView,
     ConfigView,
@@ -44,6 +47,7 @@ from ...core.views import (
     container_plane_view,
     dtype_name,
     matrix_plane_view,
+    scale_key,
 )
 from ...models.qwen3_next.dims import text_config
 from .binding import CacheBinding, ModelBinding
@@ -240,6 +244,22 @@ def _scale_of(mod: Any, prefix: str) -> tuple[str, Any] | None:
     return None
 
 
+def _scale_for(source: Any) -> tuple[str, Any] | None:
+    """The scale of a bound matrix plane (``LayerBinding.sources`` entry): the owning module's
+    ``{prefix}weight_scale_inv`` / ``{prefix}weight_scale``, indexed like the bound plane
+    (experts ``[:E]`` routed, ``[E]`` the fused shared slot), so a view of SGLang's tensor."""
+    if source is None:
+        return None
+    mod, attr, index = source
+    found = _scale_of(mod, attr[: -len("weight")])  # "" or "w13_" / "w2_"
+    if found is None:
+        return None
+    name, scale = found
+    if index is not None and scale.dim() >= 1:
+        scale = scale[index]
+    return name, scale
+
+
 def _block(mod: Any) -> Any:
     """The fp8 block size: on the layer (compressed-tensors), else on SGLang's Fp8 method."""
     block = getattr(mod, "weight_block_size", None)
@@ -336,10 +356,8 @@ def plane_view(name: str, t: Any, quant: str, source: Any = None) -> tuple[Plane
     moe = attr in ("w13_weight", "w2_weight")
     prefix = attr[: -len("weight")]  # "" or "w13_" / "w2_"
     kernel = _engine_kernel(mod, moe)
-    found = _scale_of(mod, prefix)
+    found = _scale_for(source)
     scale = None if found is None else found[1]
-    if scale is not None and index is not None and scale.dim() >= 1:
-        scale = scale[index]  # the bound experts' scales (routed [:E], fused slot [E])
     bias = _tensor(getattr(mod, f"{prefix}bias", None))
     has_bias = (bias is not None and bias.numel() > 0) or (
         moe and bool(getattr(mod, "with_bias", False))
@@ -364,15 +382,22 @@ def plane_view(name: str, t: Any, quant: str, source: Any = None) -> tuple[Plane
 def model_view(bound: ModelBinding, *, tp_size: int, tp_rank: int) -> ModelView:
     """The bound model as a ModelView. Matrix planes get their format derived from the owning
     module (:func:`plane_view`); a plane SGLang keeps as a (K, N) ``weight.t()`` view is
-    rebound here as the row-major [N, K] it views (``bound.layers[i].planes``)."""
+    rebound here as the row-major [N, K] it views, and a quantized plane bound row-major gets
+    its scale bound as ``<plane>.scale`` (``bound.layers[i].planes``)."""
     layers = []
     for b in bound.layers:
         planes = {}
         for name, t in list(b.planes.items()):
-            view, row_major = plane_view(name, t, b.quant.get(name, "none"), b.sources.get(name))
+            if name.endswith(SCALE_SUFFIX):
+                continue  # bound by an earlier call; not a plane
+            source = b.sources.get(name)
+            view, row_major = plane_view(name, t, b.quant.get(name, "none"), source)
             planes[name] = view
             if row_major is not None and row_major is not t:
                 b.planes[name] = row_major
+            found = _scale_for(source) if view.scale is not None else None
+            if row_major is not None and found is not None:
+                b.planes[scale_key(name)] = found[1]
         for name, container in b.containers.items():
             mod, attr, index = b.sources[name]
             planes[name] = container_plane_view(

