@@ -1,6 +1,7 @@
-"""What both engines' FP8 block-128 refusal must say, plane by plane (tests/e2e/test_vllm_quant.py,
-tests/e2e/test_sglang_quant.py): the tiny Qwen3-Next checkpoint with fp8 dense planes and experts
-(3 GDN layers, 1 attention layer), refused at the model stage by the reference backend."""
+"""Shared by tests/e2e/test_vllm_quant.py and tests/e2e/test_sglang_quant.py: the tiny Qwen3-Next
+FP8 block-128 checkpoint (fp8 dense planes and experts; 3 GDN layers, 1 attention layer), what
+both engines' per-plane refusal says for a backend that reads no fp8, and the check that the
+planes and scales an adapter bound dequantize to the checkpoint's own values."""
 
 from __future__ import annotations
 
@@ -62,9 +63,78 @@ def make_fp8_block_checkpoint(out: Path, config: dict[str, Any]) -> Path:
     return out
 
 
+#: the fp8 matrix planes of FP8 checkpoints' layers (in_proj_ba, router, shared_expert_gate bf16)
+FP8_PLANES = {
+    "linear_attention": ("in_proj_qkvz", "out_proj", "w13", "w2", "shared_gate_up", "shared_down"),
+    "full_attention": ("qkv_proj", "o_proj", "w13", "w2", "shared_gate_up", "shared_down"),
+}
+
+
+def dequantized_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint's tensors with every fp8 ``*.weight`` replaced by its fp32 values: codes
+    times the ``weight_scale_inv`` of their 128x128 block (``make_fp8_block_checkpoint``) or the
+    per-row ``weight_scale`` [N, 1]; scales dropped. Written from the checkpoint's own names,
+    independent of mono_ext's dequantization (``reference.convert.dequantize``)."""
+    import torch
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path / "model.safetensors"))
+    out = {}
+    for name, t in sd.items():
+        if name.endswith(("weight_scale_inv", "weight_scale")):
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            out[name] = t
+            continue
+        stem = name.removesuffix("weight")
+        if stem + "weight_scale_inv" in sd:
+            s = sd[stem + "weight_scale_inv"]
+            s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
+        else:
+            s = sd[stem + "weight_scale"]
+        out[name] = t.float() * s
+    return out
+
+
+def assert_bound_planes_dequantize_to_the_checkpoint(
+    weights: list[dict[str, Any]],
+    formats: dict[str, str],
+    ckpt: dict[str, Any],
+    config: dict[str, Any],
+    fp8_planes: dict[str, tuple[str, ...]],
+    prefix: str = "model.layers.",
+) -> None:
+    """Every matrix plane an adapter bound (``weights``: per layer, plane -> the engine's tensor,
+    plus ``<plane>.scale``) dequantizes, through the reference's ``dequantized_weights`` with
+    the deployment's ``formats``, to exactly the values of the checkpoint
+    (:func:`dequantized_checkpoint` in the engine layout of ``reference.convert``); the planes
+    of ``fp8_planes`` (per layer kind) are fp8 with a scale, the others carry none."""
+    import torch
+
+    from mono_ext.core.views import MATRIX_PLANES
+    from mono_ext.reference import ModelDims, dequantized_weights, layer_weights_from_state_dict
+
+    dims = ModelDims.from_config(config)
+    kinds = config["layer_types"]
+    for i, bound in enumerate(weights):
+        p = f"{prefix}{i}."
+        ref = layer_weights_from_state_dict(
+            {k[len(p) :]: v for k, v in ckpt.items() if k.startswith(p)}, dims
+        )
+        got = dequantized_weights(bound, formats)
+        for name in MATRIX_PLANES:
+            if name not in ref:
+                continue
+            fp8 = name in fp8_planes[kinds[i]]
+            assert (bound[name].dtype == torch.float8_e4m3fn) == fp8, (i, name)
+            assert (name + ".scale" in bound) == fp8, (i, name)
+            assert torch.equal(got[name].float(), ref[name].float()), f"layer {i}: {name}"
+
+
 def assert_fp8_block_reasons(message: str, kernel: str, moe_kernel: str, qkvz_rows: int) -> None:
     """``kernel``: the engine's dense fp8 kernel as the reason names it; ``moe_kernel``: its MoE
-    runner; ``qkvz_rows``: in_proj_qkvz's rows in that engine's packing."""
+    runner; ``qkvz_rows``: in_proj_qkvz's rows in that engine's packing. The backend is the
+    reference restricted to bf16 planes (a backend that reads no fp8)."""
     assert message.startswith("mono_ext off: [model] "), message
     for plane, launch, layers, storage, scales in (
         ("in_proj_qkvz", "K1", "layers 0-2", f"[{qkvz_rows}, 128]", f"[{qkvz_rows // 128}, 1]"),
