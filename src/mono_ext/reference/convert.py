@@ -50,11 +50,16 @@ __all__ = [
     "conv_state_to_layout",
     "dequantize",
     "dequantized_weights",
+    "quantize",
+    "quantized_weights",
     "FP8_BLOCK",
+    "FP8_MAX",
 ]
 
 #: rows and columns one fp8 block-128 scale covers
 FP8_BLOCK = 128
+#: the largest finite float8_e4m3fn value
+FP8_MAX = 448.0
 
 
 def _get(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -224,4 +229,49 @@ def dequantized_weights(
         if scale is None:
             raise ValueError(f"{name} is {fmt} but no {scale_key(name)} was bound")
         out[name] = dequantize(t, scale, fmt)
+    return out
+
+
+def quantize(
+    w: torch.Tensor, fmt: str, *, jitter: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3fn codes, fp32 scale) of plane ``w`` [.., N, K] in ``fmt``, the scale shaped as the
+    engines keep it (:func:`dequantize`'s inverse up to fp8 rounding): each block's / row's /
+    plane's amax over 448, as checkpoint makers do (edge blocks cover what is left).
+    ``jitter``: each scale times a random factor in [1, 8) from that generator (tests: a scale
+    read for the wrong block or row is then visibly wrong)."""
+    x = w.float()
+    *lead, n, k = x.shape
+    if fmt == "fp8_block128":
+        nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+        pad = x.new_zeros(*lead, nb * FP8_BLOCK, kb * FP8_BLOCK)
+        pad[..., :n, :k] = x.abs()
+        amax = pad.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK).amax(dim=(-3, -1))
+    elif fmt == "fp8_channel":
+        amax = x.abs().amax(-1, keepdim=True)  # [.., N, 1]
+    elif fmt == "fp8_tensor":
+        amax = x.abs().amax(dim=(-2, -1))  # [..]: one per plane (per expert)
+    else:
+        raise ValueError(f"no fp8 quantization {fmt!r}")
+    scale = amax.clamp_min(1e-12) / FP8_MAX
+    if jitter is not None:
+        scale = scale * (1.0 + 7.0 * torch.rand(scale.shape, generator=jitter, device=x.device))
+    scale = scale.contiguous()
+    codes = (x / dequantize(torch.ones_like(x), scale, fmt)).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def quantized_weights(
+    weights: Mapping[str, torch.Tensor],
+    formats: Mapping[str, str],
+    *,
+    jitter: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """``weights`` with each plane ``formats`` names as fp8 replaced by its codes and its scale
+    added under ``"<plane>.scale"``, as the engines bind them (:func:`dequantized_weights`
+    gives the values the reference computes with)."""
+    out = dict(weights)
+    for name, fmt in formats.items():
+        if fmt != "bf16":
+            out[name], out[scale_key(name)] = quantize(weights[name], fmt, jitter=jitter)
     return out
