@@ -75,6 +75,7 @@ from mono_ext.kernels.triton.planes import (
     plane_reasons,
     qdot,
     qdot_either,
+    scale_index,
     scale_numel,
 )
 from mono_ext.kernels.triton.primitives import (
@@ -268,6 +269,8 @@ def k2_kernel(
     s_2_ptr,
     s_sgu_ptr,
     s_sd_ptr,
+    s_r_ptr,
+    s_seg_ptr,
     scratch_ptr,
     xs_ptr,
     pw_ptr,
@@ -342,6 +345,8 @@ def k2_kernel(
     Q_2: tl.constexpr,
     Q_SGU: tl.constexpr,
     Q_SD: tl.constexpr,
+    Q_R: tl.constexpr,
+    Q_SEG: tl.constexpr,
     SPE13: tl.constexpr,
     SPE2: tl.constexpr,
     INTERP: tl.constexpr,
@@ -433,12 +438,10 @@ def k2_kernel(
             # weights the next stages surely read, pulled into L2 during the hand-offs
             lane = tl.arange(0, 128)
             part = pid + G * lane
-            tot_r: tl.constexpr = E * H * 2
+            tot_r: tl.constexpr = E * H * (1 if Q_R else 2)
             ch_r: tl.constexpr = (tot_r // 16 + 127) // 128 * 16
             nb_r = tl.minimum(tl.maximum(tot_r - part * ch_r, 0), ch_r)
-            _prefetch_l2(
-                (router_ptr + part * (ch_r // 2)).to(tl.pointer_type(tl.int8)), nb_r, nb_r > 0
-            )
+            _prefetch_l2(router_ptr.to(I8) + part * ch_r, nb_r, nb_r > 0)
             tot_s: tl.constexpr = 2 * ISR * H * EBSG
             ch_s: tl.constexpr = (tot_s // 16 + 127) // 128 * 16
             nb_s = tl.minimum(tl.maximum(tot_s - part * ch_s, 0), ch_s)
@@ -474,6 +477,9 @@ def k2_kernel(
         rn = tl.arange(0, RN)
         nw = tl.load(norm_w_ptr + hh, mask=hmsk, other=0.0).to(tl.float32)
         sg_w = tl.load(seg_ptr + hh, mask=hmsk, other=0.0).to(tl.float32)
+        if Q_SEG:  # the [1, H] gate's scales along H (its one row)
+            s_idx = scale_index(0, hh, Q_SEG, 1, H) + hh * 0  # per-row / tensor: one scale
+            sg_w *= tl.load(s_seg_ptr + s_idx, mask=hmsk, other=0.0)
         for r0 in range(0, n_rows, RN):
             rws = r0 + rn
             m = (rws < n_rows)[:, None] & hmsk[None, :]
@@ -518,8 +524,9 @@ def k2_kernel(
                     mask=rmask[None, :] & km2[:, None],
                     other=0.0,
                 )
-                acc2 = tl.dot(wr, xa, acc2)
-                acc2 = tl.dot(wr, xl, acc2)
+                k0 = ks * KSP2 + kc * BK2
+                acc2 = qdot(wr, xa, acc2, s_r_ptr, e, em, k0, Q_R, E, H)
+                acc2 = qdot(wr, xl, acc2, s_r_ptr, e, em, k0, Q_R, E, H)
             off2 = ks * (BB * E) + rows[None, :] * E + e[:, None]
             put_words(logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, INTERP)
 
@@ -999,9 +1006,9 @@ def _interp() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-#: planes K2 reads through ``planes.qdot`` (any format of ``planes.READ_FORMATS``), besides
-#: out_proj / o_proj
-QUANTIZABLE = ("w13", "w2", "shared_gate_up", "shared_down")
+#: planes K2 reads in any format of ``planes.READ_FORMATS``, besides out_proj / o_proj (the
+#: engines leave the router and shared_expert_gate bf16; a checkpoint could still quantize them)
+QUANTIZABLE = ("w13", "w2", "shared_gate_up", "shared_down", "router", "shared_expert_gate")
 
 _WEIGHT_KEYS = (
     "post_attention_layernorm",
@@ -1065,9 +1072,6 @@ class K2Launch:
     def _check_formats(self) -> None:
         for plane in (self.w_o_name, *QUANTIZABLE):
             format_code(self.formats, plane)  # raises for a format the kernels do not read
-        for plane in ("router", "shared_expert_gate"):
-            if self.fmt(plane) != "bf16":
-                raise ValueError(f"{self.label()}: K2 reads {plane} in bf16 only")
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -1126,6 +1130,7 @@ class K2Launch:
         rid = {r.name: i for i, r in enumerate(lay.program.regions)}
         # a block-128 plane's K chunks stay inside one scale column
         lim1 = chunk_limit(self.formats, self.w_o_name) or c.bk1
+        lim2 = chunk_limit(self.formats, "router") or c.bk2
         lim3 = chunk_limit(self.formats, "w13", "shared_gate_up") or c.bk3
         lim4 = chunk_limit(self.formats, "w2", "shared_down") or c.bi4
         return dict(
@@ -1158,7 +1163,7 @@ class K2Launch:
             BK1=min(c.bk1, max(16, _next_pow2(-(-s.in_dim // self.kspl1))), lim1),
             KSPL1=self.kspl1,
             KS2=c.ks2,
-            BK2=min(c.bk2, max(16, _next_pow2(-(-s.hidden // c.ks2)))),
+            BK2=min(c.bk2, max(16, _next_pow2(-(-s.hidden // c.ks2))), lim2),
             BK3=min(c.bk3, max(16, _next_pow2(s.hidden)), lim3),
             BI4=min(c.bi4, max(32, _next_pow2(max(s.moe_inter, s.shared_inter))), lim4),
             JS=self._run_slots(),
@@ -1185,6 +1190,8 @@ class K2Launch:
             Q_2=format_code(self.formats, "w2"),
             Q_SGU=format_code(self.formats, "shared_gate_up"),
             Q_SD=format_code(self.formats, "shared_down"),
+            Q_R=format_code(self.formats, "router"),
+            Q_SEG=format_code(self.formats, "shared_expert_gate"),
             SPE13=scale_numel(self.fmt("w13"), 2 * s.moe_inter, s.hidden),
             SPE2=scale_numel(self.fmt("w2"), s.hidden, s.moe_inter),
             INTERP=_interp(),
@@ -1219,6 +1226,8 @@ class K2Launch:
             scale("w2"),
             scale("shared_gate_up"),
             scale("shared_down"),
+            scale("router"),
+            scale("shared_expert_gate"),
             ws.scratch,
             ws.xs,
             ws.pw,
