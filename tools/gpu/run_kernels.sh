@@ -1,0 +1,41 @@
+#!/bin/bash
+# The Triton kernels on the H200, without an engine bundle (the device image has torch 2.11 +
+# Triton 3.6): what one device call should run first when device time is scarce. Every step
+# logs to $OUT (or ./gpu_out), and a failing step does not stop the next.
+#
+#   bash tools/gpu/run_kernels.sh tests   tests/kernels (bf16 and fp8 K1/K2, runtime), ~4 min
+#   bash tools/gpu/run_kernels.sh fp8     only the fp8 cases (reader, K1, K2 tiny and 80B), ~2 min
+#   bash tools/gpu/run_kernels.sh bench   bench_k2 bf16 + fp8 block-128 (torch stock arm; add
+#                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install for
+#                                         the vLLM arms) and the bench_k1 sweep, ~8 min
+# Results go into docs/perf.md with the date, device and these commands.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=32
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/device.txt" 2>&1
+run() {  # name, command...
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/steps.log"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  echo "   rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/steps.log"
+  tail -n 5 "$OUT/$name.log"
+}
+case "${1:-tests}" in
+tests)
+  run kernels python3 -m pytest -q -p no:cacheprovider -s tests/kernels ;;
+fp8)
+  run fp8 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_fp8_planes.py \
+    tests/kernels/test_k1.py tests/kernels/test_k2_tiny.py tests/kernels/test_k2.py -k "fp8 or qdot" ;;
+bench)
+  run k2_bf16 python3 benchmarks/bench_k2.py --widths 1,2,4,8,12,16 \
+    --variants "k2,k2 bn3=32,k2 rb=2 rn=2,k2 rb=4" --trace --csv "$OUT/k2_bf16.csv"
+  run k2_fp8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,12,16 \
+    --variants "k2,k2 ns=8" --csv "$OUT/k2_fp8.csv"
+  run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
+*)
+  echo "usage: $0 tests|fp8|bench" >&2
+  exit 2 ;;
+esac
