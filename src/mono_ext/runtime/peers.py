@@ -1,10 +1,13 @@
-"""Per-rank control/health blocks and peer buffers: real TP over CUDA IPC, virtual TP on one GPU.
+"""Per-rank control/health blocks and peer buffers: real TP over CUDA (or HIP) IPC, virtual TP
+on one GPU.
 
 | object       | what it holds                                     | freed                        |
 |--------------|---------------------------------------------------|------------------------------|
 | RankState    | ctrl (int64 [CTRL_WORDS]), health (int32 [...])   | with the object              |
 | IpcPeers     | own buffer (cuMemAlloc), every peer's buffer      | close(): after every graph   |
 |              | opened through CUDA IPC, device table [world]     | that uses it is destroyed    |
+| HipIpcPeers  | the same through HIP IPC (hipMalloc; ROCm, never  | same                         |
+|              | run on an AMD GPU)                                |                              |
 | VirtualPeers | one buffer for R ranks, table [R], R streams,     | close(): same rule           |
 |              | R RankStates                                      |                              |
 
@@ -15,7 +18,11 @@ are exchanged with ``all_gather_object`` over the engine's CPU (gloo) group and 
 this rank's own device context, so peer access is enabled for the device that runs the
 kernels.
 
-torch is imported lazily; ``libcuda`` is loaded only when an IpcPeers is made.
+The two IPC flavours share the exchange (:func:`_exchange`); a small ctypes driver
+(:class:`_IpcDriver`) supplies the allocation and handle calls of each API.
+
+torch is imported lazily; ``libcuda`` / ``libamdhip64`` is loaded only when an IpcPeers /
+HipIpcPeers is made.
 """
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ import os
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mono_ext.runtime import health as _h
 
-__all__ = ["IpcPeers", "PeerBufferError", "RankState", "VirtualPeers"]
+__all__ = ["HipIpcPeers", "IpcPeers", "PeerBufferError", "RankState", "VirtualPeers"]
 
 _ALIGN_BYTES = 256
 
@@ -145,41 +153,160 @@ class VirtualPeers:
         self.buffer = self.table = None
 
 
-# --- CUDA IPC through the driver API (libcuda is always there where a GPU is) ---------------
+# --- IPC through the driver API: CUDA (libcuda) or HIP (libamdhip64), one exchange ---------
 
 
-class _CUipcMemHandle(ctypes.Structure):
+class _IpcMemHandle(ctypes.Structure):
+    """``CUipcMemHandle`` and ``hipIpcMemHandle_t`` alike: 64 opaque bytes, passed by value."""
+
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
-_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+# CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS and hipIpcMemLazyEnablePeerAccess
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
 
-class _Driver:
-    def __init__(self) -> None:
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise PeerBufferError(f"cannot load libcuda.so.1 for CUDA IPC: {e}") from None
-        u64 = ctypes.c_uint64
-        sigs = {
-            "cuMemAlloc_v2": [ctypes.POINTER(u64), ctypes.c_size_t],
-            "cuMemFree_v2": [u64],
-            "cuMemsetD8_v2": [u64, ctypes.c_ubyte, ctypes.c_size_t],
-            "cuIpcGetMemHandle": [ctypes.POINTER(_CUipcMemHandle), u64],
-            "cuIpcOpenMemHandle_v2": [ctypes.POINTER(u64), _CUipcMemHandle, ctypes.c_uint],
-            "cuIpcCloseMemHandle": [u64],
-        }
-        for name, args in sigs.items():
-            f = getattr(self.lib, name)
-            f.argtypes = args
+class _IpcDriver:
+    """What :class:`IpcPeers` needs from a GPU driver, over ctypes: subclasses name the library,
+    their column of ``_ENTRY_POINTS`` and their error names. Device pointers travel as
+    integers; ``bind``/``synchronize`` go through torch (``torch.cuda`` is HIP in a ROCm build
+    of torch).
+
+    Tests substitute an object with the same methods (``tests/unit/test_peers_hip.py``).
+    """
+
+    api = ""
+    libraries: tuple[str, ...] = ()
+    column = 0  # of the entry point's name in _ENTRY_POINTS
+    memset_byte: Any = ctypes.c_ubyte  # the fill value's type
+
+    def __init__(self, library: str | None = None) -> None:
+        self.lib = _load_library(self.api, (library,) if library else self.libraries)
+        self.fn = {}
+        for role, (*names, args) in _ENTRY_POINTS.items():
+            f = getattr(self.lib, names[self.column])
+            f.argtypes = [self.memset_byte if a is None else a for a in args]
             f.restype = ctypes.c_int
+            self.fn[role] = (names[self.column], f)
 
-    def check(self, rc: int, what: str) -> None:
+    def _call(self, role: str, *args: Any, what: str = "") -> None:
+        name, f = self.fn[role]
+        rc = f(*args)
         if rc != 0:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(rc, ctypes.byref(name))
-            raise PeerBufferError(f"{what} failed: CUDA driver error {rc} ({name.value})")
+            why = f"{self.api} error {rc} ({self.error_name(rc)})"
+            raise PeerBufferError(f"{name}{what} failed: {why}")
+
+    def error_name(self, rc: int) -> str:
+        raise NotImplementedError
+
+    def bind(self, device: Any) -> None:
+        import torch
+
+        torch.cuda.set_device(device)
+        torch.cuda.synchronize(device)  # makes the primary context current for the driver
+
+    def synchronize(self, device: Any) -> None:
+        import torch
+
+        torch.cuda.synchronize(device)
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self._call("alloc", ctypes.byref(ptr), nbytes)
+        return ptr.value
+
+    def memset0(self, ptr: int, nbytes: int) -> None:
+        self._call("memset", ptr, 0, nbytes)
+
+    def export(self, ptr: int) -> bytes:
+        handle = _IpcMemHandle()
+        self._call("export", ctypes.byref(handle), ptr)
+        # bytes(handle), not handle.reserved: a c_char array field stops at the first NUL byte.
+        return bytes(handle)
+
+    def open(self, raw: bytes, rank: int) -> int:
+        peer = ctypes.c_uint64()
+        h = _IpcMemHandle.from_buffer_copy(raw)
+        flags = _IPC_LAZY_ENABLE_PEER_ACCESS
+        self._call("open", ctypes.byref(peer), h, flags, what=f" (rank {rank}'s buffer)")
+        return peer.value
+
+    def close(self, ptr: int) -> None:
+        self._call("close", ptr)
+
+    def free(self, ptr: int) -> None:
+        self._call("free", ptr)
+
+
+def _load_library(api: str, names: Iterable[str]) -> ctypes.CDLL:
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            errors.append(str(e))
+    raise PeerBufferError(f"cannot load the {api} library for IPC: " + "; ".join(errors))
+
+
+def _mapped(stem: str) -> tuple[str, ...]:
+    """Paths of the libraries named ``stem*`` mapped into this process (Linux; else none)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ()
+    paths = (line.split()[-1] for line in maps.splitlines() if f"/{stem}" in line)
+    return tuple(dict.fromkeys(paths))
+
+
+_U64 = ctypes.c_uint64
+_HANDLE_P = ctypes.POINTER(_IpcMemHandle)
+# role: (CUDA driver API, HIP runtime, argtypes; None: the memset byte's type); each returns a
+# status, 0 on success
+_ENTRY_POINTS: dict[str, tuple[str, str, list]] = {
+    "alloc": ("cuMemAlloc_v2", "hipMalloc", [ctypes.POINTER(_U64), ctypes.c_size_t]),
+    "free": ("cuMemFree_v2", "hipFree", [_U64]),
+    "memset": ("cuMemsetD8_v2", "hipMemset", [_U64, None, ctypes.c_size_t]),
+    "export": ("cuIpcGetMemHandle", "hipIpcGetMemHandle", [_HANDLE_P, _U64]),
+    "open": ("cuIpcOpenMemHandle_v2", "hipIpcOpenMemHandle",
+             [ctypes.POINTER(_U64), _IpcMemHandle, ctypes.c_uint]),  # fmt: skip
+    "close": ("cuIpcCloseMemHandle", "hipIpcCloseMemHandle", [_U64]),
+}
+
+
+class _CudaDriver(_IpcDriver):
+    """The CUDA driver API (libcuda is always there where an NVIDIA GPU is)."""
+
+    api = "CUDA driver"
+    libraries = ("libcuda.so.1",)
+
+    def error_name(self, rc: int) -> str:
+        name = ctypes.c_char_p()
+        self.lib.cuGetErrorName(rc, ctypes.byref(name))
+        return (name.value or b"?").decode()
+
+
+class _HipDriver(_IpcDriver):
+    """The HIP runtime (ROCm). **Never run here**: no ROCm and no AMD GPU where it was
+    written; only its ctypes marshalling was exercised, against a stand-in library
+    (``tests/unit/test_peers_hip.py``). hipMalloc'd memory is a whole allocation at offset 0,
+    which hipIpcGetMemHandle needs, as cuMemAlloc's is for CUDA."""
+
+    api = "HIP"
+    # The unversioned name first (a ROCm install), then the sonames ROCm 6 and 7 ship.
+    libraries = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
+    column = 1
+    memset_byte = ctypes.c_int
+
+    def __init__(self, library: str | None = None) -> None:
+        # The copy torch already loaded first: a ROCm wheel of torch bundles its own
+        # libamdhip64, and memory of a second HIP runtime in the process is not torch's device's.
+        self.libraries = (*_mapped("libamdhip64.so"), *type(self).libraries)
+        super().__init__(library)
+
+    def error_name(self, rc: int) -> str:
+        f = self.lib.hipGetErrorName
+        f.argtypes, f.restype = [ctypes.c_int], ctypes.c_char_p
+        return (f(rc) or b"?").decode()
 
 
 class _RawDeviceArray:
@@ -195,14 +322,47 @@ class _RawDeviceArray:
         }
 
 
+def _exchange(drv: Any, nbytes: int, group: Any, device: Any) -> tuple[int, list[int], list[int]]:
+    """Allocate, zero and export this rank's buffer, all-gather every rank's handle over the
+    CPU group and open every peer's: (own address, opened addresses, table in rank order)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    own = drv.alloc(nbytes)
+    # Zero before the handle leaves this rank, so no tag in it can match a live step; the
+    # memset may return before the device is done, and a peer's first write must not be wiped
+    # by a memset still in flight.
+    drv.memset0(own, nbytes)
+    drv.synchronize(device)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (nbytes, drv.export(own)), group=group)
+    opened: list[int] = []
+    addrs = []
+    for r, (their_nbytes, raw) in enumerate(gathered):
+        if their_nbytes != nbytes:
+            raise PeerBufferError(
+                f"rank {r} made a {their_nbytes} B peer buffer, this rank {nbytes} B"
+            )
+        if r == rank:
+            addrs.append(own)
+            continue
+        opened.append(drv.open(raw, r))
+        addrs.append(opened[-1])
+    return own, opened, addrs
+
+
 class IpcPeers:
     """Real TP: one buffer per rank, opened by every other rank through CUDA IPC.
 
     ``group`` is the engine's CPU (gloo) process group of the TP ranks. Collective: every
-    rank constructs and closes it together.
+    rank constructs and closes it together. ``driver`` replaces the ctypes driver (tests).
     """
 
-    def __init__(self, peer_words: int, group: Any, device: Any, deadline_s: float):
+    _driver_class: type[_IpcDriver] = _CudaDriver
+
+    def __init__(
+        self, peer_words: int, group: Any, device: Any, deadline_s: float, driver: Any = None
+    ):
         import torch
         import torch.distributed as dist
 
@@ -211,44 +371,9 @@ class IpcPeers:
         self.world = dist.get_world_size(group)
         self.device = torch.device(device)
         self.nbytes = -(-peer_words * 8 // _ALIGN_BYTES) * _ALIGN_BYTES
-        torch.cuda.set_device(self.device)
-        torch.cuda.synchronize(self.device)  # makes the primary context current for the driver
-        self._cu = _Driver()
-        ptr = ctypes.c_uint64()
-        self._cu.check(self._cu.lib.cuMemAlloc_v2(ctypes.byref(ptr), self.nbytes), "cuMemAlloc")
-        self._own = ptr.value
-        # Zero before the handle leaves this rank, so no tag in it can match a live step.
-        self._cu.check(self._cu.lib.cuMemsetD8_v2(self._own, 0, self.nbytes), "cuMemsetD8")
-        # cuMemset may return before the device is done; a peer's first write must not be
-        # wiped by a memset still in flight.
-        torch.cuda.synchronize(self.device)
-        handle = _CUipcMemHandle()
-        self._cu.check(
-            self._cu.lib.cuIpcGetMemHandle(ctypes.byref(handle), self._own), "cuIpcGetMemHandle"
-        )
-        gathered: list[Any] = [None] * self.world
-        # bytes(handle), not handle.reserved: a c_char array field stops at the first NUL byte.
-        dist.all_gather_object(gathered, (self.nbytes, bytes(handle)), group=group)
-        self._opened: list[int] = []
-        addrs = []
-        for r, (nbytes, raw) in enumerate(gathered):
-            if nbytes != self.nbytes:
-                raise PeerBufferError(
-                    f"rank {r} made a {nbytes} B peer buffer, this rank {self.nbytes} B"
-                )
-            if r == self.rank:
-                addrs.append(self._own)
-                continue
-            h = _CUipcMemHandle.from_buffer_copy(raw)
-            peer = ctypes.c_uint64()
-            self._cu.check(
-                self._cu.lib.cuIpcOpenMemHandle_v2(
-                    ctypes.byref(peer), h, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-                ),
-                f"cuIpcOpenMemHandle (rank {r}'s buffer)",
-            )
-            self._opened.append(peer.value)
-            addrs.append(peer.value)
+        self._drv = driver if driver is not None else self._driver_class()
+        self._drv.bind(self.device)
+        self._own, self._opened, addrs = _exchange(self._drv, self.nbytes, group, self.device)
         self.table = torch.tensor(addrs, dtype=torch.int64, device=self.device)
         self.state = RankState.create(self.rank, self.device, deadline_s)
         self._graphs = _GraphGuard()
@@ -265,7 +390,6 @@ class IpcPeers:
         self._graphs.register(graph)
 
     def close(self) -> None:
-        import torch
         import torch.distributed as dist
 
         if self._own is None:
@@ -276,11 +400,27 @@ class IpcPeers:
                 f"{alive} CUDA graph(s) captured on this peer buffer still exist: destroy them "
                 "before freeing it (a replay would write freed memory)"
             )
-        torch.cuda.synchronize(self.device)
+        self._drv.synchronize(self.device)
         for peer in self._opened:
-            self._cu.check(self._cu.lib.cuIpcCloseMemHandle(peer), "cuIpcCloseMemHandle")
+            self._drv.close(peer)
         self._opened = []
         dist.barrier(group=self.group)  # no peer still maps our buffer when we free it
-        self._cu.check(self._cu.lib.cuMemFree_v2(self._own), "cuMemFree")
+        self._drv.free(self._own)
         self._own = None
         self.table = None
+
+
+class HipIpcPeers(IpcPeers):
+    """Real TP on ROCm: :class:`IpcPeers` with the HIP runtime's IPC (``libamdhip64``:
+    hipMalloc, hipMemset, hipIpcGetMemHandle / hipIpcOpenMemHandle / hipIpcCloseMemHandle,
+    hipFree; 64-byte ``hipIpcMemHandle_t``), the same exchange over the engine's gloo group.
+
+    **Never run on an AMD GPU**: none was available where it was written. What ran is the
+    exchange (allocate, zero, export, all-gather, open every peer's handle, rank-ordered
+    table, close order) over a real two-process gloo group with a recording stand-in driver,
+    and the ctypes calls against a stand-in ``libamdhip64`` (``tests/unit/test_peers_hip.py``).
+    Whether ``torch.as_tensor`` takes :meth:`buffer`'s ``__cuda_array_interface__`` on ROCm is
+    also unverified.
+    """
+
+    _driver_class = _HipDriver
