@@ -4,7 +4,8 @@
 |-----------------|------------------------------------------------------------------|--------------|
 | ``limits``      | gfx950 limits (CUs, VGPR file, LDS, clock), launch constants     | no           |
 | ``toolchain``   | offline compile (``COMPILE_ONLY=1 ARCH=gfx950``, LLD shim), ISA  | to compile   |
-|                 | metadata parser and the spill/scratch/LDS/residency checks       |              |
+|                 | metadata parser and the spill/scratch/LDS/residency checks; the  |              |
+|                 | launcher and the dry launch (arguments vs the kernel's params)   |              |
 | ``primitives``  | device code: tagged words, bounded waits on ``s_memrealtime``,   | yes          |
 |                 | health records, sticky failure, peer-buffer all-reduce           |              |
 | ``runtime``     | the runtime launches built from the primitives (mailbox, all-    | yes          |
@@ -14,7 +15,8 @@
 | ``k2``          | K2 (layer tail): build keys, hand-off program, host-side tensor  | to compile   |
 |                 | checks and launch tables; ``_k2_device`` holds its device code   |              |
 | ``sweep``       | every gfx950 build key compiled and checked (CI, docs/perf.md)   | yes          |
-| ``backend``     | the backend's ``target``: refusals, and what is not built yet    | no           |
+| ``backend``     | the backend's ``target``: the launch binding (a CPU dry run is   | to build     |
+|                 | what ran), refusals, what is built / written / missing           |              |
 
 Everything here compiles on a CPU machine; nothing here has run on an MI355X (no such device
 was available where it was written): numerics on gfx950 are unverified until the Buildkite

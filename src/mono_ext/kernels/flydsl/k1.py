@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...runtime.layout import Layout, Program, Region, Stage, plan_layout, wait, write
+from .k2 import _compile, _raise_launch, launch_reasons, runtime_table
 from .limits import GFX950, MAX_WIDTH
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "build_k1_gdn",
     "k1_attn_program",
     "k1_gdn_program",
+    "rope_table",
 ]
 
 
@@ -175,19 +177,52 @@ class K1AttnBuild:
             bad.append(f"positions must be int64 [{w}]")
         return bad
 
+    def runtime_table(self, *, scratch, xs, rope, ctrl, health) -> list[int]:
+        """``rtab`` (``RT_ENTRIES``): scratch, xs, the RoPE table, ctrl, health."""
+        import torch
+
+        rd = self.shape.rotary_dim
+        ok = rope.dtype == torch.float32 and rope.dim() == 2 and rope.shape[1] == rd
+        bad = [] if ok and rope.is_contiguous() else [f"rope must be contiguous fp32 [P, {rd}]"]
+        return runtime_table(self, bad, scratch, xs, rope, ctrl, health)
+
+    def args(self, hidden, residual, residual_out, positions, q, gate, k, v, *, wtab, rtab,
+             layer: int, layers_per_step: int) -> tuple:  # fmt: skip
+        """The launch's arguments (``_k1_device.k1_attn_launch``); tensors are checked by
+        :meth:`check`, the tables and layer ints here."""
+        tables = {"wtab": (wtab, len(WEIGHT_ENTRIES)), "rtab": (rtab, len(RT_ENTRIES))}
+        _raise_launch(self, launch_reasons(tables, layer, layers_per_step))
+        rest = (residual_out, positions, q, gate, k, v, wtab, rtab)
+        return _k1_args(hidden, residual, rest, (layer, layers_per_step))
+
+    def compile(self, load: bool = False):
+        """Compile for gfx950 (``load``: and load onto the current gfx950 device)."""
+        from ._k1_device import k1_attn_launch
+
+        return _compile(self, k1_attn_launch(self), N_PTR_ARGS, (1, 0, 1), load)
+
+
+def _k1_args(hidden, residual, rest: tuple, ints: tuple) -> tuple:
+    """hidden, residual (hidden's address on the first layer: ``has_residual`` 0, never
+    read), the other addresses, ``has_residual``, then ``ints``."""
+    ptrs = (hidden, hidden if residual is None else residual, *rest)
+    return tuple(t.data_ptr() for t in ptrs) + (int(residual is not None), *ints)
+
+
+def rope_table(rotary_dim: int, theta: float, max_positions: int, device: Any = "cpu") -> Any:
+    """The attention front's RoPE table: [max_positions, rotary_dim] fp32, cos (rd/2) then
+    sin (rd/2) per position, from the reference's frequencies."""
+    import torch
+
+    from ...reference.attention import rope_cos_sin
+
+    cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), rotary_dim, theta)
+    return torch.cat([cos, sin], dim=-1).contiguous()
+
 
 def build_k1_attn(width: int, shape: K1AttnShape | None = None, grid: int = GFX950.cus):
     """Compile one attention-front key offline for gfx950 (checked ``Compiled``)."""
-    import flydsl.expr as fx
-
-    from ._k1_device import k1_attn_launch
-    from .toolchain import compile_offline
-
-    b = K1AttnBuild(shape or QWEN3_NEXT_80B_ATTN, width, grid)
-    args = tuple(fx.Int64(0) for _ in range(N_PTR_ARGS)) + (1, 0, 1)
-    c = compile_offline(k1_attn_launch(b), args, label=b.label(), grid=grid)
-    c.build = b  # type: ignore[attr-defined]
-    return c
+    return K1AttnBuild(shape or QWEN3_NEXT_80B_ATTN, width, grid).compile()
 
 
 # -- GDN front -------------------------------------------------------------------------------
@@ -207,7 +242,7 @@ class K1GdnShape:
 
     @classmethod
     def from_dims(cls, dims: Any) -> K1GdnShape:
-        return cls(dims.hidden, dims.hk_r, dims.hv_r, dims.dk, dims.dv, dims.conv_kernel,
+        return cls(dims.hidden, dims.hk_r, dims.hv_r, dims.dk, dims.dv, dims.conv_k,
                    dims.eps)  # fmt: skip
 
     @property
@@ -366,16 +401,28 @@ class K1GdnBuild:
         return [conv_state.data_ptr(), conv_state.stride(0), ssm_state.data_ptr(),
                 ssm_state.stride(0)]  # fmt: skip
 
+    def runtime_table(self, *, scratch, xs, ctrl, health) -> list[int]:
+        """``rtab``: scratch, xs, an unused entry, ctrl, health."""
+        return runtime_table(self, [], scratch, xs, ctrl, ctrl, health)
+
+    def args(self, hidden, residual, residual_out, slots, o_in, *, wtab, rtab, stab,
+             null_slot: int | None, layer: int, layers_per_step: int) -> tuple:  # fmt: skip
+        """The launch's arguments (``_k1_device.k1_gdn_launch``); ``null_slot`` None: only
+        negative slots are padding."""
+        tables = {"wtab": (wtab, len(GDN_WEIGHT_ENTRIES)), "rtab": (rtab, len(RT_ENTRIES)),
+                  "stab": (stab, len(GDN_STATE_ENTRIES))}  # fmt: skip
+        _raise_launch(self, launch_reasons(tables, layer, layers_per_step))
+        null = -1 if null_slot is None else null_slot
+        rest = (residual_out, slots, o_in, wtab, rtab, stab)
+        return _k1_args(hidden, residual, rest, (null, layer, layers_per_step))
+
+    def compile(self, load: bool = False):
+        """Compile for gfx950 (``load``: and load onto the current gfx950 device)."""
+        from ._k1_device import k1_gdn_launch
+
+        return _compile(self, k1_gdn_launch(self), GDN_N_PTR_ARGS, (1, 0, 0, 1), load)
+
 
 def build_k1_gdn(width: int, shape: K1GdnShape | None = None, grid: int = GFX950.cus, **layouts):
     """Compile one GDN-front key offline for gfx950 (checked ``Compiled``)."""
-    import flydsl.expr as fx
-
-    from ._k1_device import k1_gdn_launch
-    from .toolchain import compile_offline
-
-    b = K1GdnBuild(shape or QWEN3_NEXT_80B_GDN, width, grid=grid, **layouts)
-    args = tuple(fx.Int64(0) for _ in range(GDN_N_PTR_ARGS)) + (1, 0, 0, 1)
-    c = compile_offline(k1_gdn_launch(b), args, label=b.label(), grid=grid)
-    c.build = b  # type: ignore[attr-defined]
-    return c
+    return K1GdnBuild(shape or QWEN3_NEXT_80B_GDN, width, grid=grid, **layouts).compile()

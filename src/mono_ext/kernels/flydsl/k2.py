@@ -192,23 +192,16 @@ class K2Build:
                 bad.append(f"missing weight {name!r}")
             else:
                 bad += _tensor_reasons(name, t, shp)
-        if bad:
-            raise ValueError(f"{self.label()}: " + "; ".join(bad))
+        _raise_launch(self, bad)
         return [weights[k].data_ptr() for k in self.weight_shapes()]
 
     def runtime_table(self, *, scratch, xs, ctrl, health, peers=None) -> list[int]:
         """The rank's runtime table (``RT_ENTRIES``): scratch, xs, peer table, ctrl, health."""
         bad = []
-        if scratch.numel() * scratch.element_size() < 8 * self.layout.scratch_words:
-            bad.append(f"scratch holds fewer than {self.layout.scratch_words} int64 words")
-        if xs.numel() * xs.element_size() < self.xs_bytes:
-            bad.append(f"xs holds fewer than {self.xs_bytes} bytes")
         if self.shape.tp > 1 and peers is None:
             bad.append(f"TP {self.shape.tp} needs the peer table")
-        if bad:
-            raise ValueError(f"{self.label()}: " + "; ".join(bad))
         peer = peers if peers is not None else ctrl  # never read at TP 1
-        return [t.data_ptr() for t in (scratch, xs, peer, ctrl, health)]
+        return runtime_table(self, bad, scratch, xs, peer, ctrl, health)
 
     def args(
         self,
@@ -224,8 +217,6 @@ class K2Build:
         gate=None,
     ) -> tuple:
         """The launch's arguments: activation addresses, the two tables, layer ints."""  # fmt: skip
-        import torch
-
         s, w = self.shape, self.width
         acts = {
             "o_in": (o_in, (w, s.in_dim)),
@@ -240,16 +231,59 @@ class K2Build:
             acts["gate"] = (gate, (w, s.in_dim))
         for name, (t, shp) in acts.items():
             bad += _tensor_reasons(name, t, shp)
-        for name, t, n in (("wtab", wtab, len(WEIGHT_ENTRIES)), ("rtab", rtab, len(RT_ENTRIES))):
-            if t.dtype != torch.int64 or t.numel() != n:
-                bad.append(f"{name} must be {n} int64 addresses")
-        if not 0 <= layer < layers_per_step:
-            bad.append(f"layer {layer} outside [0, {layers_per_step})")
-        if bad:
-            raise ValueError(f"{self.label()}: " + "; ".join(bad))
+        tables = {"wtab": (wtab, len(WEIGHT_ENTRIES)), "rtab": (rtab, len(RT_ENTRIES))}
+        _raise_launch(self, bad + launch_reasons(tables, layer, layers_per_step))
         ptr = [o_in, gate if gate is not None else o_in, residual, out_hidden, out_residual,
                wtab, rtab]  # fmt: skip
         return tuple(t.data_ptr() for t in ptr) + (layer, layers_per_step)
+
+    def compile(self, load: bool = False):
+        """Compile this key for gfx950 (``load``: and load it onto the current device, a
+        gfx950 GPU); the :class:`~mono_ext.kernels.flydsl.toolchain.Compiled`, with ``.build``."""
+        from ._k2_device import k2_launch
+
+        return _compile(self, k2_launch(self), N_PTR_ARGS, (0, 1), load)
+
+
+def _compile(build, launch, n_ptr: int, ints: tuple, load: bool):
+    """Compile one K1/K2 build: ``n_ptr`` address placeholders, then ``ints``."""
+    import flydsl.expr as fx
+
+    from .toolchain import compile_offline
+
+    args = tuple(fx.Int64(0) for _ in range(n_ptr)) + ints
+    c = compile_offline(launch, args, label=build.label(), grid=build.grid, load=load)
+    c.build = build  # type: ignore[attr-defined]
+    return c
+
+
+def launch_reasons(tables: dict, layer: int, layers_per_step: int) -> list[str]:
+    """What is wrong with a launch's tables (name -> (tensor, entries)) and layer ints."""
+    import torch
+
+    bad = []
+    for name, (t, n) in tables.items():
+        if t.dtype != torch.int64 or t.numel() != n:
+            bad.append(f"{name} must be {n} int64 addresses")
+    if not 0 <= layer < layers_per_step:
+        bad.append(f"layer {layer} outside [0, {layers_per_step})")
+    return bad
+
+
+def _raise_launch(build, bad: list[str]) -> None:
+    if bad:
+        raise ValueError(f"{build.label()}: " + "; ".join(bad))
+
+
+def runtime_table(build, bad: list[str], scratch, xs, third, ctrl, health) -> list[int]:
+    """A K1/K2 runtime table (scratch, xs, ``third``, ctrl, health), checked against the
+    build's scratch words and xs bytes; ``bad``: the caller's own reasons so far."""
+    if scratch.numel() * scratch.element_size() < 8 * build.layout.scratch_words:
+        bad.append(f"scratch holds fewer than {build.layout.scratch_words} int64 words")
+    if xs.numel() * xs.element_size() < build.xs_bytes:
+        bad.append(f"xs holds fewer than {build.xs_bytes} bytes")
+    _raise_launch(build, bad)
+    return [t.data_ptr() for t in (scratch, xs, third, ctrl, health)]
 
 
 def _tensor_reasons(name, t, shp) -> list[str]:
@@ -277,13 +311,4 @@ N_PTR_ARGS = 7  # pointers of :meth:`K2Build.args`, then layer and layers_per_st
 def build_k2(kind: str, width: int, shape: K2Shape | None = None, grid: int = GFX950.cus):
     """Compile one K2 build key offline for gfx950; returns the checked
     :class:`~mono_ext.kernels.flydsl.toolchain.Compiled` (with ``.build``)."""
-    import flydsl.expr as fx
-
-    from ._k2_device import k2_launch
-    from .toolchain import compile_offline
-
-    b = K2Build(shape or QWEN3_NEXT_80B[kind], width, kind, grid)
-    args = tuple(fx.Int64(0) for _ in range(N_PTR_ARGS)) + (0, 1)
-    c = compile_offline(k2_launch(b), args, label=b.label(), grid=grid)
-    c.build = b  # type: ignore[attr-defined]
-    return c
+    return K2Build(shape or QWEN3_NEXT_80B[kind], width, kind, grid).compile()

@@ -23,6 +23,18 @@ whole can deadlock: the residency check is a correctness check, not a performanc
 
 The compile itself runs LLVM in this process; :func:`compile_offline` sets FlyDSL's
 environment for the call only and restores it after. No flydsl import at module import.
+
+Launching (the backend's binding): ``flyc.compile`` *runs* a launch whose arguments are all
+scalars (ours are addresses and ints), so a compile at build time would launch on null
+addresses. :func:`compile_offline` therefore takes FlyDSL's compile-without-running path
+(``JitFunction._compile_only``) and wraps the artifact into the ``CompiledFunction`` that
+``flyc.compile`` returns for placeholder arguments; with ``load=True`` (a gfx950 device) it
+also loads the code object now, not at the first launch (a module load while a persistent
+kernel spins can deadlock). Those are FlyDSL internals of the version CI pins (0.5.0),
+gathered in :func:`_compiled_function`; the loading was never run (no AMD GPU here).
+:func:`dry_launch` is what a launch does on a CPU: the arguments are checked against the
+launch's parameters, packed the way the ``CompiledFunction`` packs them for the device, and
+bound and traced by FlyDSL under ``COMPILE_ONLY``, which must reuse the build's artifact.
 """
 
 from __future__ import annotations
@@ -45,10 +57,13 @@ __all__ = [
     "Compiled",
     "KernelMeta",
     "ToolchainError",
+    "argument_reasons",
     "check_kernel",
     "compile_offline",
+    "dry_launch",
     "ensure_lld",
     "flydsl_available",
+    "launch_params",
     "parse_isa",
 ]
 
@@ -81,12 +96,13 @@ def flydsl_available() -> tuple[bool, str]:
 def ensure_lld() -> Path:
     """A ROCm-like root whose ``llvm/bin/ld.lld`` runs; returns it (the ``ROCM_PATH`` to use).
 
-    ``$ROCM_PATH`` wins when it has an ``ld.lld`` (a real ROCm install). Otherwise a shim
+    ``$ROCM_PATH`` (else ``/opt/rocm``) wins when it has an ``ld.lld`` (a real ROCm install).
+    Otherwise a shim
     ``<sys.prefix>/mono_ext-rocm/llvm/bin/ld.lld`` that runs ``python -m ziglang ld.lld``.
     """
-    env_root = os.environ.get("ROCM_PATH")
-    if env_root and (Path(env_root) / "llvm" / "bin" / "ld.lld").exists():
-        return Path(env_root)
+    for env_root in (os.environ.get("ROCM_PATH"), "/opt/rocm"):
+        if env_root and (Path(env_root) / "llvm" / "bin" / "ld.lld").exists():
+            return Path(env_root)
     root = Path(sys.prefix) / _SHIM_DIR
     shim = root / "llvm" / "bin" / "ld.lld"
     if shim.exists():
@@ -107,9 +123,9 @@ def ensure_lld() -> Path:
 
 
 @contextlib.contextmanager
-def _flydsl_env(dump_dir: Path, arch: str) -> Iterator[None]:
+def _flydsl_env(dump_dir: Path, arch: str, offline: bool = True) -> Iterator[None]:
     want = {
-        "COMPILE_ONLY": "1",
+        "COMPILE_ONLY": "1" if offline else None,  # None: unset (a device compile)
         "ARCH": arch,
         "FLYDSL_DEBUG_DUMP_ASM": "1",
         "FLYDSL_DUMP_DIR": str(dump_dir),
@@ -118,15 +134,19 @@ def _flydsl_env(dump_dir: Path, arch: str) -> Iterator[None]:
         "ROCM_PATH": str(ensure_lld()),
     }
     old = {k: os.environ.get(k) for k in want}
-    os.environ.update(want)
+    _set_env(want)
     try:
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_env(old)
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @dataclass(frozen=True)
@@ -281,13 +301,18 @@ def check_kernel(
 
 @dataclass
 class Compiled:
-    """One offline compile: the ISA listing of each kernel it emitted and their metadata."""
+    """One offline compile: the ISA listing of each kernel it emitted and their metadata, the
+    ``@flyc.jit`` launch it compiled, and FlyDSL's ``CompiledFunction`` of it (``launcher``:
+    loaded and callable with the launch's arguments and a stream on a gfx950 device only)."""
 
     label: str
     grid: int
     per_cu: int
     isa: dict[str, str] = field(default_factory=dict)  # kernel name -> listing
     kernels: list[KernelMeta] = field(default_factory=list)
+    launch: Any = None
+    launcher: Any = None
+    cache_key: Any = None  # FlyDSL's key of the artifact (a dry launch must reuse it)
 
     def reasons(self, arch: ArchLimits = GFX950) -> list[str]:
         return [
@@ -313,20 +338,27 @@ def compile_offline(
     per_cu: int = 1,
     hints: dict[str, Any] | None = None,
     arch: str = GFX950.arch,
+    load: bool = False,
 ) -> Compiled:
-    """Compile the ``@flyc.jit`` ``launch`` with ``args`` for ``arch`` (no device) and read
-    back every kernel's ISA and metadata. A compile error propagates (as FlyDSL raises it)."""
+    """Compile the ``@flyc.jit`` ``launch`` with ``args`` for ``arch`` and read back every
+    kernel's ISA and metadata; nothing is launched. ``load``: also load the code object onto
+    the current device (a gfx950 GPU; never run here). A compile error propagates (as FlyDSL
+    raises it)."""
     ok, why = flydsl_available()
     if not ok:
         raise ToolchainError(why)
+    jf = _jit_function(launch)
+    if hints:  # what flyc.compile[hints] does
+        jf.compile_hints = {**jf.compile_hints, **hints}
     dump = Path(tempfile.mkdtemp(prefix="mono_ext-flydsl-"))
     try:
-        with _flydsl_env(dump, arch):
-            import flydsl.compiler as flyc
-
-            compile_ = flyc.compile[hints] if hints else flyc.compile
-            compile_(launch, *args)
-        out = Compiled(label=label, grid=grid, per_cu=per_cu)
+        with _flydsl_env(dump, arch, offline=not load):
+            jf._compile_only(*args)
+            launcher, key = _compiled_function(jf, args)
+            if load:
+                launcher._keepalive._get_func_exe()  # hipModuleLoad now, not at a launch
+        out = Compiled(label=label, grid=grid, per_cu=per_cu, launch=launch, launcher=launcher,
+                       cache_key=key)  # fmt: skip
         for path in sorted(dump.rglob("*final_isa.s")):
             text = path.read_text()
             for meta in parse_isa(text):
@@ -337,3 +369,102 @@ def compile_offline(
         return out
     finally:
         shutil.rmtree(dump, ignore_errors=True)
+
+
+# -- launching: FlyDSL internals (0.5.0) in one place ----------------------------------------
+
+
+def _jit_function(launch: Any) -> Any:
+    from flydsl.compiler.jit_function import _unwrap_jit_function
+
+    jf, _ = _unwrap_jit_function(launch)
+    if jf is None:
+        raise TypeError(f"expected a @flyc.jit launch, got {type(launch).__name__}")
+    return jf
+
+
+def _compiled_function(jf: Any, args: Sequence[Any]) -> tuple[Any, Any]:
+    """(``CompiledFunction``, artifact key) of the specialisation ``jf._compile_only(*args)``
+    just made: what ``flyc.compile`` returns for placeholder arguments (its runtime state is
+    made at the first call, from the packing spec of ``args``' types)."""
+    try:
+        key = jf._last_compiled[0]
+        bound = jf._sig.bind(*args)
+        bound.apply_defaults()
+        jf._resolve_arguments(bound.arguments)
+        return jf._make_compiled_function(key, bound, None), key
+    except (AttributeError, TypeError) as exc:
+        import importlib.metadata as md
+
+        raise ToolchainError(
+            f"FlyDSL {md.version('flydsl')}: its compile-without-launch internals changed "
+            f"(written against 0.5.0): {exc}"
+        ) from exc
+
+
+_KINDS = {"Int64": "i64", "Int32": "i32", "Stream": "stream"}
+
+
+def launch_params(launch: Any) -> list[tuple[str, str]]:
+    """(name, ``i64`` | ``i32`` | ``stream``) of every parameter of a ``@flyc.jit`` launch.
+    In this backend's launches every ``i64`` parameter is a byte address."""
+    import inspect
+
+    out = []
+    for name, p in inspect.signature(_jit_function(launch).func).parameters.items():
+        ann = p.annotation if isinstance(p.annotation, str) else p.annotation.__name__
+        if ann not in _KINDS:
+            raise TypeError(f"parameter {name}: {ann} is none of {sorted(_KINDS)}")
+        out.append((name, _KINDS[ann]))
+    return out
+
+
+def argument_reasons(launch: Any, args: Sequence[Any]) -> list[str]:
+    """Every way ``args`` (positional, the stream last) do not fit the launch's parameters:
+    count, non-int values, int64 values that are not addresses, int32 range (FlyDSL's own
+    packing accepts floats and wraps overflow silently)."""
+    params = launch_params(launch)
+    if len(args) != len(params):
+        names = ", ".join(n for n, _ in params)
+        return [f"{len(args)} arguments for the {len(params)} parameters ({names})"]
+    bad = []
+    for (name, kind), v in zip(params, args, strict=True):
+        if kind == "stream":
+            if not (v is None or isinstance(v, int) or hasattr(v, "cuda_stream")):
+                bad.append(f"{name}={v!r} is not a stream")
+        elif type(v) is not int:
+            bad.append(f"{name}={v!r} is not an int")
+        elif kind == "i64" and not 0 < v < 2**63:
+            bad.append(f"{name}={v:#x} is not a device address")
+        elif kind == "i32" and not -(2**31) <= v < 2**31:
+            bad.append(f"{name}={v} does not fit int32")
+    return bad
+
+
+def dry_launch(c: Compiled, args: Sequence[Any], arch: str = GFX950.arch) -> list[Any]:
+    """A launch of ``c`` on a CPU: check ``args`` (:func:`argument_reasons`), pack them as
+    ``c.launcher`` packs them for the device (returns the packed values, in ABI order), then
+    call the ``@flyc.jit`` launch under ``COMPILE_ONLY``: FlyDSL binds the arguments to the
+    parameters, traces, and returns without launching. It must find the build's artifact: a
+    call that made a new specialisation raises (no compile after the build)."""
+    bad = argument_reasons(c.launch, args)
+    if bad:
+        raise ValueError(f"{c.label}: " + "; ".join(bad))
+    packed = []
+    for index, ctype, fill in c.launcher._call_spec:
+        slot = ctype()
+        if fill is not None:
+            fill(args[index], slot)
+        packed.append(slot.value)
+    jf = _jit_function(c.launch)
+    dump = Path(tempfile.mkdtemp(prefix="mono_ext-flydsl-"))
+    try:
+        with _flydsl_env(dump, arch):
+            from flydsl.expr.typing import Stream
+
+            c.launch(*args[:-1], Stream(args[-1]))
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    if jf._last_compiled[0] != c.cache_key:
+        raise ToolchainError(f"{c.label}: the launch compiled a new specialisation")
+    return packed
