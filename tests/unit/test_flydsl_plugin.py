@@ -41,12 +41,14 @@ def test_probe_refuses_off_gfx950_with_the_reason(facts, needle):
     assert not ok and needle in why
 
 
-def test_probe_on_gfx950_refuses_while_kernels_are_missing():
-    assert fb.NOT_BUILT, "update this test when K1/K2 exist"
-    ok, why = fp.probe_facts(GFX950, fb.missing_reason())
-    assert not ok
-    assert "K1" in why and "K2" in why and "not written in FlyDSL" in why
+def test_probe_on_gfx950_accepts_once_nothing_is_missing():
+    # issue 10: the binding and HIP IPC are written (never run on gfx950; fb.WRITTEN), so
+    # nothing is missing; the backend serves no width until one is measured
+    assert fb.NOT_BUILT == () and fb.missing_reason() is None
+    assert fb.build.faster_widths == frozenset()
     assert fp.probe_facts(GFX950, None) == (True, "AMD Instinct MI355X (gfx950, HIP 7.1)")
+    ok, why = fp.probe_facts(GFX950, "the FlyDSL backend is incomplete: X")
+    assert not ok and "incomplete: X" in why
 
 
 def test_this_machine_cannot_run_it_and_says_why():
@@ -59,7 +61,7 @@ def _fake_device(monkeypatch, facts, *, complete):
     import torch
 
     monkeypatch.setattr(fp, "device_facts", lambda: facts)
-    monkeypatch.setattr(fb, "NOT_BUILT", () if complete else fb.NOT_BUILT)
+    monkeypatch.setattr(fb, "NOT_BUILT", () if complete else ("K1 is not written",))
     monkeypatch.setattr(tp, "ENGINE_FAILSTOP_WIRED", True)
     monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
     cap = (9, 0) if facts.arch == "sm_90" else (9, 5)  # ROCm torch reports gfx950 as 9.5
@@ -83,17 +85,21 @@ def test_auto_on_gfx950_today_names_what_is_missing(monkeypatch):
     _fake_device(monkeypatch, GFX950, complete=False)
     with pytest.raises(BackendError) as err:
         select_backend("auto", backends)
-    assert "flydsl: the FlyDSL backend is incomplete" in str(err.value)
+    assert "flydsl: the FlyDSL backend is incomplete: K1 is not written" in str(err.value)
     assert "triton: device is sm_95" in str(err.value)
     with pytest.raises(BackendError, match="kernel backend 'flydsl' cannot run here: .*K1"):
         select_backend("flydsl", backends)
 
 
-def test_builder_refuses_and_never_builds_a_stub():
+def test_builder_refuses_and_never_builds_a_stub(monkeypatch):
     from mono_ext.core.views import ConfigView
 
     cfg = ConfigView({"architectures": ["Qwen3NextForCausalLM"]}, tp_size=8)
     reasons = fb.build.refusals(cfg, {})
-    assert list(fb.NOT_BUILT) == reasons[: len(fb.NOT_BUILT)]
-    with pytest.raises(NotImplementedError, match="incomplete: K1"):
+    assert any("TP 8" in r and "HipIpcPeers" in r for r in reasons)
+    with pytest.raises(ValueError, match="TP 1 only"):
         fb.build(BuildKey("qwen3_next", "flydsl", 4, "bfloat16", 8), None)
+    monkeypatch.setattr(fb, "NOT_BUILT", ("K1 is not written",))
+    assert fb.build.refusals(cfg, {})[0] == "K1 is not written"
+    with pytest.raises(NotImplementedError, match="incomplete: K1"):
+        fb.build(BuildKey("qwen3_next", "flydsl", 4, "bfloat16", 1), None)
