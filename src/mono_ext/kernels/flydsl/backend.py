@@ -60,6 +60,7 @@ from typing import Any
 from ...core.spec import BuildKey
 from ...core.views import ConfigView
 from ...models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
+from ...models.qwen3_next.shapes import kernel_shape_reasons
 
 # Engine-neutral pieces that live in the Triton backend's module (it imports no triton): the
 # per-step hooks, the runtime key, the layout defaults and the wait namer are used from there
@@ -121,28 +122,18 @@ def missing_reason() -> str | None:
     return "the FlyDSL backend is incomplete: " + "; ".join(NOT_BUILT)
 
 
-def _shape_reasons(text_config: Mapping[str, Any], tp: int) -> list[str]:
-    """What the FlyDSL K1/K2 cannot read at this config's per-rank shapes."""
-    from ...models.qwen3_next.configs import is_moe_layer
-    from ...models.qwen3_next.dims import Dims
+def _launch_shapes(d: Any) -> list[tuple[str, Any]]:
+    """The shapes the FlyDSL K1/K2 are compiled for, by launch, for the layer kinds of ``d``."""
     from .k1 import K1AttnShape, K1GdnShape
     from .k2 import K2Shape
 
-    try:
-        d = Dims.from_config(text_config, tp=tp)
-    except (KeyError, TypeError, ValueError) as exc:
-        return [f"the FlyDSL backend cannot read the config's sizes: {exc}"]
     shapes = []
     if "linear_attention" in d.kinds:
         shapes += [("K1 (GDN)", K1GdnShape.from_dims(d)), ("K2 (gdn)", K2Shape.from_dims(d))]
     if "full_attention" in d.kinds:
         shapes += [("K1 (attention)", K1AttnShape.from_dims(d)),
                    ("K2 (attn)", K2Shape.from_dims(d, "attn"))]  # fmt: skip
-    reasons = [f"{name}: {r}" for name, shape in shapes for r in shape.refusals()]
-    dense = [i for i in range(d.num_layers) if not is_moe_layer(dict(text_config), i)]
-    if dense:
-        reasons.append(f"K2 has no dense-MLP tail; layers {dense[:8]} are dense")
-    return reasons
+    return shapes
 
 
 @dataclass
@@ -452,7 +443,7 @@ class FlyDSLBuilder:
         ok, why = flydsl_available()
         if not ok:
             reasons.append(why)
-        return reasons + _shape_reasons(text, max(1, cfg.tp_size))
+        return reasons + kernel_shape_reasons(text, max(1, cfg.tp_size), "FlyDSL", _launch_shapes)
 
     _runtime_key = TritonBuilder._runtime_key  # everything but the width
 

@@ -46,6 +46,7 @@ from typing import Any
 from ...core.spec import BuildKey
 from ...core.views import ConfigView
 from ...models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
+from ...models.qwen3_next.shapes import kernel_shape_reasons
 from .limits import BLOCK_B, READ_FORMATS
 
 __all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build"]
@@ -73,42 +74,18 @@ def _state_dtype(text_config: Mapping[str, Any], extra: Mapping[str, Any], dtype
     return str(extra.get("ssm_dtype") or text_config.get("mamba_ssm_dtype") or dtype)
 
 
-def _shape_reasons(text_config: Mapping[str, Any], tp: int) -> list[str]:
-    """What K1/K2 (as compiled for this config's per-rank shapes) cannot read."""
-    from ...models.qwen3_next.configs import is_moe_layer
-    from ...models.qwen3_next.dims import Dims
+def _launch_shapes(d: Any) -> list[tuple[str, Any]]:
+    """The shapes K1/K2 are compiled for, by launch, for the layer kinds of dims ``d``."""
     from .k1 import K1AttnShape, K1GdnShape
     from .k2 import K2Shape
 
-    try:
-        d = Dims.from_config(text_config, tp=tp)
-    except (KeyError, TypeError, ValueError) as exc:
-        return [f"the Triton backend cannot read the config's sizes: {exc}"]
-    reasons = []
-    kinds = set(d.kinds)
-    if "linear_attention" in kinds:
-        g = K1GdnShape.from_dims(d)
-        reasons += [f"K1 (GDN): {r}" for r in g.refusals()]
-        if g.qkvz_rows % 16:
-            reasons.append(f"K1 (GDN): in_proj_qkvz rows {g.qkvz_rows} are not a multiple of 16")
-    if "full_attention" in kinds:
-        a = K1AttnShape.from_dims(d)
-        reasons += [f"K1 (attention): {r}" for r in a.refusals()]
-        if a.qkv_rows % 16:
-            reasons.append(f"K1 (attention): qkv_proj rows {a.qkv_rows} are not a multiple of 16")
-    for kind, name in (("gdn", "linear_attention"), ("attn", "full_attention")):
-        if name not in kinds:
-            continue
-        try:
-            K2Shape.from_dims(d, kind).validate()
-        except ValueError as exc:
-            reasons.append(f"K2 ({kind}): {exc}")
-    if d.shared_inter_r < 1:
-        reasons.append("K2 always adds the gated shared expert; this model has none")
-    dense = [i for i in range(d.num_layers) if not is_moe_layer(dict(text_config), i)]
-    if dense:
-        reasons.append(f"K2 has no dense-MLP tail; layers {dense[:8]} are dense")
-    return reasons
+    shapes = []
+    if "linear_attention" in d.kinds:
+        shapes += [("K1 (GDN)", K1GdnShape.from_dims(d)), ("K2 (gdn)", K2Shape.from_dims(d))]
+    if "full_attention" in d.kinds:
+        shapes += [("K1 (attention)", K1AttnShape.from_dims(d)),
+                   ("K2 (attn)", K2Shape.from_dims(d, "attn"))]  # fmt: skip
+    return shapes
 
 
 def _wait_namer(layouts: list[Any]):
@@ -362,7 +339,7 @@ class TritonBuilder:
             import triton  # noqa: F401
         except ImportError:
             return [*reasons, "triton is not installed"]
-        return reasons + _shape_reasons(text, max(1, cfg.tp_size))
+        return reasons + kernel_shape_reasons(text, max(1, cfg.tp_size), "Triton", _launch_shapes)
 
     def _runtime_key(self, key: BuildKey, ctx: BuildContext) -> tuple:
         def frozen(m: Mapping[str, Any]) -> str:

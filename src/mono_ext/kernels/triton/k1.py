@@ -927,6 +927,8 @@ class K1GdnShape:
             )
         if self.hidden % 16:
             bad.append(f"hidden={self.hidden} is not a multiple of 16")
+        if self.qkvz_rows % 16:
+            bad.append(f"in_proj_qkvz rows {self.qkvz_rows} are not a multiple of 16")
         return bad
 
 
@@ -958,6 +960,8 @@ class K1AttnShape:
             bad.append(f"rotary_dim={self.rotary_dim} is not even and within head_dim {d}")
         if self.hidden % 16:
             bad.append(f"hidden={self.hidden} is not a multiple of 16")
+        if self.qkv_rows % 16:
+            bad.append(f"qkv_proj rows {self.qkv_rows} are not a multiple of 16")
         return bad
 
 

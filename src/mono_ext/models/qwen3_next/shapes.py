@@ -5,10 +5,11 @@ only its own limits and derived sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TailShape"]
+__all__ = ["TailShape", "kernel_shape_reasons"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,26 @@ class TailShape:
             else:
                 tensors[name] = (t, shp)
         return tensors, bad
+
+
+def kernel_shape_reasons(
+    text_config: Mapping[str, Any],
+    tp: int,
+    backend: str,
+    shapes: Callable[[Any], list[tuple[str, Any]]],
+) -> list[str]:
+    """What a kernel backend's launches, built for this config's per-rank shapes, cannot read:
+    the ``refusals()`` of each ``(label, shape)`` that ``shapes(dims)`` lists for the layer
+    kinds present, and dense-MLP layers (every K2 is a MoE tail)."""
+    from .configs import is_moe_layer
+    from .dims import Dims
+
+    try:
+        d = Dims.from_config(text_config, tp=tp)
+    except (KeyError, TypeError, ValueError) as exc:
+        return [f"the {backend} backend cannot read the config's sizes: {exc}"]
+    reasons = [f"{label}: {r}" for label, shape in shapes(d) for r in shape.refusals()]
+    dense = [i for i in range(d.num_layers) if not is_moe_layer(dict(text_config), i)]
+    if dense:
+        reasons.append(f"K2 has no dense-MLP tail; layers {dense[:8]} are dense")
+    return reasons
