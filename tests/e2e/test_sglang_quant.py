@@ -18,9 +18,15 @@ in the vLLM adapter's words. Per-tensor / per-channel fp8 is checked on SGLang's
 ``ReplicatedLinear`` with an ``Fp8Config`` without blocks, whose
 ``process_weights_after_loading`` leaves a (K, N) ``weight.t()`` view (read as the [N, K]
 storage it views).
+
+MXFP4 experts: a tiny MXFP4 checkpoint through SGLang's loader and ``Mxfp4MoEMethod``'s bf16
+upcast branch (the sm_90 default), with what this CPU build cannot run stood in for
+(:func:`_load_mxfp4`): read in place as bf16, padded or any other MXFP4 state refused.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
@@ -220,34 +226,24 @@ def test_the_fused_shared_expert_slots_scale_is_sliced_like_its_planes(fp8_fused
     )
 
 
-def test_reference_launches_on_the_bound_fp8_planes_equal_the_dequantized_checkpoint(fp8_fused):
-    """K1 (attention layer) and K2 (every layer) of the reference backend, reading SGLang's
-    fp8 planes and scales through the build key's formats, against the reference functions
-    on the checkpoint dequantized independently (fp32 planes): the same values, so the same
-    outputs, bit for bit."""
+def _k2_equals_the_reference_on(sv, ckpt, config, width=3):
+    """Each layer's K2 of the reference backend, reading SGLang's bound planes (and scales,
+    through the build key's formats), against the reference layer tail on ``ckpt`` (the
+    checkpoint dequantized independently, fp32 planes): the same values, so the same outputs,
+    bit for bit. Yields (binding, BoundLayer, reference weights, dims, the K2 inputs) per
+    layer, for more launches."""
     from mono_ext.models.qwen3_next.launches import BoundLayer
-    from mono_ext.reference import (
-        ModelDims,
-        attn_front,
-        attn_out_input,
-        layer_tail,
-        layer_weights_from_state_dict,
-    )
+    from mono_ext.reference import ModelDims, attn_out_input, layer_tail
+    from mono_ext.reference import layer_weights_from_state_dict as weights_of
 
-    sv, _ = _serving(fp8_fused)
-    assert not sv.accept_model(fp8_fused.model)
-    width = 3
     launches = sv.launches[width]
-    assert dict(launches.key.formats) == _formats(sv) and "w13" in _formats(sv)
-    dims = ModelDims.from_config(TINY_FP8)
-    ckpt = dequantized_checkpoint(fp8_fused.path)
+    assert dict(launches.key.formats) == _formats(sv)
+    dims = ModelDims.from_config(config)
     g = torch.Generator().manual_seed(0)
     bf16 = torch.bfloat16
     for b in sv.model.layers:
         p = f"model.layers.{b.index}."
-        ref = layer_weights_from_state_dict(
-            {k[len(p) :]: v for k, v in ckpt.items() if k.startswith(p)}, dims
-        )
+        ref = weights_of({k[len(p) :]: v for k, v in ckpt.items() if k.startswith(p)}, dims)
         layer = BoundLayer(b.index, b.kind, b.planes)
         gdn = b.kind == "linear_attention"
         in_dim = dims.value_dim if gdn else dims.num_heads * dims.head_dim
@@ -260,8 +256,23 @@ def test_reference_launches_on_the_bound_fp8_planes_equal_the_dequantized_checkp
         want = layer_tail(x, res, ref, dims, kind="gdn" if gdn else "attn")
         assert torch.equal(h, want.hidden_out.to(bf16)), b.index
         assert torch.equal(r, want.residual_out.to(bf16)), b.index
-        if gdn:
+        yield b, layer, ref, dims, (o_in, res)
+
+
+def test_reference_launches_on_the_bound_fp8_planes_equal_the_dequantized_checkpoint(fp8_fused):
+    """K2 (every layer) and K1 (attention layer) of the reference backend on SGLang's fp8
+    planes and scales equal the reference on the independently dequantized checkpoint."""
+    from mono_ext.reference import attn_front
+
+    sv, _ = _serving(fp8_fused)
+    assert not sv.accept_model(fp8_fused.model)
+    assert "w13" in _formats(sv)
+    ckpt = dequantized_checkpoint(fp8_fused.path)
+    bf16 = torch.bfloat16
+    for b, layer, ref, dims, (o_in, res) in _k2_equals_the_reference_on(sv, ckpt, TINY_FP8):
+        if b.kind == "linear_attention":
             continue
+        width, in_dim = o_in.shape
         pos = torch.tensor([0, 5, 17])
         outs = {
             "q": torch.empty(width, dims.num_heads * dims.head_dim, dtype=bf16),
@@ -270,7 +281,7 @@ def test_reference_launches_on_the_bound_fp8_planes_equal_the_dequantized_checkp
             "gate": torch.empty(width, in_dim, dtype=bf16),
             "residual_out": torch.empty_like(res),
         }
-        launches.k1_attn(layer, o_in[:, : dims.hidden], res, pos, **outs)
+        sv.launches[width].k1_attn(layer, o_in[:, : dims.hidden], res, pos, **outs)
         f = attn_front(o_in[:, : dims.hidden], res, ref["input_layernorm"], ref, dims, pos)
         assert torch.equal(outs["q"], f.q.reshape(width, -1).to(bf16))
         assert torch.equal(outs["gate"], f.gate.to(bf16))
@@ -370,3 +381,265 @@ def test_marlin_and_amx_packed_fp8_planes_are_refused_by_layout(fp8):
     layer.use_intel_amx_backend = True
     view, bound = plane_view("o_proj", layer.weight, "Fp8LinearMethod", (layer, "weight", None))
     assert (view.layout, view.kernel, bound) == ("amx_packed", "intel_amx", None)
+
+
+# -- MXFP4 experts: SGLang's Mxfp4MoEMethod -------------------------------------------------
+#: qwen3-next-tiny with I a multiple of 64 (Mxfp4MoEMethod.create_weights pads I to 64 wherever
+#: triton_kernels is importable, as the upcast needs; the preset's own I = 32 is the padded case)
+TINY_MXFP4 = {**get_preset("qwen3-next-tiny"), "moe_intermediate_size": 64}
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _to_mxfp4(w):
+    """[N, K] -> (e2m1 codes uint8 [N, K/2], even element in the low nibble; e8m0 scales uint8
+    [N, K/32]): the OCP MX layout of MXFP4 checkpoints, scale 2^ceil(log2(amax / 6))."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // 32, 32)
+    e = torch.ceil(torch.log2(g.abs().amax(-1, keepdim=True).clamp(min=2**-120) / 6.0))
+    q = g / torch.exp2(e)
+    mag = (q.abs().unsqueeze(-1) - torch.tensor(_E2M1)).abs().argmin(-1)
+    code = (mag + 8 * (q < 0)).reshape(n, k).to(torch.uint8)
+    return code[:, 0::2] | (code[:, 1::2] << 4), (e.reshape(n, k // 32) + 127).to(torch.uint8)
+
+
+def _from_mxfp4(codes, scale, target_dtype=torch.float32, axis=-1):
+    """Codes times 2^(scale - 127) per 32 along the last axis, exact. Called with the keywords
+    of triton_kernels' ``upcast_from_mxfp`` (a GPU package), whose stand-in it is on CPU."""
+    assert axis == -1
+    table = torch.tensor(_E2M1 + tuple(-v for v in _E2M1))
+    v = torch.stack([table[(codes & 15).long()], table[(codes >> 4).long()]], -1).flatten(-2)
+    v = v * torch.exp2(scale.float() - 127).repeat_interleave(32, -1)
+    return v.to(target_dtype).contiguous()
+
+
+def _make_mxfp4_checkpoint(out, config):
+    """A random checkpoint of ``config`` whose routed experts are MXFP4 (``<proj>.weight``
+    codes, ``<proj>.weight_scale``), everything else bf16, ``quant_method: mxfp4``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mono_ext.tools.checkpoint import make_checkpoint
+
+    make_checkpoint(out, config, seed=0)
+    tensors = {}
+    for name, t in load_file(str(out / "model.safetensors")).items():
+        if ".mlp.experts." in name and name.endswith("_proj.weight"):
+            tensors[name], tensors[name + "_scale"] = _to_mxfp4(t)
+        else:
+            tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def _dequantized_mxfp4(path):
+    """The checkpoint with every MXFP4 weight replaced by its fp32 values, scales dropped."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path / "model.safetensors"))
+    return {
+        k: _from_mxfp4(v, sd[k + "_scale"]) if k + "_scale" in sd else v
+        for k, v in sd.items()
+        if not k.endswith("_scale")
+    }
+
+
+def _load_mxfp4(path):
+    """SGLang's loader on an MXFP4 checkpoint, through ``Mxfp4MoEMethod``'s upcast branch of
+    ``process_weights_after_loading`` (``mxfp4._is_cpu`` off: the CUDA side), with what this CPU
+    build lacks stood in for, and nothing else:
+
+    - ``mxfp4`` is registered (``QUANTIZATION_METHODS``) on CUDA and CPU-AMX builds only;
+    - ``Mxfp4Config.get_quant_method`` answers only the MoE layers off ROCm (LinearBase: None,
+      which SGLang's linears assert on; RadixAttention / ParallelLMHead: NotImplementedError),
+      so SGLang 0.5.17 cannot build Qwen3-Next from an MXFP4 checkpoint at all
+      (docs/quantized_planes.md, section 3): the other layers get what they get on ROCm
+      (UnquantizedLinearMethod) or no quant method;
+    - the branch imports triton_kernels' ``upcast_from_mxfp`` (a GPU package): ``_from_mxfp4``
+      stands in, and ``has_triton_kernels`` is on, as wherever that import works (I padded
+      to 64 by ``create_weights``)."""
+    import sys
+    from types import ModuleType
+
+    import sglang.srt.layers.quantization as sgl_quant
+    import sglang.srt.layers.quantization.mxfp4 as sgl_mxfp4
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    moe_method = sgl_mxfp4.Mxfp4Config.get_quant_method
+
+    def get_quant_method(self, layer, prefix):
+        if isinstance(layer, FusedMoE):
+            return moe_method(self, layer, prefix)
+        return UnquantizedLinearMethod() if isinstance(layer, LinearBase) else None
+
+    upcast = ModuleType("triton_kernels.numerics_details.mxfp")
+    upcast.upcast_from_mxfp = _from_mxfp4
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sgl_quant.QUANTIZATION_METHODS, "mxfp4", sgl_mxfp4.Mxfp4Config)
+        mp.setattr(sgl_mxfp4.Mxfp4Config, "get_quant_method", get_quant_method)
+        mp.setattr(sgl_mxfp4, "_is_cpu", False)
+        mp.setattr(sgl_mxfp4, "has_triton_kernels", True)
+        for name in ("triton_kernels", "triton_kernels.numerics_details"):
+            mp.setitem(sys.modules, name, ModuleType(name))
+        mp.setitem(sys.modules, upcast.__name__, upcast)
+        env = load(path, disable_cuda_graph=True)
+    env.path = path
+    return env
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sgl_mxfp4") / "qwen3-next-tiny-mxfp4"
+    return _load_mxfp4(_make_mxfp4_checkpoint(path, TINY_MXFP4))
+
+
+def _refusal(env) -> str:
+    sv, config = _serving(env)
+    assert not config, config.message()
+    refusal = sv.accept_model(env.model)
+    assert refusal, "accepted"
+    return refusal.message()
+
+
+def test_mxfp4_experts_upcast_to_bf16_are_read_in_place_as_bf16(mxfp4, monkeypatch):
+    """The upcast branch leaves bf16 w13 [E, 2I, H] / w2 [E, H, I] (I already a multiple of
+    64), scales deleted, zero biases, and SGLang's Triton runner multiplies them as an
+    unquantized MoE: read in place as bf16, with the reference and with the Triton builder's
+    plane formats; no scale bound, no format in the build key."""
+    from mono_ext.engines.sglang.views import model_view
+    from mono_ext.kernels.triton.backend import build as triton_build
+    from mono_ext.models.qwen3_next.spec import MXFP4_UPCAST
+    from mono_ext.reference import backend as ref_backend
+
+    assert mxfp4.mc.quantization == "mxfp4"
+    e, i, h = (TINY_MXFP4[k] for k in ("num_experts", "moe_intermediate_size", "hidden_size"))
+    experts = mxfp4.model.model.layers[0].mlp.experts
+    qm = experts.quant_method
+    assert type(qm).__name__ == "Mxfp4MoEMethod" and qm.runner.runner_backend.value == "triton"
+    assert experts.w13_weight.dtype == torch.bfloat16 and experts.w13_weight.shape == (e, 2 * i, h)
+    assert not hasattr(experts, "w13_weight_scale") and not experts.w13_weight_bias.any()
+    for formats in (None, triton_build.plane_formats):
+        if formats is not None:
+            monkeypatch.setattr(ref_backend.build, "plane_formats", formats)
+        sv, config = _serving(mxfp4)
+        assert not config, config.message()  # mxfp4 is judged at the model stage
+        refusal = sv.accept_model(mxfp4.model)
+        assert not refusal, refusal.message()
+        assert sv.spec.plane_formats["w13"] == sv.spec.plane_formats["w2"] == "bf16"
+        assert dict(sv.spec.build_keys()[0].formats) == {}
+    mv = model_view(sv.model, tp_size=1, tp_rank=0)
+    for b, layer in zip(sv.model.layers, mv.layers, strict=True):
+        ex = b.module.mlp.experts
+        for plane, attr, shape in (("w13", "w13_weight", (e, 2 * i, h)), ("w2", "w2_weight",
+                                   (e, h, i))):  # fmt: skip
+            assert b.planes[plane].data_ptr() == getattr(ex, attr).data_ptr()  # in place
+            view = layer.planes[plane]
+            assert (view.quant, view.format, view.shape) == (MXFP4_UPCAST, "bf16", shape)
+            assert plane + ".scale" not in b.planes
+    assert_bound_planes_dequantize_to_the_checkpoint(
+        [b.planes for b in sv.model.layers],
+        {},
+        _dequantized_mxfp4(mxfp4.path),
+        TINY_MXFP4,
+        {kind: () for kind in FP8_PLANES},
+    )
+
+
+def test_reference_k2_on_the_upcast_experts_equals_the_dequantized_checkpoint(mxfp4):
+    sv, _ = _serving(mxfp4)
+    assert not sv.accept_model(mxfp4.model)
+    assert len(list(_k2_equals_the_reference_on(sv, _dequantized_mxfp4(mxfp4.path), TINY_MXFP4)))
+
+
+def test_upcast_experts_padded_to_64_are_refused_as_padded(tmp_path):
+    """I = 32: create_weights pads it to 64 (gate rows [0, 32), up rows [64, 96)), so the gate /
+    up split is not where K2 reads it."""
+    env = _load_mxfp4(_make_mxfp4_checkpoint(tmp_path / "padded", get_preset("qwen3-next-tiny")))
+    assert env.model.model.layers[0].mlp.experts.w13_weight.shape == (8, 128, 64)
+    message = _refusal(env)
+    assert "layers 0-3: w13: bfloat16 [8, 128, 64]: storage padded beyond the logical shape" in (
+        message
+    )
+    assert "layers 0-3: w2: bfloat16 [8, 64, 64]: storage padded beyond" in message
+    assert "uses quant method" not in message
+
+
+def _fresh_experts(**flags):
+    """A FusedMoE of TINY_MXFP4's layers under Mxfp4MoEMethod before its
+    ``process_weights_after_loading``: uint8 codes and e8m0 scales, with the method's flags of
+    another branch set (the Marlin, FlashInfer and triton_kernels conversions need CUDA)."""
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
+
+    mod = FusedMoE(
+        num_experts=TINY_MXFP4["num_experts"],
+        top_k=TINY_MXFP4["num_experts_per_tok"],
+        hidden_size=TINY_MXFP4["hidden_size"],
+        intermediate_size=TINY_MXFP4["moe_intermediate_size"],
+        layer_id=0,
+        quant_config=Mxfp4Config(is_checkpoint_mxfp4_serialized=True),
+        prefix="model.layers.0.mlp.experts",
+    )
+    for flag, value in flags.items():
+        setattr(mod.quant_method, flag, value)
+    return mod
+
+
+@contextlib.contextmanager
+def _swapped(module, name, value):
+    """``module.name = value`` for the block (pytest's monkeypatch loses nn.Module children
+    and parameters on undo)."""
+    old = getattr(module, name, None)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        if old is None:
+            delattr(module, name)
+        else:
+            setattr(module, name, old)
+
+
+def test_every_other_mxfp4_experts_state_is_refused_with_its_reason(mxfp4, monkeypatch):
+    layer0 = mxfp4.model.model.layers[0]
+    experts = layer0.mlp.experts
+    # the upcast planes, but no Triton runner (e.g. --moe-runner-backend flashinfer_trtllm:
+    # create_moe_runner builds none)
+    with monkeypatch.context() as mp:
+        mp.delattr(experts.quant_method, "runner")
+        assert (
+            "layer 0: w13 uses quant method 'Mxfp4MoEMethod (bf16 experts under MoE runner none:"
+            " only the Triton MoE runner multiplies the upcast experts as plain bf16)'"
+        ) in _refusal(mxfp4)
+    with _swapped(experts, "w2_weight_scale", torch.ones(1, dtype=torch.uint8)):
+        assert "(w2_weight still has its MXFP4 scale (the upcast deletes it))" in _refusal(mxfp4)
+    bias = torch.nn.Parameter(experts.w2_weight_bias + 1, requires_grad=False)
+    with _swapped(experts, "w2_weight_bias", bias):  # a bias SGLang's runner would add
+        assert "layer 0: w2: bfloat16 [8, 64, 64]: has a bias (the kernels add none)" in (
+            _refusal(mxfp4)
+        )
+    # the branches that keep MXFP4 codes, in layer 0's place
+    for flags, needle in (
+        ({"use_marlin": True}, "engine kernel marlin): repacked into Marlin's tiled layout"),
+        (
+            {"use_flashinfer": True, "_fi_kernel": "cutlass_sm90"},
+            "engine kernel flashinfer_mxfp4): layout 'flashinfer_interleaved'",
+        ),
+    ):
+        with _swapped(layer0.mlp, "experts", _fresh_experts(**flags)):
+            message = _refusal(mxfp4)
+        assert "layer 0: w13: mxfp4 (uint8 [8, 128, 64], uint8 scales [8, 128, 2], " in message
+        assert needle in message, (needle, message)
+    swizzled = _fresh_experts(use_triton_kernels=True)
+    del swizzled.w13_weight, swizzled.w2_weight  # as SGLang does, keeping triton_kernels tensors
+    swizzled.quant_method.w13_weight_triton_tensor = object()
+    swizzled.quant_method.w2_weight_triton_tensor = object()
+    with _swapped(layer0.mlp, "experts", swizzled):
+        assert "swizzled by triton_kernels (matmul_ogs)" in _refusal(mxfp4)
+    assert layer0.mlp.experts is experts and experts.w2_weight_bias is not bias
+    assert not hasattr(experts, "w2_weight_scale")

@@ -437,3 +437,36 @@ def test_vllm_plane_view_takes_the_scale_that_goes_with_a_held_storage():
     assert bound is mod.w13_weight and format_problems(view, (4, 512, 512)) == []
     view, _ = plane_view(mod, "w13", "w13_weight", mod.w13_weight, "Mxfp4MoEMethod", scale=None)
     assert view.scale is None  # nothing held with it: refused, never paired with another scale
+
+
+# -- bf16 planes an engine upcast at load (SGLang's Mxfp4MoEMethod, docs §3) ----------------
+def test_bf16_experts_of_a_quant_method_are_read_only_under_the_upcast_tag(views):
+    """The SGLang view tags experts that took Mxfp4MoEMethod's upcast branch MXFP4_UPCAST:
+    plain bf16 then (no format in the key); the method's bare name (vLLM's Mxfp4MoEMethod, or
+    SGLang bf16 experts that fail the upcast checks) stays refused, and padding still is."""
+    from mono_ext.models.qwen3_next.spec import MXFP4_UPCAST
+
+    ideal_model, _ = views
+    spec = _spec()  # a backend that reads bf16 only
+
+    def experts_as(quant, **change):
+        mv = ideal_model(spec.dims)
+        layers = []
+        for layer in mv.layers:
+            planes = dict(layer.planes)
+            for name in ("w13", "w2"):
+                planes[name] = dataclasses.replace(planes[name], quant=quant, **change)
+            layers.append(dataclasses.replace(layer, planes=planes))
+        return dataclasses.replace(mv, layers=tuple(layers))
+
+    assert spec.refuse_model(experts_as(MXFP4_UPCAST)).reasons == ()
+    assert spec.plane_formats["w13"] == "bf16" and spec.build_key(1).formats == ()
+    reasons = spec.refuse_model(experts_as("Mxfp4MoEMethod")).reasons
+    assert "layer 0: w13 uses quant method 'Mxfp4MoEMethod'" in reasons
+    padded = experts_as(MXFP4_UPCAST, layout="padded", contiguous=False)
+    reasons = spec.refuse_model(padded).reasons
+    assert (
+        "layers 0-3: w13: bfloat16 [4, 256, 128]: storage padded beyond the logical shape"
+        in reasons
+    )
+    assert not [r for r in reasons if "uses quant method" in r]

@@ -23,7 +23,10 @@ the method's ``use_marlin`` (``SGLANG_FORCE_FP8_MARLIN``, ``--moe-runner-backend
 SGLang's CPU path VNNI-packs fp8 weights for AMX (``use_intel_amx_backend``, layout
 ``amx_packed``); MXFP4 experts under ``--moe-runner-backend triton_kernel`` leave the module
 (triton_kernels containers on the quant method), and under the default Hopper path arrive
-upcast to bf16 (then refused by the quant method's name, ``Mxfp4MoEMethod``).
+upcast to bf16, which SGLang's Triton fused MoE multiplies as plain bf16 weights: those planes
+are tagged ``MXFP4_UPCAST`` (read as bf16 in place) after checking they took that branch
+(:func:`_not_upcast`); any other bf16 experts under ``Mxfp4MoEMethod`` keep the method's name
+with why, and are refused by it.
 A quantized plane bound row-major gets its scale bound next to it as ``<plane>.scale``
 (``core.views.scale_key``): SGLang's own scale tensor, sliced like the plane (:func:`model_view`).
 """
@@ -50,6 +53,7 @@ from ...core.views import (
     scale_key,
 )
 from ...models.qwen3_next.dims import text_config
+from ...models.qwen3_next.spec import MXFP4_UPCAST
 from .binding import CacheBinding, ModelBinding
 
 __all__ = [
@@ -346,6 +350,42 @@ def _logical(mod: Any, attr: str, index: Any) -> tuple[int, ...] | None:
     return None if n is None or k is None else (int(n), int(k))
 
 
+#: ``Mxfp4MoEMethod`` flags of the ``process_weights_after_loading`` branches that keep (or
+#: repack) the MXFP4 codes; the bf16 upcast is the final ``else``, taken with none of them set.
+_MXFP4_CODE_BRANCHES = (
+    "use_marlin",
+    "use_deep_gemm",
+    "_fi_kernel",
+    "use_flashinfer",
+    "use_triton_kernels",
+)
+
+
+def _not_upcast(mod: Any) -> str | None:
+    """Why bf16 experts under SGLang's ``Mxfp4MoEMethod`` are not its upcast branch, to be read
+    as plain bf16 (None: they are). That branch (``upcast_from_mxfp`` to bf16, scales deleted,
+    w13/w2 re-registered) is taken with no kernel flag set, and ``apply`` then hands the bf16
+    weights to the Triton runner without activation quantization (``TritonMoeQuantInfo`` with
+    only the weights and the biases, which :func:`plane_view` checks): the unquantized MoE."""
+    qm = mod.quant_method
+    flags = [f for f in _MXFP4_CODE_BRANCHES if getattr(qm, f, None)]
+    if flags or getattr(mod, "use_intel_amx_backend", False):
+        return "bf16 experts with " + (", ".join(flags) or "use_intel_amx_backend") + " set"
+    for attr in ("w13_weight", "w2_weight"):
+        t = _tensor(getattr(mod, attr, None))
+        if t is None or dtype_name(t) != "bfloat16":
+            return f"{attr} is {'absent' if t is None else dtype_name(t)}, not upcast to bf16"
+        if _tensor(getattr(mod, f"{attr}_scale", None)) is not None:
+            return f"{attr} still has its MXFP4 scale (the upcast deletes it)"
+    backend = getattr(getattr(getattr(qm, "runner", None), "runner_backend", None), "value", None)
+    if backend != "triton":  # create_moe_runner builds none for e.g. flashinfer_trtllm
+        return (
+            f"bf16 experts under MoE runner {backend or 'none'}: only the Triton MoE runner "
+            "multiplies the upcast experts as plain bf16"
+        )
+    return None
+
+
 def plane_view(name: str, t: Any, quant: str, source: Any = None) -> tuple[PlaneView, Any]:
     """The PlaneView of one bound plane, and the tensor to bind for it (None where the storage
     cannot be bound as a row-major plane). ``source``: (owning module, weight attribute,
@@ -358,13 +398,22 @@ def plane_view(name: str, t: Any, quant: str, source: Any = None) -> tuple[Plane
     kernel = _engine_kernel(mod, moe)
     found = _scale_for(source)
     scale = None if found is None else found[1]
-    bias = _tensor(getattr(mod, f"{prefix}bias", None))
-    has_bias = (bias is not None and bias.numel() > 0) or (
-        moe and bool(getattr(mod, "with_bias", False))
-    )
+    if moe:
+        # SGLang's experts keep w13_weight_bias / w2_weight_bias, which its runners add when
+        # present; Mxfp4MoEMethod creates zero ones on CUDA even without with_bias (no-ops)
+        bias = _tensor(getattr(mod, f"{prefix}weight_bias", None))
+        has_bias = bool(getattr(mod, "with_bias", False)) or (
+            bias is not None and bias.numel() > 0 and bool(bias.any())
+        )
+    else:
+        bias = _tensor(getattr(mod, "bias", None))
+        has_bias = bias is not None and bias.numel() > 0
     layout = None
     if dtype_name(t) not in ("bfloat16", "float16", "float32"):
         layout = _repacked_layout(mod, kernel, moe)
+    elif moe and quant == "Mxfp4MoEMethod":
+        why = _not_upcast(mod)
+        quant = MXFP4_UPCAST if why is None else f"{quant} ({why})"
     return matrix_plane_view(
         t,
         _logical(mod, attr, index),

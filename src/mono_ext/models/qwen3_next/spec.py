@@ -27,7 +27,7 @@ from ...core.views import (
 )
 from .dims import Dims
 
-__all__ = ["Qwen3NextSpec", "LIMITS"]
+__all__ = ["Qwen3NextSpec", "LIMITS", "MXFP4_UPCAST"]
 
 #: Kernel limits (named so a refusal and a test can both point at them).
 LIMITS: dict[str, Any] = {
@@ -50,6 +50,13 @@ _ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditi
 _PACKING = {"qwen3_next": "interleaved", "qwen3_5_moe": "contiguous"}
 _ROPE_TYPES = ("default", None)
 _UNQUANTIZED = ("none", "unquantized", "UnquantizedLinearMethod", "UnquantizedFusedMoEMethod")
+#: The quant tag of planes an engine dequantized to bf16 at load and multiplies as plain bf16
+#: weights with bf16 activations: SGLang's Mxfp4MoEMethod on its upcast branch, which the SGLang
+#: view gives only to experts that took it (docs/quantized_planes.md §3). Not a method name, so
+#: no other method (vLLM's Mxfp4MoEMethod included) gets its bf16 planes accepted by name.
+MXFP4_UPCAST = "Mxfp4MoEMethod, upcast to bf16 at load"
+#: Quant methods (or tags) whose bf16 matrix planes are read as plain bf16.
+_BF16_FROM = (*_UNQUANTIZED, MXFP4_UPCAST)
 
 #: What a kernel can stream, per format (docs/quantized_planes.md): storage dtype, the scale
 #: dtypes accepted, the quantisation block (rows, cols) one scale covers.
@@ -392,7 +399,7 @@ class Qwen3NextSpec(ModelSpec):
                     if problems:
                         why = f"{name}: {describe_plane(plane)}: {'; '.join(problems)}"
                         by_layers.setdefault(why, []).append(layer.index)
-                if plane.quant not in _UNQUANTIZED:
+                if plane.quant not in _BF16_FROM:
                     reasons.append(f"{where}: {name} uses quant method {plane.quant!r}")
                 elif name not in ("A_log",) and plane.dtype != "bfloat16":
                     reasons.append(f"{where}: {name} is {plane.dtype}, kernels read bfloat16")
