@@ -122,20 +122,6 @@ def missing_reason() -> str | None:
     return "the FlyDSL backend is incomplete: " + "; ".join(NOT_BUILT)
 
 
-def _launch_shapes(d: Any) -> list[tuple[str, Any]]:
-    """The shapes the FlyDSL K1/K2 are compiled for, by launch, for the layer kinds of ``d``."""
-    from .k1 import K1AttnShape, K1GdnShape
-    from .k2 import K2Shape
-
-    shapes = []
-    if "linear_attention" in d.kinds:
-        shapes += [("K1 (GDN)", K1GdnShape.from_dims(d)), ("K2 (gdn)", K2Shape.from_dims(d))]
-    if "full_attention" in d.kinds:
-        shapes += [("K1 (attention)", K1AttnShape.from_dims(d)),
-                   ("K2 (attn)", K2Shape.from_dims(d, "attn"))]  # fmt: skip
-    return shapes
-
-
 @dataclass
 class FlyDSLRuntime:
     """Everything the launches of one deployment on one device share (see the module doc)."""
@@ -443,7 +429,12 @@ class FlyDSLBuilder:
         ok, why = flydsl_available()
         if not ok:
             reasons.append(why)
-        return reasons + kernel_shape_reasons(text, max(1, cfg.tp_size), "FlyDSL", _launch_shapes)
+        from .k1 import K1AttnShape, K1GdnShape
+        from .k2 import K2Shape
+
+        tp = max(1, cfg.tp_size)
+        shape = kernel_shape_reasons(text, tp, "FlyDSL", K1GdnShape, K1AttnShape, K2Shape)
+        return reasons + shape
 
     _runtime_key = TritonBuilder._runtime_key  # everything but the width
 

@@ -74,20 +74,6 @@ def _state_dtype(text_config: Mapping[str, Any], extra: Mapping[str, Any], dtype
     return str(extra.get("ssm_dtype") or text_config.get("mamba_ssm_dtype") or dtype)
 
 
-def _launch_shapes(d: Any) -> list[tuple[str, Any]]:
-    """The shapes K1/K2 are compiled for, by launch, for the layer kinds of dims ``d``."""
-    from .k1 import K1AttnShape, K1GdnShape
-    from .k2 import K2Shape
-
-    shapes = []
-    if "linear_attention" in d.kinds:
-        shapes += [("K1 (GDN)", K1GdnShape.from_dims(d)), ("K2 (gdn)", K2Shape.from_dims(d))]
-    if "full_attention" in d.kinds:
-        shapes += [("K1 (attention)", K1AttnShape.from_dims(d)),
-                   ("K2 (attn)", K2Shape.from_dims(d, "attn"))]  # fmt: skip
-    return shapes
-
-
 def _wait_namer(layouts: list[Any]):
     """Health records carry (region id, index) without the program: name every candidate."""
 
@@ -339,7 +325,12 @@ class TritonBuilder:
             import triton  # noqa: F401
         except ImportError:
             return [*reasons, "triton is not installed"]
-        return reasons + kernel_shape_reasons(text, max(1, cfg.tp_size), "Triton", _launch_shapes)
+        from .k1 import K1AttnShape, K1GdnShape
+        from .k2 import K2Shape
+
+        tp = max(1, cfg.tp_size)
+        shape = kernel_shape_reasons(text, tp, "Triton", K1GdnShape, K1AttnShape, K2Shape)
+        return reasons + shape
 
     def _runtime_key(self, key: BuildKey, ctx: BuildContext) -> tuple:
         def frozen(m: Mapping[str, Any]) -> str:

@@ -5,7 +5,7 @@ only its own limits and derived sizes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,14 +113,12 @@ class TailShape:
 
 
 def kernel_shape_reasons(
-    text_config: Mapping[str, Any],
-    tp: int,
-    backend: str,
-    shapes: Callable[[Any], list[tuple[str, Any]]],
-) -> list[str]:
+    text_config: Mapping[str, Any], tp: int, backend: str, gdn_front: Any, attn_front: Any,
+    tail: Any,
+) -> list[str]:  # fmt: skip
     """What a kernel backend's launches, built for this config's per-rank shapes, cannot read:
-    the ``refusals()`` of each ``(label, shape)`` that ``shapes(dims)`` lists for the layer
-    kinds present, and dense-MLP layers (every K2 is a MoE tail)."""
+    the ``refusals()`` of its shape classes (``from_dims``: the GDN and attention fronts, the
+    tail) for the layer kinds present, and dense-MLP layers (every K2 is a MoE tail)."""
     from .configs import is_moe_layer
     from .dims import Dims
 
@@ -128,7 +126,13 @@ def kernel_shape_reasons(
         d = Dims.from_config(text_config, tp=tp)
     except (KeyError, TypeError, ValueError) as exc:
         return [f"the {backend} backend cannot read the config's sizes: {exc}"]
-    reasons = [f"{label}: {r}" for label, shape in shapes(d) for r in shape.refusals()]
+    shapes = []
+    if "linear_attention" in d.kinds:
+        shapes += [("K1 (GDN)", gdn_front.from_dims(d)), ("K2 (gdn)", tail.from_dims(d))]
+    if "full_attention" in d.kinds:
+        shapes += [("K1 (attention)", attn_front.from_dims(d)),
+                   ("K2 (attn)", tail.from_dims(d, "attn"))]  # fmt: skip
+    reasons = [f"{label}: {r}" for label, shape in shapes for r in shape.refusals()]
     dense = [i for i in range(d.num_layers) if not is_moe_layer(dict(text_config), i)]
     if dense:
         reasons.append(f"K2 has no dense-MLP tail; layers {dense[:8]} are dense")
