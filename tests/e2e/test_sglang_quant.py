@@ -57,18 +57,10 @@ from mono_ext.engines.sglang.views import plane_view  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-#: qwen3-next-tiny grown to whole 128-blocks: SGLang's Fp8LinearMethod refuses a merged
-#: projection with a partition that is not a multiple of the block (in_proj_qkvz's q/k keys:
-#: 2 heads x 64), and its fp8 block MoE an intermediate size that is not
-TINY_FP8 = {
-    **get_preset("qwen3-next-tiny"),
-    "hidden_size": 128,
-    "head_dim": 64,
-    "linear_key_head_dim": 64,
-    "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128,
-    "num_experts": 4,
-}
+#: the whole-128-block tiny preset, with key heads of 64: SGLang's Fp8LinearMethod also refuses
+#: a merged projection with a partition that is not a multiple of the block (in_proj_qkvz's
+#: q/k keys: 2 heads x 64)
+TINY_FP8 = {**get_preset("qwen3-next-tiny-fp8"), "linear_key_head_dim": 64}
 
 
 def _load_fp8(path, *, fused: bool):

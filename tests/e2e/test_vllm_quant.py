@@ -63,14 +63,7 @@ from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
 
-TINY_FP8 = {
-    **get_preset("qwen3-next-tiny"),
-    "hidden_size": 128,
-    "head_dim": 64,  # qkv_proj shards q 512, k 128, v 128: whole blocks
-    "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128,
-    "num_experts": 4,
-}
+TINY_FP8 = get_preset("qwen3-next-tiny-fp8")
 LLM = dict(
     skip_tokenizer_init=True,
     dtype="bfloat16",

@@ -108,16 +108,7 @@ def experts(e, i, h, fmt, device=META, backend=None):
 
 
 # -- spec helpers --------------------------------------------------------------------------
-#: qwen3-next-tiny grown to whole 128-blocks (every fp8 plane N, K % 128 == 0), as the e2e
-#: FP8 checkpoint (tests/e2e/test_vllm_quant.py)
-TINY_FP8 = {
-    **get_preset("qwen3-next-tiny"),
-    "hidden_size": 128,
-    "head_dim": 64,
-    "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128,
-    "num_experts": 4,
-}
+TINY_FP8 = get_preset("qwen3-next-tiny-fp8")
 
 
 def _spec(preset="tiny-fp8", backend="triton", reads=("bf16",), tp=1):

@@ -19,15 +19,7 @@ from mono_ext.reference import ModelDims, dequantize, dequantized_weights  # noq
 from mono_ext.reference.backend import build  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-#: qwen3-next-tiny grown to whole 128-blocks, as the e2e FP8 checkpoints
-TINY_FP8 = {
-    **get_preset("qwen3-next-tiny"),
-    "hidden_size": 128,
-    "head_dim": 64,
-    "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128,
-    "num_experts": 4,
-}
+TINY_FP8 = get_preset("qwen3-next-tiny-fp8")
 
 
 def _codes(*shape, seed=0):

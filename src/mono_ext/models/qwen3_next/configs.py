@@ -280,6 +280,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# qwen3-next-tiny grown to whole 128 x 128 blocks in every plane an FP8 block-128 checkpoint
+# quantizes (vLLM and SGLang refuse partial blocks; qkv_proj shards q 512, k 128, v 128): the
+# tests' FP8 checkpoints and fp8 planes
+PRESETS["qwen3-next-tiny-fp8"] = {
+    **PRESETS["qwen3-next-tiny"],
+    "hidden_size": 128,
+    "head_dim": 64,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "num_experts": 4,
+}
+
+
 def get_preset(name: str) -> dict[str, Any]:
     """Deep copy of preset ``name``; KeyError naming the known presets otherwise."""
     try:
