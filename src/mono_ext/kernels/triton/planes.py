@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 BLOCK = 128  # fp8 block-128: rows and columns per scale
+_BLOCK = tl.constexpr(BLOCK)
 
 
 def format_code(formats: Mapping[str, str], plane: str) -> int:
@@ -121,7 +122,7 @@ def scale_index(rows, k0, Q: tl.constexpr, N, K):
     ``K`` may be constexprs or run-time values (K2's down stage reads two planes of different
     K in one loop)."""
     if Q == 1:
-        return (rows // 128) * ((K + 127) // 128) + k0 // 128
+        return (rows // _BLOCK) * ((K + _BLOCK - 1) // _BLOCK) + k0 // _BLOCK
     elif Q == 2:
         return rows
     else:
@@ -136,7 +137,7 @@ def qdot(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
     if Q == 0:
         return tl.dot(w, x, acc)
     else:
-        s = tl.load(scale_ptr + scale_index(rows, k0, Q, N, K), mask=rmask, other=0.0)
+        s = row_scale(scale_ptr, rows, rmask, k0, Q, N, K)
         return acc + tl.dot(w.to(tl.bfloat16), x) * s[:, None]
 
 
