@@ -86,13 +86,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mono_ext.engines.vllm.local import ensure_vllm_distributed
 
 MODES = ("eager", "compiled")
 ARMS = {"eager": "vllm", "compiled": "vllm-compiled"}
@@ -198,24 +199,6 @@ def engine_config(model_dir: Path, mode: str, max_model_len: int = 4096):
     return cfg
 
 
-def ensure_distributed() -> None:
-    """A gloo world of one and vLLM's TP/PP/EP groups of one (what vLLM's tests set up)."""
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-
-    if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            local_rank=0,
-            backend="gloo",
-        )
-    ensure_model_parallel_initialized(1, 1)
-
-
 def _module(root: torch.nn.Module, path: str) -> torch.nn.Module:
     for part in path.split("."):
         root = getattr(root, part)
@@ -278,7 +261,7 @@ class VllmTail:
         value_dim = int(text.linear_num_value_heads) * int(text.linear_value_head_dim)
         self.layers = torch.nn.ModuleList()
         with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
-            ensure_distributed()
+            ensure_vllm_distributed()
             for r, w in enumerate(planes):
                 pre = f"model.layers.{r}"
                 layer = torch.nn.Module()

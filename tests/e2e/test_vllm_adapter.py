@@ -18,10 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _vllm_common import ensure_vllm_distributed  # noqa: E402
-
 from mono_ext.core.spec import BuildKey, Step  # noqa: E402
 from mono_ext.engines.vllm import flags, views  # noqa: E402
+from mono_ext.engines.vllm.local import ensure_vllm_distributed  # noqa: E402
 from mono_ext.engines.vllm.version import version_problem  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 

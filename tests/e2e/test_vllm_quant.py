@@ -56,9 +56,9 @@ from _quant_common import (  # noqa: E402
     dequantized_checkpoint,
     make_fp8_block_checkpoint,
 )
-from _vllm_common import ensure_vllm_distributed  # noqa: E402
 
 from mono_ext.core.views import ScaleView  # noqa: E402
+from mono_ext.engines.vllm.local import ensure_vllm_distributed  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
