@@ -127,6 +127,37 @@ def assert_bound_planes_dequantize_to_the_checkpoint(
             assert torch.equal(got[name].float(), ref[name].float()), f"layer {i}: {name}"
 
 
+def assert_fp8_block_views(gdn: Any, attn: Any, qkvz_rows: int) -> None:
+    """The plane views either engine gives the tiny FP8 block checkpoint's GDN layer (``gdn``)
+    and attention layer (``attn``): in_proj_qkvz fp8 block-128, row-major, with its
+    ``weight_scale_inv`` of one column; the attention planes; the experts' block scales; the
+    ``modules_to_not_convert`` planes bf16. Engine kernels are the caller's to check."""
+    qkvz = gdn["in_proj_qkvz"]
+    assert (qkvz.format, qkvz.dtype, qkvz.shape, qkvz.layout) == (
+        "fp8_block128",
+        "float8_e4m3fn",
+        (qkvz_rows, 128),
+        "row_major",
+    )
+    assert (qkvz.scale.name, qkvz.scale.shape, qkvz.scale.dtype) == (
+        "weight_scale_inv",
+        (qkvz_rows // 128, 1),
+        "float32",
+    )
+    assert qkvz.block == (128, 128)
+    assert attn["qkv_proj"].scale.shape == (6, 1) and attn["o_proj"].shape == (128, 256)
+    w13, w2 = gdn["w13"], gdn["w2"]
+    assert (w13.format, w13.shape, w13.scale.name, w13.scale.shape) == (
+        "fp8_block128",
+        (4, 256, 128),
+        "w13_weight_scale_inv",
+        (4, 2, 1),
+    )
+    assert w2.shape == (4, 128, 128) and w2.scale.shape == (4, 1, 1)
+    for bf16 in ("in_proj_ba", "router", "shared_expert_gate"):  # modules_to_not_convert
+        assert gdn[bf16].format == "bf16" and gdn[bf16].dtype == "bfloat16", bf16
+
+
 def assert_fp8_block_reasons(message: str, kernel: str, moe_kernel: str, qkvz_rows: int) -> None:
     """``kernel``: the engine's dense fp8 kernel as the reason names it; ``moe_kernel``: its MoE
     runner; ``qkvz_rows``: in_proj_qkvz's rows in that engine's packing. The backend is the

