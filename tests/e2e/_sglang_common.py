@@ -184,23 +184,43 @@ class Persistent:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def end_step(self) -> None:
+    def end_step(self) -> int:
         self.shared["steps"] += 1
         self.shared["fs"].after_launch(self.shared["steps"])
+        return self.shared["steps"]
 
     def release(self, step=None) -> bool:
         self.shared["releases"] += 1
+        self.shared["asked"].append(step)
         return self.shared["fs"].release(self.shared["steps"] if step is None else step)
 
 
 def persistent_launches(serving: Any) -> dict:
     """Give ``serving``'s driver :class:`Persistent` launches over a real FailStop reading a
-    :class:`~mono_ext.runtime.failstop.ScriptedHealthSource`; returns the shared state
-    (``fs``, ``src``, ``steps``, ``releases``)."""
+    lagging :class:`~mono_ext.runtime.failstop.ScriptedHealthSource` (a step's copy lands by
+    the await of its results); returns the shared state (``fs``, ``src``, ``steps``,
+    ``releases``, ``asked``: the step numbers each release asked about)."""
+    from mono_ext.engines.sglang import release
     from mono_ext.runtime.failstop import FailStop, ScriptedHealthSource
 
-    src = ScriptedHealthSource()
-    shared = dict(fs=FailStop(src, agree_every=16), steps=0, releases=0, src=src)
+    release.pending().release_all()  # nothing left from another test's model
+    src = ScriptedHealthSource(lagging=True)
+    shared = dict(fs=FailStop(src, agree_every=16), steps=0, releases=0, src=src, asked=[])
     driver = serving.driver
     driver.launches = {w: Persistent(x, shared) for w, x in driver.launches.items()}
     return shared
+
+
+def process_result(result: Any = None) -> Any:
+    """What SGLang does with a batch after its forward, through mono_ext's hooks on it:
+    ``TpModelWorker.forward_batch_generation`` returns the batch result (which takes the steps'
+    tickets), then the scheduler's result processor hands its tokens out (the tickets are
+    released first). Raises where a step's device wait gave up."""
+    from types import SimpleNamespace
+
+    from mono_ext.engines.sglang import release
+
+    result = SimpleNamespace(copy_done=None) if result is None else result
+    release.after_forward_batch_generation(result, None, None)
+    release.before_process_batch_result(None, None, result)
+    return result

@@ -19,10 +19,16 @@ RUNNER = Path(__file__).with_name("engine_runner.py")
 
 
 def run_engine(
-    root: Path, name: str, spec: dict[str, Any], env_extra: dict[str, str], timeout: float
+    root: Path,
+    name: str,
+    spec: dict[str, Any],
+    env_extra: dict[str, str],
+    timeout: float,
+    runner: Path = RUNNER,
 ) -> tuple[dict[str, Any], str]:
     """(the runner's result, its stdout + stderr); the log is also kept as ``root/name.log``.
-    A run that fails fails the test with the log's tail."""
+    A run that fails fails the test with the log's tail. ``runner``: the script run
+    (``SCRIPT SPEC.json OUT.json``)."""
     spec_path, out_path = root / f"{name}.json", root / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = {
@@ -36,7 +42,7 @@ def run_engine(
         if var not in env_extra:
             env.pop(var, None)
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_path), str(out_path)],
+        [sys.executable, str(runner), str(spec_path), str(out_path)],
         env=env,
         capture_output=True,
         text=True,

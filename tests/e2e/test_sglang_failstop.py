@@ -1,6 +1,8 @@
-"""FailStop in the SGLang 0.5.17 adapter: the after-hook on ``ModelRunner.forward`` releases
-every routed step (eager, or a decode-graph replay found by the graph's padded batch size)
-before SGLang samples it, or raises; and the build gets SGLang's GDN state dtypes.
+"""FailStop in the SGLang 0.5.17 adapter: the after-hook on ``ModelRunner.forward`` queues a
+release ticket for every routed step (eager, or a decode-graph replay found by the graph's
+padded batch size) without waiting; the batch result takes its tickets and the scheduler's
+result processor releases them before it hands the tokens out, or raises; and the build gets
+SGLang's GDN state dtypes.
 
 SGLang's own model classes are built on CPU (``test_sglang_models``' helpers); the driver's
 launches get the per-step hooks of a persistent backend over a real :class:`FailStop` reading a
@@ -17,11 +19,15 @@ import pytest
 pytest.importorskip("sglang")
 torch = pytest.importorskip("torch")
 
-from _sglang_common import Persistent, persistent_launches  # noqa: E402, F401 (Persistent: report)
+from _sglang_common import (  # noqa: E402, F401 (Persistent: report)
+    Persistent,
+    persistent_launches,
+    process_result,
+)
 from test_sglang_models import Spy, _active, _batch, _load, _pools, _serving  # noqa: E402
 
 from mono_ext.core.spec import Step  # noqa: E402
-from mono_ext.engines.sglang import plugin  # noqa: E402
+from mono_ext.engines.sglang import plugin, release  # noqa: E402
 from mono_ext.engines.sglang.dispatch import Router, install, uninstall  # noqa: E402
 from mono_ext.runtime.failstop import FailStopError  # noqa: E402
 from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
@@ -53,32 +59,71 @@ def _forward(qn, *, mode="DECODE", bs=3, graph_bs=4, can_run_graph=True):
     return plugin._after_forward(out, runner, _batch(mode, bs))
 
 
-def test_the_forward_hook_is_registered():
+def test_the_failstop_hooks_are_registered():
+    hooks = set(plugin.HOOKS)
     assert (
         "sglang.srt.model_executor.model_runner.ModelRunner.forward",
         "AFTER",
         plugin._after_forward,
-    ) in plugin.HOOKS
+    ) in hooks
+    assert (release.WORKER_TARGET, "AFTER", release.after_forward_batch_generation) in hooks
+    for kind in ("decode", "prefill", "idle"):
+        target = (
+            "sglang.srt.managers.scheduler_components.batch_result_processor."
+            f"SchedulerBatchResultProcessor.process_batch_result_{kind}"
+        )
+        assert (target, "BEFORE", release.before_process_batch_result) in hooks
 
 
-def test_each_replay_of_a_routed_graph_is_checked_once(qn, routed):
+def test_the_hook_targets_exist_in_this_sglang():
+    import importlib
+
+    for target in (release.WORKER_TARGET, *release.PROCESS_TARGETS):
+        module, cls, method = target.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), method)), target
+
+
+def test_each_replay_of_a_routed_graph_is_released_when_its_result_is_processed(qn, routed):
     router, shared = routed
-    for bs, graph_bs in ((3, 4), (1, 1), (8, 8), (3, 4)):
+    for n, (bs, graph_bs) in enumerate(((3, 4), (1, 1), (8, 8), (3, 4)), start=1):
         assert _forward(qn, bs=bs, graph_bs=graph_bs) is None  # SGLang's result is kept
-    assert (shared["steps"], shared["releases"]) == (4, 4)
+        assert (shared["steps"], shared["releases"]) == (n, n - 1), "the forward must not wait"
+        process_result()
+    assert (shared["steps"], shared["releases"], shared["asked"]) == (4, 4, [1, 2, 3, 4])
     assert (router.replayed_steps, router.released) == (4, 4)
+    assert shared["src"].waits == [1, 2, 3, 4]  # only the result processor waits
     _forward(qn, bs=20, graph_bs=24)  # a stock graph
     _forward(qn, mode="EXTEND", bs=2, can_run_graph=True)  # a prefill graph: never routed
     _forward(qn, bs=3, can_run_graph=False)  # an eager decode the router did not see: stock
+    process_result()
     assert (shared["steps"], shared["releases"]) == (4, 4)
 
 
-def test_a_failed_wait_raises_before_sglang_samples(qn, routed):
+def test_the_overlap_scheduler_releases_each_result_with_its_own_steps(qn, routed):
     router, shared = routed
     _forward(qn, bs=2, graph_bs=2)
-    shared["src"].fail()
+    first = _taken()  # batch 1's result, back from forward_batch_generation
+    _forward(qn, bs=4, graph_bs=4)  # the next batch runs before the first one's result
+    release.before_process_batch_result(None, None, first)
+    assert shared["asked"] == [1] and shared["src"].waits == [1], "batch 2 must not be waited"
+    process_result()
+    assert shared["asked"] == [1, 2] and router.released == router.queued == 2
+
+
+def _taken():
+    result = SimpleNamespace(copy_done=None)
+    release.after_forward_batch_generation(result, None, None)
+    return result
+
+
+def test_a_failed_wait_raises_before_sglang_hands_out_the_tokens(qn, routed):
+    router, shared = routed
+    _forward(qn, bs=2, graph_bs=2)
+    process_result()
+    shared["src"].fail()  # the next step's wait gives up; its copy lands by its result
+    _forward(qn, bs=2, graph_bs=2)
     with pytest.raises(FailStopError, match="gave up"):
-        _forward(qn, bs=2, graph_bs=2)
+        process_result()
     with pytest.raises(FailStopError):  # sticky
         _forward(qn, bs=1, graph_bs=1)
     assert router.released == 1
@@ -91,9 +136,11 @@ def test_eager_steps_seen_by_the_router(qn, routed):
     _forward(qn, mode="EXTEND", bs=2, can_run_graph=False)
     assert (shared["steps"], shared["releases"]) == (0, 0)
     step = router.captured[4]
-    router.serving.driver.launches[4].end_step()  # as the driver's run() does, eagerly
+    driver = router.serving.driver
+    driver._finished = driver.launches[4].end_step()  # as the driver's run() does, eagerly
     router._pending = ("eager", step)  # as Router.__call__ leaves a routed eager step
     _forward(qn, bs=4, can_run_graph=False)
+    process_result()
     assert (shared["steps"], shared["releases"], router.released) == (1, 1, 1)
     assert router.replayed_steps == 0
 
@@ -104,6 +151,7 @@ def test_a_stale_eager_record_does_not_hide_a_replay(qn, routed):
     router, shared = routed
     router._pending = ("eager", router.captured[4])
     _forward(qn, bs=2, graph_bs=2)
+    process_result()
     assert (shared["steps"], shared["releases"], router.replayed) == (1, 1, {2: 1})
 
 

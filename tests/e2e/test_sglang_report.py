@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("sglang")
 torch = pytest.importorskip("torch")
 
-from test_sglang_failstop import Persistent, _forward  # noqa: E402
+from _sglang_common import persistent_launches, process_result  # noqa: E402
+from test_sglang_failstop import _forward  # noqa: E402
 from test_sglang_models import Spy, _active, _load  # noqa: E402
 
 from mono_ext.core.spec import Step  # noqa: E402
@@ -43,8 +44,7 @@ def routed(qn):
     """An active deployment whose router recorded decode graphs of batch sizes 1..16 (routed)
     and 24 (stock), as after capture; the runner SGLang would hold it on."""
     sv, *_ = _active(qn)
-    shared = dict(fs=FailStop(ScriptedHealthSource(), agree_every=16), steps=0, releases=0)
-    sv.driver.launches = {w: Persistent(x, shared) for w, x in sv.driver.launches.items()}
+    shared = persistent_launches(sv)
     router = Router(sv, Spy())
     install(qn.model, router)
     router.captured = {
@@ -67,6 +67,7 @@ def test_report_counts_replays_by_graph_size_releases_and_stock_decode(qn, route
     runner, router, shared = routed
     for bs, graph_bs in ((3, 4), (1, 1), (8, 8), (3, 4)):
         _forward(qn, bs=bs, graph_bs=graph_bs)
+        process_result()
     _forward(qn, bs=20, graph_bs=24)  # a stock graph: a stock decode step
     _forward(qn, mode="EXTEND", bs=2)  # prefill: neither
     r = runner_report(runner)
@@ -79,7 +80,7 @@ def test_report_counts_replays_by_graph_size_releases_and_stock_decode(qn, route
     assert r["widths"] == list(router.serving.spec.deployment.widths)
     assert r["captured"] == {"1": 1, "2": 2, "4": 4, "8": 8, "16": 16, "24": None}
     assert r["replayed"] == {"1": 1, "4": 2, "8": 1}
-    assert (r["replayed_steps"], r["released"], r["stock_decode"]) == (4, 4, 1)
+    assert (r["replayed_steps"], r["queued"], r["released"], r["stock_decode"]) == (4, 4, 4, 1)
     assert shared["releases"] == 4
     assert r["failstop"] is None  # the reference launches have no shared runtime
     json.dumps(r)  # what the RPC writes

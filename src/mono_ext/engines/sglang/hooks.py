@@ -5,16 +5,22 @@ install the dispatching forward differently, but on both every decode step comes
 Python in ``ModelRunner.forward`` before SGLang samples it (a decode-graph replay too:
 ``ModelRunner._forward_raw`` returns ``decode_cuda_graph_runner.execute``'s logits in a
 ``ModelRunnerOutput(can_run_graph=True)``; ``TpModelWorker.forward_batch_generation`` then
-samples). So both register the same two hooks:
+samples), and every batch's tokens reach requests through the scheduler's result processor.
+So both register the same hooks:
 
 ======================================================  ======  ===============================
 target (sglang.srt.)                                    type    what mono_ext does
 ======================================================  ======  ===============================
-model_executor.model_runner.ModelRunner.forward         after   FailStop: releases each routed
-                                                                step (eager or graph replay)
-                                                                before SGLang samples it
-                                                                (:meth:`.dispatch.Router.
+model_executor.model_runner.ModelRunner.forward         after   FailStop: queues a release
+                                                                ticket for each routed step
+                                                                (eager or graph replay), no
+                                                                wait (:meth:`.dispatch.Router.
                                                                 after_forward`)
+managers.tp_worker.TpModelWorker.                       after   the batch result takes its
+forward_batch_generation                                        steps' tickets (:mod:`.release`)
+managers.scheduler_components.batch_result_processor.   before  releases them where SGLang
+SchedulerBatchResultProcessor.process_batch_result_*            awaits the result's tokens;
+                                                                raises for a failed step
 managers.scheduler.Scheduler.handle_rpc_request         around  answers ``Engine.collective_
                                                                 rpc("mono_ext_report", path=
                                                                 ...)`` (:mod:`.report`)
@@ -28,6 +34,8 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+
+from . import release as _release
 
 __all__ = [
     "SERVING_ATTR",
@@ -77,8 +85,15 @@ def around_handle_rpc_request(original: Any, scheduler: Any, recv_req: Any, *a, 
 #: (target, hook type name, hook), as :mod:`.plugin`'s ``HOOKS``.
 RUNTIME_HOOKS: tuple[tuple[str, str, Any], ...] = (
     (FORWARD_TARGET, "AFTER", after_forward),
+    (_release.WORKER_TARGET, "AFTER", _release.after_forward_batch_generation),
+    *((t, "BEFORE", _release.before_process_batch_result) for t in _release.PROCESS_TARGETS),
     (RPC_TARGET, "AROUND", around_handle_rpc_request),
 )
+
+
+def failstop_hooks_applied() -> list[str]:
+    """The FailStop targets whose hook is not applied in this process (empty: all are)."""
+    return [t for t, _, hook in RUNTIME_HOOKS if t != RPC_TARGET and not applied(t, hook)]
 
 
 def register(hooks: tuple[tuple[str, str, Any], ...]) -> None:

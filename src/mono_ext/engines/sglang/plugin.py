@@ -194,8 +194,7 @@ HOOKS: tuple[tuple[str, str, Any], ...] = (
     ("sglang.srt.entrypoints.engine.Engine.__init__", "AROUND", _around_engine_init),
     (f"{_MR}.load_model", "AROUND", _around_load_model),
     (f"{_MR}.init_attention_backends", "AFTER", _after_init_attention_backends),
-    (_hooks.FORWARD_TARGET, "AFTER", _after_forward),
-    (_hooks.RPC_TARGET, "AROUND", _around_handle_rpc_request),
+    *_hooks.RUNTIME_HOOKS,
 )
 
 

@@ -101,6 +101,7 @@ def runner_report(runner: Any) -> dict[str, Any]:
             routed=router.routed_steps,
             replayed={str(bs): n for bs, n in sorted(router.replayed.items())},
             replayed_steps=router.replayed_steps,
+            queued=router.queued,
             released=router.released,
             stock_decode=router.stock_decode,
             failstop=_failstop(serving.driver),

@@ -149,14 +149,13 @@ def _config_reasons(backend: str, cfg: Any, hf_config: Any) -> list[str]:
 
 
 def failstop_reasons() -> list[str]:
-    """Why FailStop would not see this process's steps: the after-hook on
-    ``ModelRunner.forward`` is not applied (e.g. ``load_plugins`` did not run this entry
-    point here), so a step whose device wait gave up could return tokens."""
-    if _hooks.applied(_hooks.FORWARD_TARGET, _hooks.after_forward):
-        return []
+    """Why FailStop would not see this process's steps: a hook of it (``ModelRunner.forward``,
+    the batch result, the result processor) is not applied (e.g. ``load_plugins`` did not run
+    this entry point here), so a step whose device wait gave up could return tokens."""
     return [
-        f"mono_ext's FailStop hook on {_hooks.FORWARD_TARGET} is not applied in this process "
+        f"mono_ext's FailStop hook on {target} is not applied in this process "
         f"(pid {os.getpid()}): a decode step whose device wait gave up could return tokens"
+        for target in _hooks.failstop_hooks_applied()
     ]
 
 

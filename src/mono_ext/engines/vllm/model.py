@@ -9,19 +9,19 @@ engine-neutral driver, then vLLM's final norm; every other step runs vLLM's own 
 outer forward is outside vLLM's compiled region, so a FULL decode CUDA graph captures the
 launches (the plan is checked to answer the same whenever a captured batch shape runs again).
 
-FailStop after every step, replayed or not: vLLM's V1 GPU model runner (0.26
-``GPUModelRunner.execute_model``) calls ``model.compute_logits`` eagerly right after the forward
-(outside the forward context and any graph), and samples only after it returns, in every
-scheduling mode (with async scheduling, sampling is a later ``sample_tokens`` call and the
-tokens reach the scheduler later still). The replacement classes' ``compute_logits`` therefore
-calls :meth:`Dispatch.after_forward` after vLLM's own logits: an eager planned step (its forward
-ran here and already called ``end_step``) is released; a step whose forward never entered
-Python was a FULL graph replay, and if the graph vLLM replays for that many requests was
-captured on the planned path (:meth:`PlanLedger.replayed`), ``end_step`` runs for it now, once,
-then ``release``. A failed wait raises :class:`~mono_ext.runtime.failstop.FailStopError` out of
-``compute_logits``: vLLM's engine core stops with it and the step's tokens are never sampled.
-The release waits (on the host) for that step's health copy, i.e. for the forward to finish:
-under async scheduling the host no longer prepares the next step while the GPU runs this one.
+FailStop after every step, replayed or not, without a host wait: vLLM's V1 GPU model runner
+(0.26 ``GPUModelRunner.execute_model``) calls ``model.compute_logits`` eagerly right after the
+forward (outside the forward context and any graph), and samples only after it returns, in every
+scheduling mode. The replacement classes' ``compute_logits`` therefore calls
+:meth:`Dispatch.after_forward` after vLLM's own logits: an eager planned step (its forward ran
+here and already called ``end_step``, which enqueued its health copy) gets its release ticket; a
+step whose forward never entered Python was a FULL graph replay, and if the graph vLLM replays
+for that many requests was captured on the planned path (:meth:`PlanLedger.replayed`),
+``end_step`` runs for it now, once, and it gets its ticket. Nothing there waits for the device.
+The tickets are released where vLLM already waits for the step's sampled tokens
+(:mod:`.release`): a failed wait raises :class:`~mono_ext.runtime.failstop.FailStopError` there,
+vLLM's engine core stops with it and the step's tokens never reach a request. Under async
+scheduling the host goes on preparing the next step while the GPU runs this one.
 
 Refusal stages: config in ``__init__`` (after vLLM built the modules), model at the first
 forward (vLLM's profile run, after weights are loaded and processed), caches whenever the
@@ -33,6 +33,7 @@ once and the whole model runs stock from then on.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -50,7 +51,8 @@ from ...core.spec import Deployment, Step
 from ...core.views import SCALE_SUFFIX
 from ...models.qwen3_next.decode import DecodeDriver, StepInputs, is_capturing
 from ...models.qwen3_next.launches import BuildContext
-from . import flags, views
+from ...runtime.release import Ticket
+from . import flags, release, views
 
 __all__ = [
     "MonoQwen3NextForCausalLM",
@@ -74,6 +76,7 @@ class PlanLedger:
     def __init__(self) -> None:
         self.captured: dict[Any, Any] = {}  # descriptor -> BuildKey or None, at capture
         self.steps: dict[Any, Step | None] = {}  # descriptor -> the Step planned at capture
+        self._replayed: dict[int, Step | None] = {}  # rows -> replayed(rows), until a capture
 
     def observe(self, descriptor: Any, capturing: bool, step: Step | None) -> None:
         if descriptor is None:
@@ -84,6 +87,7 @@ class PlanLedger:
             if capturing:
                 self.captured[descriptor] = decision
                 self.steps[descriptor] = step
+                self._replayed.clear()
             return
         if prev != decision:
             raise RuntimeError(
@@ -99,8 +103,13 @@ class PlanLedger:
         (``CudagraphDispatcher.dispatch``), so the replayed graph is a captured descriptor with
         the fewest tokens >= ``rows``. Where descriptors of that size disagree (uniform and
         mixed FULL graphs), the planned answer wins: an extra health check is harmless, a
-        missed one is not.
+        missed one is not. Answered from a table once asked (every step asks it).
         """
+        if rows not in self._replayed:
+            self._replayed[rows] = self._find_replayed(rows)
+        return self._replayed[rows]
+
+    def _find_replayed(self, rows: int) -> Step | None:
         sizes = [n for n in (getattr(d, "num_tokens", None) for d in self.steps) if n is not None]
         fits = [n for n in sizes if n >= rows]
         if not fits:
@@ -172,7 +181,12 @@ class Dispatch:
         self.fused: Counter[int] = Counter()  # planned forwards that ran here (eager, capture)
         self.replayed: Counter[int] = Counter()  # planned FULL-graph replays, by graph width
         self.stock: Counter[str] = Counter()
-        self.released = 0  # planned steps whose tokens FailStop let go (after_step)
+        self.queued = 0  # planned steps handed to the release queue (after_forward)
+        self.released = 0  # of those, steps whose tokens FailStop let go at vLLM's await
+        # host time mono_ext spends per step, by hook (ns, calls): forward (eager steps only),
+        # after_forward (every step), release (at vLLM's token await)
+        self.host_ns: Counter[str] = Counter()
+        self.host_calls: Counter[str] = Counter()
         self.ledger = PlanLedger()
         self.driver: DecodeDriver | None = None
         self.stock_layers: VllmStockLayers | None = None
@@ -188,6 +202,7 @@ class Dispatch:
         self.settings = load_settings()
         self.backend = flags.resolve(value)  # raises: the front process accepted it
         self.builder = load_target(self.backend.target)
+        release.install()  # the step's release at vLLM's own wait for its tokens
         from vllm.distributed.parallel_state import get_tp_group
 
         tp = get_tp_group()
@@ -314,6 +329,22 @@ class Dispatch:
         """The final-normed hidden states of a planned step, or None: run vLLM's forward."""
         if self.state == "off":
             return None
+        t = time.perf_counter_ns()
+        try:
+            return self._forward(input_ids, positions, inputs_embeds)
+        finally:
+            self._host("forward", t)
+
+    def _host(self, hook: str, since_ns: int) -> None:
+        self.host_ns[hook] += time.perf_counter_ns() - since_ns
+        self.host_calls[hook] += 1
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         if self.state == "model":
             self._model_stage()
             if self.state == "off":
@@ -367,25 +398,48 @@ class Dispatch:
     def after_forward(self, hidden: torch.Tensor) -> None:
         """``compute_logits``' hook, after vLLM's logits of a step and before it samples them.
 
-        An eager planned step is released; a step whose forward did not enter Python was a
-        FULL-graph replay: if that graph was captured planned, ``end_step`` runs for it (once)
-        and then ``release``. Either raises FailStopError where a device wait gave up.
+        An eager planned step gets its release ticket; a step whose forward did not enter
+        Python was a FULL-graph replay: if that graph was captured planned, ``end_step`` runs
+        for it (once) and it gets its ticket. Tickets wait in :func:`.release.pending` for
+        vLLM's await of the step's tokens; ``end_step`` raises FailStopError for a wait already
+        known to have given up. Never waits for the device.
         """
-        driver = self.driver
-        if driver is None:
+        if self.driver is None:
             return
+        t = time.perf_counter_ns()
+        try:
+            self._after_forward(self.driver, hidden)
+        finally:
+            self._host("after_forward", t)
+
+    def _after_forward(self, driver: DecodeDriver, hidden: torch.Tensor) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             kind, step = pending
-            if kind == "eager" and driver.after_step(step, replayed=False):
-                self.released += 1
+            if kind == "eager":
+                self._queue(driver.after_step(step, replayed=False))
             return
         if self._same_output(hidden):
             return  # a further compute_logits of the step just taken (prompt logprobs)
         step = self.ledger.replayed(int(hidden.shape[0]))
-        if step is not None and driver.after_step(step, replayed=True):
-            self.replayed[step.width] += 1
+        if step is not None:
+            ticket = driver.after_step(step, replayed=True)
+            if ticket is not None:
+                self.replayed[step.width] += 1
+            self._queue(ticket)
+
+    def _queue(self, ticket: Ticket | None) -> None:
+        if ticket is None:
+            return
+
+        def timed() -> None:
+            t = time.perf_counter_ns()
+            ticket.release()
             self.released += 1
+            self._host("release", t)
+
+        self.queued += 1
+        release.pending().add(Ticket(timed, ticket.width, ticket.what))
 
     def _same_output(self, hidden: torch.Tensor) -> bool:
         last = self._last_out() if self._last_out is not None else None
@@ -402,7 +456,12 @@ class Dispatch:
             "refusals": list(self.refusals),
             "fused": {int(k): v for k, v in sorted(self.fused.items())},
             "replayed": {int(k): v for k, v in sorted(self.replayed.items())},
+            "queued": self.queued,
             "released": self.released,
+            "host_us": {
+                hook: round(self.host_ns[hook] / 1e3 / n, 2) for hook, n in self.host_calls.items()
+            },
+            "host_calls": dict(self.host_calls),
             "captured": {
                 str(d): (None if s is None else s.width) for d, s in self.ledger.steps.items()
             },

@@ -34,8 +34,9 @@ What one deployment on one device gets (a :class:`FlyDSLRuntime`, made by the fi
 
 The widths share workspaces, tables and the epoch: one step runs at a time and every mailbox
 tag is (step epoch, layer). Per step: ``begin_step`` (seals the build cache, bumps the epoch
-on the stream), the launches, ``end_step`` (hands the health words to FailStop; skipped
-while capturing). TP 1 only: the K2 all-reduces push into peer buffers that no engine
+on the stream), the launches, ``end_step`` (enqueues the health copy for FailStop and returns
+the step's number; skipped while capturing), then ``release(number)`` where the engine awaits
+the step's tokens. TP 1 only: the K2 all-reduces push into peer buffers that no engine
 adapter opens yet (:class:`~mono_ext.runtime.peers.HipIpcPeers` exists, untested on ROCm;
 GDN and attention K2 would each need their own, their layouts differ).
 
@@ -252,11 +253,12 @@ class FlyDSLRuntime:
     begin_step = TritonRuntime.begin_step
     release = TritonRuntime.release
 
-    def end_step(self) -> None:
+    def end_step(self) -> int | None:
         if self.capturing():  # (a dry run never captures: CPU torch cannot ask)
-            return  # the engine calls end_step after each replay instead
+            return None  # the engine calls end_step after each replay instead
         self.steps += 1
         self.failstop.after_launch(self.steps)
+        return self.steps
 
     # -- launching ---------------------------------------------------------------------
     def capturing(self) -> bool:

@@ -20,9 +20,9 @@ specialised), so a width needs nothing compiled of its own, and since one step r
 and every mailbox tag is (step epoch, layer), the widths can share workspaces and the epoch.
 Per step the driver calls ``begin_step`` (seals the build cache, bumps the epoch on the
 stream: captured with the step, repeated by every replay), the launches, then ``end_step``
-(hands the health words to FailStop; skipped while capturing: an engine that replays a
-captured step calls ``end_step`` after the replay, and ``release(step)`` before it returns
-that step's tokens). A FailStop that saw a wait give up raises
+(enqueues the health copy for FailStop and returns the step's number; skipped while
+capturing: an engine that replays a captured step calls ``end_step`` after the replay), and
+``release(number)`` where the engine awaits that step's tokens (``runtime.release``). A FailStop that saw a wait give up raises
 :class:`~mono_ext.runtime.failstop.FailStopError`; after that every step raises (no fallback).
 
 ``BuildContext.extra`` (all optional): ``ssm_dtype`` ("float32"/"bfloat16"; default the
@@ -219,13 +219,14 @@ class TritonRuntime:
         self.cache.seal()  # start-up is over: a key not built by now never will be
         self.state.bump_epoch()
 
-    def end_step(self) -> None:
+    def end_step(self) -> int | None:
         import torch
 
         if torch.cuda.is_current_stream_capturing():
-            return  # the engine calls end_step after each replay instead
+            return None  # the engine calls end_step after each replay instead
         self.steps += 1
         self.failstop.after_launch(self.steps)
+        return self.steps
 
     def release(self, step: int | None = None) -> bool:
         """May the tokens of ``step`` (default: the last finished one) be returned?"""
@@ -243,8 +244,8 @@ class TritonLaunches:
     def begin_step(self) -> None:
         self.runtime.begin_step()
 
-    def end_step(self) -> None:
-        self.runtime.end_step()
+    def end_step(self) -> int | None:
+        return self.runtime.end_step()
 
     def release(self, step: int | None = None) -> bool:
         return self.runtime.release(step)

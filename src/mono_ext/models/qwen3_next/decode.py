@@ -10,13 +10,15 @@ addresses) and chains the layers; it contains no engine code and no kernel code.
 bracketed by the launches' ``begin_step`` (device side: captured with the step) and
 ``end_step`` (host side: a no-op while capturing).
 
-After every step that ran launches on the device, and before the engine hands that step's
-tokens out, the adapter calls :meth:`DecodeDriver.after_step` from an eager point of its engine
+After every step that ran launches on the device the adapter calls
+:meth:`DecodeDriver.after_step` from an eager point of its engine right after the forward
 (vLLM: ``compute_logits``; SGLang: after ``ModelRunner.forward``): for a replayed CUDA graph it
-calls ``end_step`` (the replay never entered Python, so nobody else did), and for every step it
-asks the launches' ``release`` whether the step's tokens may be returned; a step whose device
-wait gave up raises :class:`~mono_ext.runtime.failstop.FailStopError` there, so the engine stops
-instead of returning its tokens.
+calls ``end_step`` (the replay never entered Python, so nobody else did). It returns the step's
+:class:`~mono_ext.runtime.release.Ticket`, which the adapter releases where its engine already
+waits for the step's sampled tokens (``runtime.release``): the launches' ``release`` must let the
+step's tokens go, and a step whose device wait gave up raises
+:class:`~mono_ext.runtime.failstop.FailStopError` there, so the engine stops instead of returning
+its tokens.
 
 Check mode (``MONO_EXT_CHECK=1``, eager only) runs the engine's own layer code
 (:class:`StockLayers`) next to each launch on the same inputs and compares with the spec's
@@ -38,6 +40,7 @@ import torch
 from ...core.numerics import CheckTracker
 from ...core.spec import Step
 from ...runtime.failstop import FailStopError
+from ...runtime.release import Ticket
 from .dims import Dims
 from .launches import BoundLayer, LayerLaunches
 
@@ -153,6 +156,7 @@ class DecodeDriver:
         self.stock = stock
         self.tracker = CheckTracker(numerics) if stock is not None else None
         self.steps = 0  # run() calls (captures included)
+        self._finished: int | None = None  # end_step's number for the last eager run()
         self.replays = 0  # replayed graphs handed to after_step
         self.capturing = is_capturing  # replaceable (tests)
         w, h, d = max(self.launches), dims.hidden, dims
@@ -223,36 +227,42 @@ class DecodeDriver:
             if self.checking:
                 self._check_k2(layer, o_in, gate, r1, h2, r2, valid)
             hidden, residual = h2, r2
-        launches.end_step()  # host-side health check (a no-op while capturing)
+        self._finished = launches.end_step()  # health copy enqueued (a no-op while capturing)
         self.steps += 1
         return hidden, residual
 
-    def after_step(self, step: Step, *, replayed: bool) -> bool:
-        """The host side of a step that ran on the device; call it before the engine returns
-        the step's tokens (vLLM: ``compute_logits``; SGLang: after ``ModelRunner.forward``).
+    def after_step(self, step: Step, *, replayed: bool) -> Ticket | None:
+        """The host side of a step that ran on the device, right after its forward (vLLM:
+        ``compute_logits``; SGLang: after ``ModelRunner.forward``); never waits for the device.
 
         ``replayed``: the step was a replay of a captured graph (its ``run`` happened at
         capture, where ``end_step`` does nothing), so ``end_step`` runs now, once per replay;
-        an eager step's ``run`` already called it. Then the launches' ``release`` (where the
-        backend has one) must let the step's tokens go: a failed device wait raises
-        :class:`~mono_ext.runtime.failstop.FailStopError` (or :class:`StepWithheld` while TP
-        ranks have not agreed yet). Does nothing while a graph is being captured (no step ran:
-        returns False); True once the step's tokens may be returned.
+        an eager step's ``run`` already called it. Returns the step's ticket: its ``release()``
+        asks the launches' ``release`` (where the backend has one) whether the step's tokens may
+        go, and raises :class:`~mono_ext.runtime.failstop.FailStopError` for a failed device
+        wait (or :class:`StepWithheld` while TP ranks have not agreed yet). The adapter calls it
+        where the engine awaits the step's sampled tokens. None while a graph is being captured
+        (no step ran).
         """
         if self.capturing():
-            return False
+            return None
         launches = self.launches.get(step.width)
         if launches is None:
             raise KeyError(
                 f"no launches built for width {step.width} (built: {sorted(self.launches)})"
             )
         if replayed:
-            launches.end_step()
+            number = launches.end_step()
             self.replays += 1
+        else:
+            number, self._finished = self._finished, None
         release = getattr(launches, "release", None)
-        if release is not None and not release():
-            raise StepWithheld(step)
-        return True
+
+        def release_step() -> None:
+            if release is not None and not release(number):
+                raise StepWithheld(step)
+
+        return Ticket(release_step, step.width, step)
 
     # -- check mode ----------------------------------------------------------------------
     def _valid_rows(self, slots: torch.Tensor) -> torch.Tensor:

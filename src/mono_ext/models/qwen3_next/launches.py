@@ -12,10 +12,11 @@ between the two per-step hooks:
 
 ``begin_step`` is device-side work on the step's stream (a persistent backend bumps its step
 epoch there), so a captured CUDA graph records it and every replay repeats it.
-``end_step`` is host-side bookkeeping (a persistent backend hands its health words to
+``end_step`` is host-side bookkeeping (a persistent backend enqueues its health copy for
 FailStop there, which raises :class:`~mono_ext.runtime.failstop.FailStopError` once a wait
-has given up); it does nothing while the stream is being captured, and an engine that
-replays a captured step calls it after each replay. Backends with nothing to do implement
+is known to have given up); it does nothing while the stream is being captured, and an engine
+that replays a captured step calls it after each replay. A backend with device waits also has
+``release(number)``, asked where the engine awaits that step's tokens (``runtime.release``). Backends with nothing to do implement
 both as no-ops (the reference backend does).
 
 Launches read the engine's weights and caches in place (a :class:`BoundLayer`), write their
@@ -130,9 +131,12 @@ class LayerLaunches(Protocol):
         """Start of a step, before any launch: device work on the current stream only (it is
         captured with the step); no host reads of device values."""
 
-    def end_step(self) -> None:
+    def end_step(self) -> int | None:
         """End of a step, after every launch (or after a captured step's replay): host-side
-        health bookkeeping; raises if a device wait gave up; a no-op while capturing."""
+        health bookkeeping that never waits for the device; raises if a device wait is known
+        to have given up; a no-op while capturing. Returns the number a backend with a
+        ``release(number) -> bool`` method asks about that step's tokens by (None: nothing to
+        ask; ``release(None)`` means the last finished step)."""
 
     def k1_gdn(
         self,

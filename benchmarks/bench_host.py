@@ -1,0 +1,138 @@
+"""Host time mono_ext spends per decode step outside the kernels, part by part.
+
+What an engine adapter runs on the host for a step that replays a captured graph (vLLM's FULL
+decode graphs, SGLang's decode graphs): ``DecodeDriver.after_step(replayed=True)`` (the launches'
+``end_step``: FailStop enqueues the step's health copy and polls the landed ones), the ticket
+queued, taken by the engine's output object and released at the engine's token await
+(``FailStop.release`` of that step). The launches here are a persistent backend's per-step
+hooks over a real :class:`~mono_ext.runtime.failstop.FailStop`: on CUDA over
+:class:`~mono_ext.runtime.failstop.CudaHealthSource` (pinned copies, events) with a device
+health block, elsewhere over the scripted source (the Python part only). Each step also
+enqueues a small device op, as the replay would, so copies land as they do behind real work.
+
+    python benchmarks/bench_host.py [--steps N] [--json PATH]
+
+Prints microseconds per step for each part (median over steps) and writes them, with the
+device, date, commit and command, to ``--json`` (default ``docs/results/host_<device>.json``).
+The engine adapters also time themselves in the engine (``host_us`` in vLLM's worker report,
+e.g. ``docs/results/e2e_vllm.json``'s ``summary.routed``); this isolates the parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from mono_ext.core.spec import BuildKey, Step  # noqa: E402
+from mono_ext.runtime.failstop import FailStop, ScriptedHealthSource  # noqa: E402
+from mono_ext.runtime.release import ReleaseQueue  # noqa: E402
+
+
+class Hooks:
+    """A persistent backend's step hooks (as the Triton runtime's) over ``failstop``."""
+
+    def __init__(self, failstop: FailStop, key: BuildKey) -> None:
+        self.failstop, self.key, self.steps = failstop, key, 0
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self) -> int:
+        self.steps += 1
+        self.failstop.after_launch(self.steps)
+        return self.steps
+
+    def release(self, step: int | None) -> bool:
+        return self.failstop.release(self.steps if step is None else step)
+
+
+def _commit() -> str:
+    out = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+
+    import torch
+
+    from mono_ext.models.qwen3_next.decode import DecodeDriver
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        from mono_ext.runtime.failstop import CudaHealthSource
+        from mono_ext.runtime.health import health_init_words
+
+        health = torch.tensor(health_init_words(), dtype=torch.int32, device="cuda")
+        source = CudaHealthSource(health)
+        work = torch.zeros(1 << 20, device="cuda")
+        device = torch.cuda.get_device_name()
+    else:
+        source, work, device = ScriptedHealthSource(), None, "cpu (scripted health source)"
+    key = BuildKey(spec="qwen3_next", backend="triton", width=4, dtype="bfloat16", tp_size=1)
+    hooks = Hooks(FailStop(source, agree_every=16), key)
+    driver = DecodeDriver.__new__(DecodeDriver)  # only after_step's state: no layers needed
+    driver.launches, driver.replays, driver.capturing = {4: hooks}, 0, lambda: False
+    driver._finished = None
+    queue, step = ReleaseQueue(), Step(4, key)
+
+    parts: dict[str, list[float]] = {"after_step": [], "queue": [], "release": [], "total": []}
+    pending = None
+    for _ in range(a.steps):
+        if work is not None:
+            work.add_(1.0)  # the step's device work, behind which its health copy lands
+        t0 = time.perf_counter_ns()
+        ticket = driver.after_step(step, replayed=True)
+        t1 = time.perf_counter_ns()
+        queue.add(ticket)
+        taken = queue.take()
+        t2 = time.perf_counter_ns()
+        if pending is not None:  # async scheduling: the previous step's tokens awaited now
+            if cuda:
+                torch.cuda.current_stream().synchronize()  # stands for vLLM's token wait
+            t3 = time.perf_counter_ns()
+            queue.release(pending)
+            t4 = time.perf_counter_ns()
+            parts["release"].append((t4 - t3) / 1e3)
+            parts["total"].append((t2 - t0 + t4 - t3) / 1e3)
+        parts["after_step"].append((t1 - t0) / 1e3)
+        parts["queue"].append((t2 - t1) / 1e3)
+        pending = taken
+    us = {k: round(statistics.median(v), 2) for k, v in parts.items()}
+    print(f"{device}: host us per step (median of {a.steps}): {us}")
+    out = {
+        "device": device,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "command": " ".join(["python", "benchmarks/bench_host.py", *(argv or sys.argv[1:])]),
+        "torch": torch.__version__,
+        "steps": a.steps,
+        "median_us": us,
+        "p90_us": {
+            k: round(statistics.quantiles(v, n=10)[-1], 2) for k, v in parts.items() if len(v) > 9
+        },
+    }
+    slug = "".join(c if c.isalnum() else "_" for c in device.split(" (")[0]).strip("_").lower()
+    path = a.json or REPO / "docs" / "results" / f"host_{slug}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
