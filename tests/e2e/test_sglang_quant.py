@@ -269,7 +269,7 @@ def test_a_backend_that_reads_no_fp8_refuses_by_plane_in_the_vllm_adapters_words
     assert_fp8_block_reasons(message, "triton_w8a8_block_fp8_linear", "moe runner", qkvz_rows=512)
     assert "uses quant method" not in message
     assert "forward" not in fp8.model.__dict__  # refused: SGLang's own forward stays
-    from mono_ext.engines.sglang.hooks import SERVING_ATTR
+    from mono_ext.engines.sglang.serving import SERVING_ATTR
 
     runner = type("Runner", (), {})()
     runner.__dict__[SERVING_ATTR] = sv
@@ -289,7 +289,7 @@ def test_the_reference_gets_fp8_formats_in_its_build_keys_and_report(fp8):
     formats = dict(key.formats)
     assert formats["w13"] == formats["in_proj_qkvz"] == "fp8_block128"
     assert "in_proj_ba" not in formats  # bf16 planes stay out of the key
-    from mono_ext.engines.sglang.hooks import SERVING_ATTR
+    from mono_ext.engines.sglang.serving import SERVING_ATTR
 
     runner = type("Runner", (), {})()
     runner.__dict__[SERVING_ATTR] = sv

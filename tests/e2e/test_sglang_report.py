@@ -25,6 +25,7 @@ from mono_ext.core.spec import Step  # noqa: E402
 from mono_ext.engines.sglang import has_native_api, plugin  # noqa: E402
 from mono_ext.engines.sglang.dispatch import Router, install, uninstall  # noqa: E402
 from mono_ext.engines.sglang.report import REPORT_RPC, runner_report  # noqa: E402
+from mono_ext.engines.sglang.serving import SERVING_ATTR  # noqa: E402
 from mono_ext.runtime.failstop import FailStop, ScriptedHealthSource  # noqa: E402
 from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
@@ -50,7 +51,7 @@ def routed(qn):
     router.captured = {
         bs: (Step(bs, sv.spec.build_key(bs)) if bs <= 16 else None) for bs in (1, 2, 4, 8, 16, 24)
     }
-    runner = SimpleNamespace(model=qn.model, **{plugin._SERVING_ATTR: sv})
+    runner = SimpleNamespace(model=qn.model, **{SERVING_ATTR: sv})
     yield runner, router, shared
     uninstall(qn.model)
 

@@ -89,6 +89,7 @@ else:
 
     from mono_ext.engines.sglang import hooks, v0523  # noqa: E402
     from mono_ext.engines.sglang.dispatch import ROUTED_ATTR  # noqa: E402
+    from mono_ext.engines.sglang.serving import SERVING_ATTR  # noqa: E402
     from mono_ext.models.qwen3_next.spec import LIMITS, Qwen3NextSpec  # noqa: E402
     from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
@@ -230,7 +231,7 @@ else:
         slots = torch.tensor([1, 2, 3] + [-1] * 13, dtype=torch.int32)  # 3 requests, padded
         backend = FakeAttention(rp, kvp, slots)
         yield SimpleNamespace(spec=spec, built=built, original=original, backend=backend)
-        for attr in ("forward", ROUTED_ATTR, hooks.SERVING_ATTR):
+        for attr in ("forward", ROUTED_ATTR, SERVING_ATTR):
             m.__dict__.pop(attr, None)
 
     def test_plan_routing_through_sglangs_own_dispatch(model, deployed):
@@ -275,7 +276,7 @@ else:
                 model.model, model.mc.hf_config
             )
         finally:
-            model.model.__dict__.pop(hooks.SERVING_ATTR, None)
+            model.model.__dict__.pop(SERVING_ATTR, None)
         assert len(reasons) == 1 and reasons[0].startswith(
             f"mono_ext's FailStop hook on {FWD} is not applied in this process"
         )

@@ -22,7 +22,7 @@ import torch
 
 from ..core.spec import BuildKey
 from ..core.views import ConfigView
-from ..models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
+from ..models.qwen3_next.launches import DEFAULT_LAYOUTS, LAYOUT_KEYS, BoundLayer, BuildContext
 from .attention import attn_front, attn_out_input
 from .common import ModelDims
 from .convert import dequantized_weights
@@ -31,11 +31,9 @@ from .tail import layer_tail
 
 __all__ = ["ReferenceLaunches", "ReferenceBuilder", "build"]
 
-_DEFAULT_LAYOUTS = {"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
-
 
 def _layouts(key: BuildKey) -> dict[str, str]:
-    got = {**_DEFAULT_LAYOUTS, **dict(key.layouts)}
+    got = {**DEFAULT_LAYOUTS, **dict(key.layouts)}
     for name, allowed in LAYOUT_KEYS.items():
         if got[name] not in allowed:
             raise ValueError(f"{key.label()}: {name}={got[name]!r} is not one of {allowed}")

@@ -38,7 +38,6 @@ from typing import Any
 from . import release as _release
 
 __all__ = [
-    "SERVING_ATTR",
     "FORWARD_TARGET",
     "RPC_TARGET",
     "RUNTIME_HOOKS",
@@ -47,10 +46,6 @@ __all__ = [
     "register",
     "applied",
 ]
-
-#: Where the :class:`.serving.Serving` of a deployment is kept: on the ``ModelRunner``
-#: (0.5.17) or on the model object (0.5.23, whose spec callbacks get only the model).
-SERVING_ATTR = "_mono_ext_serving"
 
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"

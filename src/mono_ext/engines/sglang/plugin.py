@@ -53,7 +53,6 @@ __all__ = ["register", "HOOKS", "has_native_api"]
 
 log = logging.getLogger("mono_ext.sglang")
 
-_SERVING_ATTR = _hooks.SERVING_ATTR
 _registered = False
 
 
@@ -131,7 +130,9 @@ def _tp_group() -> tuple[Any, int, int]:
 
 
 def serving_of(runner: Any) -> Any:
-    return getattr(runner, "__dict__", {}).get(_SERVING_ATTR)
+    from .serving import SERVING_ATTR
+
+    return getattr(runner, "__dict__", {}).get(SERVING_ATTR)
 
 
 def _around_load_model(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -142,13 +143,13 @@ def _around_load_model(original: Any, runner: Any, *args: Any, **kwargs: Any) ->
         on = None
     if on is None or getattr(runner, "is_draft_worker", False):
         return original(runner, *args, **kwargs)
-    from .serving import Serving
+    from .serving import SERVING_ATTR, Serving
 
     group, tp_size, tp_rank = _tp_group()
     serving = Serving(
         on, group=group, tp_size=tp_size, tp_rank=tp_rank, engine_version=_engine_version()
     )
-    runner.__dict__[_SERVING_ATTR] = serving
+    runner.__dict__[SERVING_ATTR] = serving
     mc = runner.model_config
     serving.accept_config(
         mc.hf_config, runner.server_args, dtype=mc.dtype, quantization=mc.quantization

@@ -40,7 +40,7 @@ def _failstop(driver: Any) -> dict[str, Any] | None:
 
 def _serving_of(runner: Any) -> Any:
     """The deployment: on the runner (0.5.17's hooks) or on its model (0.5.23's spec)."""
-    from .hooks import SERVING_ATTR
+    from .serving import SERVING_ATTR
 
     for holder in (runner, getattr(runner, "model", None)):
         serving = getattr(holder, "__dict__", {}).get(SERVING_ATTR)

@@ -53,9 +53,13 @@ from .views import (
     state_dtype_reasons,
 )
 
-__all__ = ["Serving", "FAMILY_PACKING"]
+__all__ = ["Serving", "FAMILY_PACKING", "SERVING_ATTR"]
 
 log = logging.getLogger("mono_ext.sglang")
+
+#: Where the :class:`Serving` of a deployment is kept: on the ``ModelRunner`` (0.5.17) or on
+#: the model object (0.5.23, whose spec callbacks get only the model).
+SERVING_ATTR = "_mono_ext_serving"
 
 #: How SGLang holds in_proj_qkvz per model family (checked again per module at the model stage).
 FAMILY_PACKING = {"qwen3_next": "interleaved", "qwen3_5_moe": "contiguous"}

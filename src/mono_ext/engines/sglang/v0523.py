@@ -93,7 +93,6 @@ ISAS: dict[str, tuple[str, ...]] = {
     "reference": ("sm_90",),
 }
 _AMD_BACKENDS = ("flydsl",)
-_SERVING_ATTR = _hooks.SERVING_ATTR
 
 
 def _spec_class() -> Any:
@@ -172,7 +171,9 @@ def _model_reasons(backend: str, model: Any, hf_config: Any) -> list[str]:
     )
     if not refusal:
         refusal = serving.accept_model(model)
-    model.__dict__[_SERVING_ATTR] = serving
+    from .serving import SERVING_ATTR
+
+    model.__dict__[SERVING_ATTR] = serving
     return list(refusal.reasons) + failstop_reasons()
 
 
@@ -263,7 +264,9 @@ def _model_args(args: tuple, kwargs: Mapping[str, Any]) -> tuple[Any, Any, Any]:
 
 
 def _build(backend: str, model: Any, hf_config: Any, ctx: Any, *, amd: bool = False) -> Built:
-    serving = model.__dict__.get(_SERVING_ATTR)
+    from .serving import SERVING_ATTR
+
+    serving = model.__dict__.get(SERVING_ATTR)
     if serving is None or serving.off or serving.stage is None:
         raise ValueError("mono_ext: build before model_disable_reasons accepted the model")
     widths = tuple(w for w in ctx.widths if w in serving.launches)

@@ -31,9 +31,28 @@ from ...core.backends import AUTO, BackendError, KernelBackend, select_backend
 from ...core.registry import get_registry
 from .version import version_problem
 
-__all__ = ["KEY", "OPTION", "FlagError", "requested", "resolve", "add_flag", "install", "HELP"]
+__all__ = [
+    "KEY",
+    "OPTION",
+    "MODEL_CLASSES",
+    "FlagError",
+    "requested",
+    "resolve",
+    "add_flag",
+    "install",
+    "HELP",
+]
 
 log = logging.getLogger("mono_ext.vllm")
+
+_MODEL = "mono_ext.engines.vllm.model"
+
+#: vLLM architecture -> mono_ext's replacement class (same name, subclass of vLLM's own): what
+#: the flag puts into ``model_class_overrides``.
+MODEL_CLASSES: dict[str, str] = {
+    "Qwen3NextForCausalLM": f"{_MODEL}:MonoQwen3NextForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": f"{_MODEL}:MonoQwen3_5MoeForConditionalGeneration",
+}
 
 KEY = "monokernel_backend"  # the additional_config key every process reads
 OPTION = "--monokernel-backend"
@@ -124,8 +143,6 @@ def _set_requested(engine_args: Any, value: Any) -> None:
 
 def _activate(engine_args: Any, create: Any, args: tuple, kwargs: dict) -> Any:
     """create_engine_config with the flag on: one backend, the replacement classes, a log line."""
-    from .plugin import MODEL_CLASSES
-
     value = requested(engine_args.additional_config)
     backend = resolve(value)
     engine_args.additional_config = {**engine_args.additional_config, KEY: backend.name}

@@ -4,8 +4,8 @@ vLLM calls it once in every process it starts (the API server or ``LLM`` process
 core, each worker, the model-inspection subprocess) and possibly more than once; it is
 re-entrant. It imports no torch model code and patches nothing that runs a step: it wraps the
 argument surface (``flags.install``) and records that it ran. The replacement model classes
-below reach a process only through ``model_class_overrides``, which ``flags`` sets when the
-flag is on.
+(``flags.MODEL_CLASSES``) reach a process only through ``model_class_overrides``, which
+``flags`` sets when the flag is on.
 """
 
 from __future__ import annotations
@@ -15,17 +15,9 @@ import os
 
 from .version import version_problem
 
-__all__ = ["MODEL_CLASSES", "register", "loads"]
+__all__ = ["register", "loads"]
 
 log = logging.getLogger("mono_ext.vllm")
-
-_MODEL = "mono_ext.engines.vllm.model"
-
-#: vLLM architecture -> mono_ext's replacement class (same name, subclass of vLLM's own).
-MODEL_CLASSES: dict[str, str] = {
-    "Qwen3NextForCausalLM": f"{_MODEL}:MonoQwen3NextForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": f"{_MODEL}:MonoQwen3_5MoeForConditionalGeneration",
-}
 
 _LOADS: list[int] = []
 

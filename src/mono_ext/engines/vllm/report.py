@@ -10,7 +10,8 @@ import os
 import sys
 from typing import Any
 
-from .plugin import MODEL_CLASSES, loads
+from .flags import MODEL_CLASSES
+from .plugin import loads
 
 __all__ = ["worker_report"]
 

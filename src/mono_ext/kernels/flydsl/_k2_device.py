@@ -7,12 +7,11 @@ from flydsl.expr import range_constexpr, rocdl
 from flydsl.expr.typing import Int32, Int64, Stream, Vector
 
 from ...runtime import health as _h
-from .limits import BLOCK, GFX950
+from .limits import BLOCK, GFX950, WAVES
 from .primitives import gptr, load_word, pack_tagged, seq_tag, step_seq, store_tagged, word_addr
 from .primitives import wait_tagged as _wait_tagged
 
 WAVE = GFX950.wave_size
-WAVES = BLOCK // WAVE
 _NULL_STREAM = Stream(None)
 _NEG_INF = -3.0e38
 
@@ -107,13 +106,11 @@ def _x_words(xa, ga, gated, mask):
 
 def k2_launch(b):
     """A fresh ``@flyc.jit`` launch of the K2 build ``b`` (a ``k2.K2Build``)."""
-    from .k2 import ks1_of
-
     s = b.shape
     W, H, IN, E, K = b.width, s.hidden, s.in_dim, s.experts, s.top_k
     IM, IS, TP = s.moe_inter, s.shared_inter, s.tp
     EPS, NORM_TOPK, GATED, SYSTEM, G = float(s.eps), bool(s.norm_topk), b.gated, b.system, b.grid
-    KS1 = ks1_of(s, G)
+    KS1 = b.out_proj_splits
     KC = IN // KS1  # out_proj K columns per split
     NHB = H // (16 * WAVES)  # 64-row blocks of H
     IW = s.act_words

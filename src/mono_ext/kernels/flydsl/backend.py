@@ -33,12 +33,11 @@ What one deployment on one device gets (a :class:`FlyDSLRuntime`, made by the fi
 |                     |                                                    | by the first step  |
 
 The widths share workspaces, tables and the epoch: one step runs at a time and every mailbox
-tag is (step epoch, layer). Per step: ``begin_step`` (seals the build cache, bumps the epoch
-on the stream), the launches, ``end_step`` (enqueues the health copy for FailStop and returns
-the step's number; skipped while capturing), then ``release(number)`` where the engine awaits
-the step's tokens. TP 1 only: the K2 all-reduces push into peer buffers that no engine
-adapter opens yet (:class:`~mono_ext.runtime.peers.HipIpcPeers` exists, untested on ROCm;
-GDN and attention K2 would each need their own, their layouts differ).
+tag is (step epoch, layer). Per step: the hooks of :mod:`mono_ext.runtime.persistent`, as the
+Triton backend's (a dry run never captures). TP 1 only: the K2 all-reduces push into peer
+buffers that no engine adapter opens yet (:class:`~mono_ext.runtime.peers.HipIpcPeers`
+exists, untested on ROCm; GDN and attention K2 would each need their own, their layouts
+differ).
 
 ``BuildContext.extra`` (all optional): ``ssm_dtype``, ``dt_bias_dtype``, ``max_positions``,
 ``deadline_s``, ``validate`` (as the Triton backend's), and ``dry_run``: on a CPU, with
@@ -60,20 +59,16 @@ from typing import Any
 
 from ...core.spec import BuildKey
 from ...core.views import ConfigView
-from ...models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
-from ...models.qwen3_next.shapes import kernel_shape_reasons
-
-# Engine-neutral pieces that live in the Triton backend's module (it imports no triton): the
-# per-step hooks, the runtime key, the layout defaults and the wait namer are used from there
-# as they are (moving them to a shared module would touch kernels/triton).
-from ..triton.backend import (
-    TritonBuilder,
-    TritonLaunches,
-    TritonRuntime,
-    _layouts,
-    _state_dtype,
-    _wait_namer,
+from ...models.qwen3_next.launches import (
+    STATE_DTYPES,
+    BoundLayer,
+    BuildContext,
+    layout_reasons,
+    resolved_layouts,
+    state_dtype,
 )
+from ...models.qwen3_next.shapes import kernel_shape_reasons
+from ...runtime.persistent import PersistentLaunches, PersistentRuntime, runtime_key, wait_namer
 from .limits import MAX_WIDTH
 
 __all__ = [
@@ -111,7 +106,6 @@ WRITTEN: tuple[str, ...] = (
 #: Pieces a deployment needs that do not exist yet (each one refuses the backend).
 NOT_BUILT: tuple[str, ...] = ()
 
-STATE_DTYPES = ("float32", "bfloat16")
 LAYER_ROW = 24  # int64 words per layer: K1 wtab at 0, K2 wtab at 8, GDN stab at 16
 K1_COL, K2_COL, STATE_COL = 0, 8, 16
 
@@ -124,8 +118,9 @@ def missing_reason() -> str | None:
 
 
 @dataclass
-class FlyDSLRuntime:
-    """Everything the launches of one deployment on one device share (see the module doc)."""
+class FlyDSLRuntime(PersistentRuntime):
+    """Everything the launches of one deployment on one device share (see the module doc);
+    the per-step hooks are :class:`~mono_ext.runtime.persistent.PersistentRuntime`'s."""
 
     device: Any
     dims: Any  # models.qwen3_next.dims.Dims, this rank's
@@ -168,13 +163,13 @@ class FlyDSLRuntime:
         text = dict(ctx.text_config)
         settings = load_settings()
         d = Dims.from_config(text, tp=key.tp_size)
-        lay = _layouts(dict(key.layouts))
+        lay = resolved_layouts(dict(key.layouts))
         factories: dict[str, Callable[[int], Any]] = {}
         if "linear_attention" in d.kinds:
             gdn = k1.K1GdnShape.from_dims(d)
             opts = dict(packing=lay["qkvz_packing"], conv_layout=lay["conv_layout"],
                         ssm_layout=lay["ssm_layout"],
-                        state_dtype=_state_dtype(text, extra, key.dtype),
+                        state_dtype=state_dtype(text, extra, key.dtype),
                         dt_bias_dtype=str(extra.get("dt_bias_dtype", key.dtype)))  # fmt: skip
             factories["k1_gdn"] = lambda w: k1.K1GdnBuild(gdn, w, grid=grid, **opts)
             k2_gdn = k2.K2Shape.from_dims(d, "gdn")
@@ -205,7 +200,7 @@ class FlyDSLRuntime:
             rtabs[kind] = torch.tensor(values, dtype=torch.int64, device=dev)
         source = ScriptedHealthSource() if dry else CudaHealthSource(state.health)
         failstop = FailStop(source, rank=ctx.tp_rank, agree_every=settings.agree_every,
-                            name_of=_wait_namer([b.layout for b in widest.values()]))  # fmt: skip
+                            name_of=wait_namer([b.layout for b in widest.values()]))  # fmt: skip
         rt = cls(
             device=dev,
             dims=d,
@@ -248,23 +243,9 @@ class FlyDSLRuntime:
                 out[kind] = c
         return out
 
-    # -- per step: the Triton runtime's hooks (sticky FailStop error, cache sealed, epoch
-    # bumped on the stream; FailStop's release) --------------------------------------------
-    begin_step = TritonRuntime.begin_step
-    release = TritonRuntime.release
-
-    def end_step(self) -> int | None:
-        if self.capturing():  # (a dry run never captures: CPU torch cannot ask)
-            return None  # the engine calls end_step after each replay instead
-        self.steps += 1
-        self.failstop.after_launch(self.steps)
-        return self.steps
-
     # -- launching ---------------------------------------------------------------------
     def capturing(self) -> bool:
-        import torch
-
-        return not self.dry_run and torch.cuda.is_current_stream_capturing()
+        return not self.dry_run and super().capturing()  # a dry run never captures
 
     def layer_table(self, layer: BoundLayer, column: int, values: list[int]) -> Any:
         """The int64 view at ``column`` of the layer's table row, holding ``values``; written
@@ -319,19 +300,13 @@ def _device(key: BuildKey, device: Any, dry: bool) -> tuple[Any, int]:
 
 
 @dataclass
-class FlyDSLLaunches:
+class FlyDSLLaunches(PersistentLaunches):
     """:class:`~mono_ext.models.qwen3_next.launches.LayerLaunches` of one build key (one
     width's K1/K2 builds) over the deployment's shared :class:`FlyDSLRuntime`."""
 
     key: BuildKey
     runtime: FlyDSLRuntime
     builds: dict[str, Any]  # launch kind -> toolchain.Compiled of this width
-
-    # the per-step hooks delegate to the runtime, and the row check, as the Triton launches'
-    begin_step = TritonLaunches.begin_step
-    end_step = TritonLaunches.end_step
-    release = TritonLaunches.release
-    _rows = TritonLaunches._rows
 
     def _build(self, kind: str, layer: BoundLayer, rows: Any) -> Any:
         self._rows(rows)
@@ -421,9 +396,7 @@ class FlyDSLBuilder:
             reasons.append(f"dtype {cfg.dtype}: the FlyDSL K1/K2 read and write bfloat16")
         if cfg.quantization is not None:
             reasons.append(f"quantization {cfg.quantization!r}: the FlyDSL K1/K2 read bf16 planes")
-        for name, value in _layouts(layouts).items():
-            if value not in LAYOUT_KEYS[name]:
-                reasons.append(f"the FlyDSL backend has no {name}={value!r}")
+        reasons += layout_reasons(layouts, "FlyDSL")
         text = dict(cfg.hf_config)
         ssm = text.get("mamba_ssm_dtype")
         if ssm is not None and ssm not in STATE_DTYPES:
@@ -438,8 +411,6 @@ class FlyDSLBuilder:
         shape = kernel_shape_reasons(text, tp, "FlyDSL", K1GdnShape, K1AttnShape, K2Shape)
         return reasons + shape
 
-    _runtime_key = TritonBuilder._runtime_key  # everything but the width
-
     def __call__(self, key: BuildKey, ctx: BuildContext) -> FlyDSLLaunches:
         if not 1 <= key.width <= MAX_WIDTH:
             raise ValueError(f"{key.label()}: widths 1..{MAX_WIDTH} only")
@@ -450,7 +421,7 @@ class FlyDSLBuilder:
             raise ValueError(f"{key.label()}: the FlyDSL backend serves TP 1 only (see refusals)")
         if key.dtype != "bfloat16" or key.formats:
             raise ValueError(f"{key.label()}: the FlyDSL K1/K2 read and write bf16 only")
-        rk = self._runtime_key(key, ctx)
+        rk = runtime_key(key, ctx)
         rt = self.runtimes.get(rk)
         if rt is None:
             rt = self.runtimes[rk] = FlyDSLRuntime.create(key, ctx)

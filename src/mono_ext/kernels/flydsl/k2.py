@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from ...models.qwen3_next.shapes import TailShape
 from ...runtime.layout import Layout, Program, Region, Stage, plan_layout, push, wait, write
-from .limits import BLOCK, GFX950, MAX_WIDTH
+from .limits import GFX950, MAX_WIDTH, WAVES
 
 __all__ = [
     "K2Build",
@@ -63,7 +63,6 @@ __all__ = [
     "WEIGHT_ENTRIES",
 ]
 
-WAVES = BLOCK // GFX950.wave_size  # 4
 ROWS_PER_CTA = 16 * WAVES  # MFMA rows per CTA task (16 per wave)
 
 
@@ -154,6 +153,11 @@ class K2Build:
             raise ValueError(f"width {self.width}: widths 1..{MAX_WIDTH} only")
         self.layout: Layout = plan_layout(k2_program(self.shape, self.width, self.grid),
                                           self.shape.tp)  # fmt: skip
+
+    @property
+    def out_proj_splits(self) -> int:
+        """K splits of out_proj (the device code's ``KS1``)."""
+        return ks1_of(self.shape, self.grid)
 
     @property
     def gated(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GFX950", "ArchLimits", "BLOCK", "MAX_WIDTH", "PER_STEP_ARGS"]
+__all__ = ["GFX950", "ArchLimits", "BLOCK", "MAX_WIDTH", "PER_STEP_ARGS", "WAVES"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ GFX950 = ArchLimits(
 
 #: Threads per CTA of every persistent launch: one wave per SIMD of a CU.
 BLOCK = 256
+#: Waves per CTA (4): each owns 16 MFMA rows of a task.
+WAVES = BLOCK // GFX950.wave_size
 #: Rows one K1/K2 build serves (the step widths 1..16, as the Triton backend).
 MAX_WIDTH = 16
 #: Launch arguments that change between steps or layers: passed by value, never Constexpr.

@@ -18,12 +18,11 @@ What one deployment on one device gets (a :class:`TritonRuntime`, made by the fi
 Every width shares the runtime: the kernels take the row count as a run-time argument (never
 specialised), so a width needs nothing compiled of its own, and since one step runs at a time
 and every mailbox tag is (step epoch, layer), the widths can share workspaces and the epoch.
-Per step the driver calls ``begin_step`` (seals the build cache, bumps the epoch on the
-stream: captured with the step, repeated by every replay), the launches, then ``end_step``
-(enqueues the health copy for FailStop and returns the step's number; skipped while
-capturing: an engine that replays a captured step calls ``end_step`` after the replay), and
-``release(number)`` where the engine awaits that step's tokens (``runtime.release``). A FailStop that saw a wait give up raises
-:class:`~mono_ext.runtime.failstop.FailStopError`; after that every step raises (no fallback).
+Per step the driver calls ``begin_step``, the launches and ``end_step``, and the engine
+``release(number)`` where it awaits that step's tokens: the hooks of
+:mod:`mono_ext.runtime.persistent`, which the FlyDSL backend shares. A FailStop that saw a wait
+give up raises :class:`~mono_ext.runtime.failstop.FailStopError`; after that every step raises
+(no fallback).
 
 ``BuildContext.extra`` (all optional): ``ssm_dtype`` ("float32"/"bfloat16"; default the
 config's ``mamba_ssm_dtype``, else the activation dtype), ``a_log_dtype`` ("float32"),
@@ -38,57 +37,33 @@ Triton and torch are imported when a runtime is built, so :meth:`TritonBuilder.r
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.spec import BuildKey
 from ...core.views import ConfigView
-from ...models.qwen3_next.launches import LAYOUT_KEYS, BoundLayer, BuildContext
+from ...models.qwen3_next.launches import (
+    STATE_DTYPES,
+    BoundLayer,
+    BuildContext,
+    layout_reasons,
+    resolved_layouts,
+    state_dtype,
+)
 from ...models.qwen3_next.shapes import kernel_shape_reasons
+from ...runtime.persistent import PersistentLaunches, PersistentRuntime, runtime_key, wait_namer
 from .limits import BLOCK_B, READ_FORMATS
 
 __all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build"]
 
-#: What a deployment that names none of a layout tag gets (the reference backend's defaults).
-DEFAULT_LAYOUTS = {"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
-STATE_DTYPES = ("float32", "bfloat16")
 MAX_WIDTH = BLOCK_B  # K1 and K2 are built for up to BLOCK_B rows
 
 
-def _layouts(layouts: Mapping[str, str]) -> dict[str, str]:
-    return {**DEFAULT_LAYOUTS, **{k: v for k, v in layouts.items() if k in LAYOUT_KEYS}}
-
-
-def _layout_reasons(layouts: Mapping[str, str]) -> list[str]:
-    reasons = []
-    for name, value in _layouts(layouts).items():
-        allowed = LAYOUT_KEYS[name]
-        if value not in allowed:
-            reasons.append(f"the Triton backend has no {name}={value!r} (has {allowed})")
-    return reasons
-
-
-def _state_dtype(text_config: Mapping[str, Any], extra: Mapping[str, Any], dtype: str) -> str:
-    return str(extra.get("ssm_dtype") or text_config.get("mamba_ssm_dtype") or dtype)
-
-
-def _wait_namer(layouts: list[Any]):
-    """Health records carry (region id, index) without the program: name every candidate."""
-
-    def name_of(region: int, index: int) -> str:
-        names = [
-            lay.describe(region, index) for lay in layouts if 0 <= region < len(lay.program.regions)
-        ]
-        return " or ".join(names) or f"region#{region}[{index}]"
-
-    return name_of
-
-
 @dataclass
-class TritonRuntime:
-    """Everything the launches of one deployment on one device share (see the module doc)."""
+class TritonRuntime(PersistentRuntime):
+    """Everything the launches of one deployment on one device share (see the module doc);
+    the per-step hooks are :class:`~mono_ext.runtime.persistent.PersistentRuntime`'s."""
 
     device: Any
     dims: Any  # models.qwen3_next.dims.Dims, this rank's
@@ -131,7 +106,7 @@ class TritonRuntime:
         text = dict(ctx.text_config)
         settings = load_settings()
         d = Dims.from_config(text, tp=key.tp_size)
-        layouts = _layouts(dict(key.layouts))
+        layouts = resolved_layouts(dict(key.layouts))
         sm = torch.cuda.get_device_properties(dev).multi_processor_count
         k1_cfg = extra.get("k1_config") or k1m.K1Config(grid=sm)
         k2_cfg = extra.get("k2_config") or k2m.K2Config(grid=sm)
@@ -143,7 +118,7 @@ class TritonRuntime:
                 k1m.K1GdnShape.from_dims(d),
                 k1_cfg,
                 packing=layouts["qkvz_packing"],
-                state_dtype=_state_dtype(text, extra, key.dtype),
+                state_dtype=state_dtype(text, extra, key.dtype),
                 ssm_layout=layouts["ssm_layout"],
                 conv_dtype=key.dtype,
                 a_log_dtype=str(extra.get("a_log_dtype", "float32")),
@@ -178,7 +153,7 @@ class TritonRuntime:
             CudaHealthSource(state.health),
             rank=ctx.tp_rank,
             agree_every=settings.agree_every,
-            name_of=_wait_namer(layouts_of),
+            name_of=wait_namer(layouts_of),
         )
         validate = bool(extra.get("validate", True))
         k1 = k1m.K1Launches(
@@ -212,49 +187,14 @@ class TritonRuntime:
         torch.cuda.synchronize(dev)  # workspaces zeroed before any step can see them
         return rt
 
-    # -- per step ----------------------------------------------------------------------
-    def begin_step(self) -> None:
-        if self.failstop.error is not None:
-            raise self.failstop.error  # sticky: no step runs after a failure
-        self.cache.seal()  # start-up is over: a key not built by now never will be
-        self.state.bump_epoch()
-
-    def end_step(self) -> int | None:
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():
-            return None  # the engine calls end_step after each replay instead
-        self.steps += 1
-        self.failstop.after_launch(self.steps)
-        return self.steps
-
-    def release(self, step: int | None = None) -> bool:
-        """May the tokens of ``step`` (default: the last finished one) be returned?"""
-        return self.failstop.release(self.steps if step is None else step)
-
 
 @dataclass
-class TritonLaunches:
+class TritonLaunches(PersistentLaunches):
     """:class:`~mono_ext.models.qwen3_next.launches.LayerLaunches` of one build key over the
-    deployment's shared :class:`TritonRuntime`."""
+    deployment's shared :class:`TritonRuntime` (its per-step hooks)."""
 
     key: BuildKey
     runtime: TritonRuntime
-
-    def begin_step(self) -> None:
-        self.runtime.begin_step()
-
-    def end_step(self) -> int | None:
-        return self.runtime.end_step()
-
-    def release(self, step: int | None = None) -> bool:
-        return self.runtime.release(step)
-
-    def _rows(self, x: Any) -> None:
-        if x.shape[0] != self.key.width:
-            raise ValueError(
-                f"{self.key.label()}: got {x.shape[0]} rows, built for {self.key.width}"
-            )
 
     def k1_gdn(self, layer: BoundLayer, hidden, residual, slots, *, o_in, residual_out) -> None:
         self._rows(hidden)
@@ -317,7 +257,7 @@ class TritonBuilder:
             )
         if cfg.dtype != "bfloat16":
             reasons.append(f"dtype {cfg.dtype}: the Triton K1/K2 read and write bfloat16")
-        reasons += _layout_reasons(layouts)
+        reasons += layout_reasons(layouts, "Triton")
         text = dict(cfg.hf_config)
         ssm = text.get("mamba_ssm_dtype")
         if ssm is not None and ssm not in STATE_DTYPES:
@@ -333,23 +273,6 @@ class TritonBuilder:
         shape = kernel_shape_reasons(text, tp, "Triton", K1GdnShape, K1AttnShape, K2Shape)
         return reasons + shape
 
-    def _runtime_key(self, key: BuildKey, ctx: BuildContext) -> tuple:
-        def frozen(m: Mapping[str, Any]) -> str:
-            return json.dumps({k: repr(v) for k, v in m.items()}, sort_keys=True)
-
-        return (
-            str(ctx.device),
-            ctx.tp_rank,
-            ctx.null_slot,
-            key.spec,
-            key.dtype,
-            key.tp_size,
-            key.layouts,
-            key.formats,
-            frozen(ctx.text_config),
-            frozen(ctx.extra),
-        )
-
     def __call__(self, key: BuildKey, ctx: BuildContext) -> TritonLaunches:
         if key.tp_size != 1:
             raise ValueError(f"{key.label()}: the Triton backend serves TP 1 only (see refusals)")
@@ -357,10 +280,10 @@ class TritonBuilder:
             raise ValueError(f"{key.label()}: the Triton K1/K2 are built for bfloat16")
         if not 1 <= key.width <= MAX_WIDTH:
             raise ValueError(f"{key.label()}: widths 1..{MAX_WIDTH} only")
-        bad = _layout_reasons(dict(key.layouts))
+        bad = layout_reasons(dict(key.layouts), "Triton")
         if bad:
             raise ValueError(f"{key.label()}: " + "; ".join(bad))
-        rk = self._runtime_key(key, ctx)
+        rk = runtime_key(key, ctx)
         rt = self.runtimes.get(rk)
         if rt is None:
             rt = self.runtimes[rk] = TritonRuntime.create(key, ctx)

@@ -78,7 +78,18 @@ from ...core.views import ConfigView
 if TYPE_CHECKING:  # torch is not a dependency of this module's importers
     from torch import Tensor
 
-__all__ = ["BoundLayer", "BuildContext", "LayerLaunches", "LaunchBuilder", "LAYOUT_KEYS"]
+__all__ = [
+    "BoundLayer",
+    "BuildContext",
+    "LayerLaunches",
+    "LaunchBuilder",
+    "LAYOUT_KEYS",
+    "DEFAULT_LAYOUTS",
+    "STATE_DTYPES",
+    "resolved_layouts",
+    "layout_reasons",
+    "state_dtype",
+]
 
 #: Layout tags a deployment puts into its build keys (``Deployment.layouts``); a backend reads
 #: these, never the engine's name.
@@ -87,6 +98,30 @@ LAYOUT_KEYS: dict[str, tuple[str, ...]] = {
     "ssm_layout": ("vk", "kv"),
     "qkvz_packing": ("interleaved", "contiguous"),
 }
+#: What a deployment that names none of a layout tag gets (the reference backend's defaults).
+DEFAULT_LAYOUTS = {"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
+#: Recurrent-state dtypes the kernels read and write.
+STATE_DTYPES = ("float32", "bfloat16")
+
+
+def resolved_layouts(layouts: Mapping[str, str]) -> dict[str, str]:
+    """Every layout tag: the deployment's, else the default."""
+    return {**DEFAULT_LAYOUTS, **{k: v for k, v in layouts.items() if k in LAYOUT_KEYS}}
+
+
+def layout_reasons(layouts: Mapping[str, str], backend: str) -> list[str]:
+    """Why ``backend`` cannot read ``layouts``: one reason per tag value it has not."""
+    return [
+        f"the {backend} backend has no {name}={value!r} (has {LAYOUT_KEYS[name]})"
+        for name, value in resolved_layouts(layouts).items()
+        if value not in LAYOUT_KEYS[name]
+    ]
+
+
+def state_dtype(text_config: Mapping[str, Any], extra: Mapping[str, Any], dtype: str) -> str:
+    """The recurrent state's dtype: the engine's (``extra["ssm_dtype"]``), else the config's
+    ``mamba_ssm_dtype``, else the activation dtype."""
+    return str(extra.get("ssm_dtype") or text_config.get("mamba_ssm_dtype") or dtype)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""The host side every persistent-launch backend shares: one deployment's per-step hooks.
+
+A backend's runtime (the Triton one, the FlyDSL one) holds what every launch of one deployment
+on one device shares. This module holds the part that is the same for every backend, as a base
+class the backend's runtime subclasses and a base for its per-key launches:
+
+| hook          | where                      | what                                              |
+|---------------|----------------------------|---------------------------------------------------|
+| begin_step    | device, on the step stream | sticky error first (no step runs after a failure),|
+|               | (captured with the step)   | the build cache sealed, the step epoch bumped     |
+| end_step      | host, after the launches   | the step counted and its health copy enqueued for |
+|               | (after each graph replay)  | FailStop; returns the step's number; nothing      |
+|               |                            | while a graph is captured                         |
+| release(n)    | host, where the engine     | FailStop's word on step ``n``'s tokens            |
+|               | awaits step n's tokens     | (``runtime.release``)                             |
+
+A subclass provides ``state`` (``peers.RankState``), ``failstop`` (``failstop.FailStop``),
+``cache`` (``build_cache.BuildCache``) and ``steps`` (finished steps, FailStop's numbering),
+and may override :meth:`PersistentRuntime.capturing`. torch is imported only by
+:meth:`PersistentRuntime.capturing`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["PersistentLaunches", "PersistentRuntime", "runtime_key", "wait_namer"]
+
+
+class PersistentRuntime:
+    """The per-step hooks of one deployment's runtime (see the module doc)."""
+
+    state: Any
+    failstop: Any
+    cache: Any
+    steps: int
+
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA/HIP graph."""
+        import torch
+
+        return torch.cuda.is_current_stream_capturing()
+
+    def begin_step(self) -> None:
+        if self.failstop.error is not None:
+            raise self.failstop.error  # sticky: no step runs after a failure
+        self.cache.seal()  # start-up is over: a key not built by now never will be
+        self.state.bump_epoch()
+
+    def end_step(self) -> int | None:
+        if self.capturing():
+            return None  # the engine calls end_step after each replay instead
+        self.steps += 1
+        self.failstop.after_launch(self.steps)
+        return self.steps
+
+    def release(self, step: int | None = None) -> bool:
+        """May the tokens of ``step`` (default: the last finished one) be returned?"""
+        return self.failstop.release(self.steps if step is None else step)
+
+
+class PersistentLaunches:
+    """The per-step hooks of one build key's launches: its runtime's, and the row check."""
+
+    key: Any  # core.spec.BuildKey
+    runtime: PersistentRuntime
+
+    def begin_step(self) -> None:
+        self.runtime.begin_step()
+
+    def end_step(self) -> int | None:
+        return self.runtime.end_step()
+
+    def release(self, step: int | None = None) -> bool:
+        return self.runtime.release(step)
+
+    def _rows(self, x: Any) -> None:
+        if x.shape[0] != self.key.width:
+            raise ValueError(
+                f"{self.key.label()}: got {x.shape[0]} rows, built for {self.key.width}"
+            )
+
+
+def wait_namer(layouts: Sequence[Any]):
+    """``name_of(region, index)`` for FailStop's messages. Health records carry (region id,
+    index) but not which launch's program wrote them: every candidate is named."""
+
+    def name_of(region: int, index: int) -> str:
+        names = [
+            lay.describe(region, index) for lay in layouts if 0 <= region < len(lay.program.regions)
+        ]
+        return " or ".join(names) or f"region#{region}[{index}]"
+
+    return name_of
+
+
+def runtime_key(key: Any, ctx: Any) -> tuple:
+    """What the build keys of one runtime share: everything of the key but its width, and the
+    build context (a ``BuildKey`` and a model family's ``BuildContext``)."""
+
+    def frozen(m: Mapping[str, Any]) -> str:
+        return json.dumps({k: repr(v) for k, v in m.items()}, sort_keys=True)
+
+    return (
+        str(ctx.device),
+        ctx.tp_rank,
+        ctx.null_slot,
+        key.spec,
+        key.dtype,
+        key.tp_size,
+        key.layouts,
+        key.formats,
+        frozen(ctx.text_config),
+        frozen(ctx.extra),
+    )
