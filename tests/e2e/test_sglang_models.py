@@ -289,7 +289,9 @@ def test_every_stage_goes_through_rank_agreement(qn, monkeypatch):
         extra = ("ranks 1: caches differ on a peer",) if refusal.stage is Stage.CACHES else ()
         return Refusal.of(refusal.stage, refusal.reasons + extra)
 
-    monkeypatch.setattr(serving_mod, "agree", fake_agree)
+    from mono_ext.serve import lifecycle
+
+    monkeypatch.setattr(lifecycle, "agree", fake_agree)  # the stages' one agreement
     sv = Serving(Monokernel("reference"), group="tp-cpu-group", settings=Settings())
     mc = qn.mc
     sv.accept_config(mc.hf_config, qn.sa, dtype=mc.dtype, quantization=None)

