@@ -61,7 +61,30 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ok, why = b.probe()
         state = "usable" if ok else "unavailable"
         print(f"  {name:<12} {state}: {why}  [{reg.origins['backend:' + name]}]")
+    _print_served(reg)
     return 0
+
+
+def _print_served(reg: Any) -> None:
+    """What each backend serves by default here, per engine, and the result it comes from."""
+    from .core.backends import load_target, served_source, served_widths
+    from .serve.lifecycle import device_name
+
+    device = device_name()
+    print(f"served by default on {device or 'this machine (no CUDA device)'}:")
+    for name, b in sorted(reg.backends.items()):
+        try:
+            builder = load_target(b.target)
+        except Exception as exc:  # a backend that does not import says so under backends
+            print(f"  {name:<12} unknown: {type(exc).__name__}")
+            continue
+        for engine in ("vllm", "sglang"):
+            widths, _ = served_widths(
+                (*range(1, 17),), builder, name, False, engine=engine, device=device
+            )
+            source = served_source(builder, engine, device)
+            shown = ",".join(map(str, widths)) or "none"
+            print(f"  {name:<12} {engine:<7} widths {shown}" + (f" ({source})" if source else ""))
 
 
 def _read_config(source: str) -> dict[str, Any]:
@@ -115,16 +138,26 @@ def cmd_explain(args: argparse.Namespace) -> int:
     layouts = {"conv_layout": args.engine if args.engine != "none" else "vllm"}
     widths = spec.widths
     backend = reg.backends.get(args.backend)
-    if backend is not None:  # a named backend: only the widths it would route
-        from .core.backends import load_target, served_widths
+    source = None
+    if backend is not None:  # a named backend: its refusals, and only the widths it would route
+        from .core.backends import load_target, served_source, served_widths
+        from .serve.lifecycle import device_name
 
+        device = args.device if args.device is not None else device_name()
+        builder = load_target(backend.target)
+        refusals = getattr(builder, "refusals", None)
+        reasons = [] if refusals is None else list(refusals(view, layouts))
         widths, why = served_widths(
-            spec.widths, load_target(backend.target), backend.name,
-            load_settings().serve_unmeasured,
+            spec.widths, builder, backend.name, load_settings().serve_unmeasured,
+            engine=args.engine, device=device,
         )  # fmt: skip
-        if why:
-            print(f"mono_ext off: [config] {why}")
+        reasons += [why] if why else []
+        if reasons:
+            print(f"mono_ext off: [config] {len(reasons)} reason(s) ({backend.name}):")
+            for reason in reasons:
+                print(f"  - {reason}")
             return EXIT_REFUSED
+        source = served_source(builder, args.engine, device)
     spec.deploy(
         Deployment(
             backend=args.backend,
@@ -138,6 +171,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         f"mono_ext on: {spec.name} serves {list(view.architectures)} at TP {args.tp} "
         f"({args.engine}); model and cache checks run when the engine loads"
     )
+    if source is not None:
+        print(
+            f"widths served by default: {', '.join(map(str, widths))} (measured faster: {source})"
+        )
     print(f"{'width':>5}  build key")
     for key in spec.build_keys():
         print(f"{key.width:>5}  {key.label()}  #{key.digest()[:16]}")
@@ -168,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--engine", choices=("vllm", "sglang", "none"), default="vllm")
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--backend", default=AUTO, help="backend named in the build keys")
+    e.add_argument(
+        "--device",
+        default=None,
+        help="device name the served widths are looked up for, as torch names it "
+        "(default: this machine's CUDA device, or none)",
+    )
     e.add_argument(
         "--feature",
         action="append",

@@ -8,21 +8,41 @@ from mono_ext.cli import EXIT_REFUSED, EXIT_USAGE, main
 from mono_ext.models.qwen3_next.configs import get_preset
 
 
-def test_explain_triton_serves_no_width_until_measured_faster(capsys, monkeypatch):
+def test_explain_triton_serves_no_width_where_none_was_measured_faster(capsys, monkeypatch):
     monkeypatch.delenv("MONO_EXT_SERVE_UNMEASURED", raising=False)
-    assert main(["explain", "qwen3-next-80b-a3b", "--backend", "triton"]) == EXIT_REFUSED
+    argv = ["explain", "qwen3-next-80b-a3b", "--backend", "triton", "--device", "NVIDIA A100"]
+    assert main(argv) == EXIT_REFUSED
     out = capsys.readouterr().out
-    assert out.startswith("mono_ext off: [config] kernel backend 'triton' serves no width")
+    assert out.startswith("mono_ext off: [config] 1 reason(s) (triton):")
+    assert "'triton' serves no width with vllm on NVIDIA A100" in out
     assert "MONO_EXT_SERVE_UNMEASURED=1" in out
+
+
+def test_explain_names_the_widths_served_on_an_h200_and_their_source(capsys, monkeypatch):
+    monkeypatch.delenv("MONO_EXT_SERVE_UNMEASURED", raising=False)
+    argv = ["explain", "qwen3-next-80b-a3b", "--backend", "triton", "--device", "NVIDIA H200"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mono_ext on: qwen3_next" in out
+    assert "widths served by default: 1 (measured faster: docs/results/e2e_vllm.json" in out
+    assert "qwen3_next/triton/w1/bfloat16/tp1/" in out and "/w2/" not in out
+    assert main([*argv, "--engine", "sglang"]) == EXIT_REFUSED  # never measured on SGLang
+
+
+def test_explain_prints_the_backends_refusals(capsys, monkeypatch):
+    monkeypatch.setenv("MONO_EXT_SERVE_UNMEASURED", "1")
+    assert main(["explain", "qwen3-next-80b-a3b", "--tp", "4", "--backend", "triton"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("mono_ext off: [config]") and "serves TP 1 only" in out
 
 
 def test_explain_preset_prints_plan_for_every_width(capsys, monkeypatch):
     monkeypatch.setenv("MONO_EXT_SERVE_UNMEASURED", "1")
-    assert main(["explain", "qwen3-next-80b-a3b", "--tp", "4", "--backend", "triton"]) == 0
+    assert main(["explain", "qwen3-next-80b-a3b", "--backend", "triton"]) == 0
     out = capsys.readouterr().out
     assert "mono_ext on: qwen3_next" in out
     for w in range(1, 17):
-        assert f"qwen3_next/triton/w{w}/bfloat16/tp4/" in out
+        assert f"qwen3_next/triton/w{w}/bfloat16/tp1/" in out
 
 
 def test_explain_config_dir_lists_every_reason(tmp_path, capsys):
@@ -82,3 +102,5 @@ def test_doctor_lists_specs_and_backends(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "qwen3_next" in out and "reference    usable" in out and "triton" in out
+    assert "served by default on " in out
+    assert "triton       vllm    widths " in out and "triton       sglang  widths none" in out

@@ -29,10 +29,12 @@ def test_no_faster_width_refuses_with_the_reason_and_the_override():
     )
 
 
-def test_triton_serves_nothing_by_default_and_everything_when_asked():
-    # docs/perf.md: no width is faster than vLLM's stock step yet
-    assert TritonBuilder.faster_widths == frozenset()
+def test_triton_serves_only_measured_widths_and_everything_when_asked():
+    # kernels/triton/measured.py: vLLM on an H200 at width 1 (docs/results/e2e_vllm.json)
     off = load_settings({})
     on = load_settings({"MONO_EXT_SERVE_UNMEASURED": "1"})
-    assert served_widths(SPEC, TritonBuilder(), "triton", off.serve_unmeasured)[0] == ()
-    assert served_widths(SPEC, TritonBuilder(), "triton", on.serve_unmeasured)[0] == SPEC
+    b = TritonBuilder()
+    assert served_widths(SPEC, b, "triton", off.serve_unmeasured)[0] == ()  # no engine, device
+    h200 = dict(engine="vllm", device="NVIDIA H200")
+    assert served_widths(SPEC, b, "triton", off.serve_unmeasured, **h200) == ((1,), None)
+    assert served_widths(SPEC, b, "triton", on.serve_unmeasured)[0] == SPEC

@@ -75,22 +75,42 @@ def select_backend(name: str, backends: Mapping[str, KernelBackend]) -> KernelBa
 
 
 def served_widths(
-    spec_widths: tuple[int, ...], builder: Any, backend: str, serve_unmeasured: bool
+    spec_widths: tuple[int, ...],
+    builder: Any,
+    backend: str,
+    serve_unmeasured: bool,
+    *,
+    engine: str | None = None,
+    device: str | None = None,
 ) -> tuple[tuple[int, ...], str | None]:
     """The widths a deployment routes to ``builder``: the spec's widths that the backend has
-    been measured faster than the engine's stock step at (``builder.faster_widths``), or
-    every spec width under ``MONO_EXT_SERVE_UNMEASURED=1`` (tests and benchmarks). A builder
-    without ``faster_widths`` (the reference backend: CPU testing only) serves every width.
+    been measured faster than ``engine``'s own decode step at on ``device`` (the builder's
+    ``measured_faster(engine, device)``, or its ``faster_widths`` for every engine and device),
+    or every spec width under ``MONO_EXT_SERVE_UNMEASURED=1`` (tests and benchmarks). A builder
+    with neither (the reference backend: CPU testing only) serves every width.
     Returns (widths, reason why none) so that a deployment with no width runs stock and says
     why, instead of making decode slower."""
-    faster = getattr(builder, "faster_widths", None)
+    measured = getattr(builder, "measured_faster", None)
+    faster = (
+        measured(engine, device)[0]
+        if measured is not None
+        else getattr(builder, "faster_widths", None)
+    )
     if faster is None or serve_unmeasured:
         return tuple(spec_widths), None
     widths = tuple(w for w in spec_widths if w in faster)
     if widths:
         return widths, None
+    where = f" with {engine} on {device or 'this machine'}" if measured is not None else ""
     return (), (
-        f"kernel backend {backend!r} serves no width yet: none has been measured faster than "
-        "the engine's own decode step (docs/perf.md); MONO_EXT_SERVE_UNMEASURED=1 serves "
+        f"kernel backend {backend!r} serves no width{where} yet: none has been measured faster "
+        "than the engine's own decode step (docs/perf.md); MONO_EXT_SERVE_UNMEASURED=1 serves "
         "every width anyway (tests, benchmarks)"
     )
+
+
+def served_source(builder: Any, engine: str | None, device: str | None) -> str | None:
+    """Where the widths ``builder`` serves by default for ``engine`` on ``device`` were
+    measured (None: the builder records none)."""
+    measured = getattr(builder, "measured_faster", None)
+    return None if measured is None else measured(engine, device)[1]

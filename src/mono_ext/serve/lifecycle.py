@@ -32,16 +32,32 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..core.backends import BackendError, KernelBackend, load_target, select_backend, served_widths
+from ..core.backends import (
+    BackendError,
+    KernelBackend,
+    load_target,
+    select_backend,
+    served_source,
+    served_widths,
+)
 from ..core.refusal import Refusal, Stage, agree
 from ..core.registry import PluginError, get_registry
 from ..core.settings import Settings, SettingsError, load_settings
 from ..core.spec import Deployment, ModelSpec
 from ..core.views import CacheView, ConfigView, ModelView
 
-__all__ = ["Lifecycle", "guarded"]
+__all__ = ["Lifecycle", "device_name", "guarded"]
 
 log = logging.getLogger("mono_ext.serve")
+
+
+def device_name() -> str | None:
+    """The current accelerator's name as torch reports it (``NVIDIA H200``), or None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def guarded(stage: Stage, fn: Callable[[], list[str]]) -> list[str]:
@@ -61,7 +77,9 @@ class Lifecycle:
     config stage, a failure there is a reason) or an already resolved
     :class:`~mono_ext.core.backends.KernelBackend`. ``settings``: the settings in force, or
     None to load them in the config stage (a malformed value is then a reason).
-    ``group``: the TP ranks' CPU process group (None: one process).
+    ``group``: the TP ranks' CPU process group (None: one process). ``engine`` and
+    ``device`` (the device's name, None without one) pick the widths the backend serves by
+    default (``core.backends.served_widths``).
     """
 
     def __init__(
@@ -73,8 +91,11 @@ class Lifecycle:
         tp_rank: int = 0,
         settings: Settings | None = None,
         announce: bool = True,
+        engine: str | None = None,
+        device: str | None = None,
     ) -> None:
         self.requested_backend = backend
+        self.engine, self.device = engine, device
         self.requested_name = backend if isinstance(backend, str) else backend.name
         self.group = group
         self.tp_size = tp_size
@@ -166,10 +187,16 @@ class Lifecycle:
         if refusals is not None:
             reasons += list(refusals(cfg, self.layouts))
         widths, none_why = served_widths(
-            spec.widths, self.builder, self.backend.name, self.settings.serve_unmeasured
+            spec.widths,
+            self.builder,
+            self.backend.name,
+            self.settings.serve_unmeasured,
+            engine=self.engine,
+            device=self.device,
         )
         reasons += [none_why] if none_why else []
         if not reasons:
+            self._announce_widths(widths)
             spec.deploy(
                 Deployment(
                     backend=self.backend.name,
@@ -184,6 +211,24 @@ class Lifecycle:
                 )
             )
         return reasons
+
+    def _announce_widths(self, widths: tuple[int, ...]) -> None:
+        if self.tp_rank != 0:
+            return
+        source = served_source(self.builder, self.engine, self.device)
+        if self.settings.serve_unmeasured:
+            why = "MONO_EXT_SERVE_UNMEASURED=1: every width, measured faster or not"
+        elif source is not None:
+            why = f"measured faster than {self.engine}'s own decode step: {source}"
+        else:
+            why = "the backend records no measurements"
+        log.info(
+            "mono_ext: backend %s serves widths %s on %s (%s)",
+            self.backend.name,
+            ",".join(map(str, widths)),
+            self.device or "this machine",
+            why,
+        )
 
     # -- stage 2: model ----------------------------------------------------------------
     def model_stage(

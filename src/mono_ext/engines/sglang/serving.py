@@ -28,7 +28,7 @@ from typing import Any
 from ...core.refusal import Refusal
 from ...core.settings import Settings
 from ...core.views import ConfigView
-from ...serve.lifecycle import Lifecycle
+from ...serve.lifecycle import Lifecycle, device_name
 from .binding import CacheBinding, ModelBinding, bind_caches, bind_model
 from .flags import Monokernel
 from .views import (
@@ -85,6 +85,8 @@ class Serving(Lifecycle):
             tp_rank=tp_rank,
             settings=settings,
             announce=announce,  # False where the engine raises the refusal itself
+            engine="sglang",
+            device=device_name(),
         )
         self.flags = flags
         self.engine_version = engine_version

@@ -50,7 +50,7 @@ from ...core.views import SCALE_SUFFIX
 from ...models.qwen3_next.decode import DecodeDriver, StepInputs, is_capturing
 from ...models.qwen3_next.launches import BuildContext
 from ...runtime.release import Ticket
-from ...serve.lifecycle import Lifecycle
+from ...serve.lifecycle import Lifecycle, device_name
 from . import flags, release, views
 
 __all__ = [
@@ -211,6 +211,8 @@ class Dispatch:
             tp_size=tp.world_size,
             tp_rank=self._rank,
             settings=self.settings,
+            engine="vllm",
+            device=device_name(),
         )
         self._config_stage()
 

@@ -54,6 +54,7 @@ from ...models.qwen3_next.launches import (
 from ...models.qwen3_next.shapes import kernel_shape_reasons
 from ...runtime.persistent import PersistentLaunches, PersistentRuntime, runtime_key, wait_namer
 from .limits import BLOCK_B, READ_FORMATS
+from .measured import measured_faster
 
 __all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build"]
 
@@ -233,12 +234,11 @@ class TritonBuilder:
     :class:`TritonRuntime`, made (and compiled) by the first of them.
     """
 
-    # Widths at which a whole decode step through K1/K2 has been measured faster than the
-    # engine's own step on the H200 (docs/perf.md). None yet: K2 alone (79 us at width 1) costs
-    # what vLLM's whole stock layer does (79 us, ENGINES.md), so serving any width would make
-    # decode slower. Deployments route nothing until this holds a width, unless
-    # MONO_EXT_SERVE_UNMEASURED=1 (tests and benchmarks; core.backends.served_widths).
-    faster_widths: frozenset[int] = frozenset()
+    # Widths a deployment routes by default: those measured faster than the engine's own
+    # decode step, per engine and device, each from a committed result (measured.py).
+    # Everything else runs stock unless MONO_EXT_SERVE_UNMEASURED=1 (tests and benchmarks;
+    # core.backends.served_widths).
+    measured_faster = staticmethod(measured_faster)
     # Plane formats K1/K2 read in place (kernels/triton/planes.py). A quantized deployment is
     # judged plane by plane at the model stage (models/qwen3_next/spec.py), so the config stage
     # names no quantization method.
