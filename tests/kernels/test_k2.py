@@ -169,7 +169,7 @@ FP8 = {
 @pytest.mark.parametrize("fmt", sorted(FP8))
 @pytest.mark.parametrize("tp", [1, 2])  # TP 8 cuts I = 512 below one 128-row block
 def test_k2_fp8_planes_match_reference_every_width(full_weights, fmt, tp):
-    """fp8 e4m3fn planes with their fp32 scales, read in place (issue 9), against the
+    """fp8 e4m3fn planes with their fp32 scales, read in place, against the
     reference on the dequantized planes, at the real shapes."""
     kern = quantized_weights(full_weights, FP8[fmt])
     deq = dequantized_weights(kern, FP8[fmt])

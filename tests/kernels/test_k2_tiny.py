@@ -171,7 +171,7 @@ def tiny_fp8(request):
 
 def test_k2_tiny_fp8_planes_match_the_reference_on_dequantized_planes(tiny_fp8):
     """K2 reads fp8 e4m3fn planes with their fp32 scales in place (block-128, per row, per
-    tensor; issue 9): the same NUMERICS as bf16 against the fp32 reference computing with the
+    tensor): the same NUMERICS as bf16 against the fp32 reference computing with the
     dequantized planes, and a row's output stays independent of the batch."""
     test_k2_tiny_matches_reference(tiny_fp8)
     gen = torch.Generator(device=DEV).manual_seed(23)

@@ -10,7 +10,6 @@ from mono_ext.core.registry import build_registry
 from mono_ext.core.spec import BuildKey
 from mono_ext.kernels.flydsl import backend as fb
 from mono_ext.plugins import flydsl as fp
-from mono_ext.plugins import triton as tp
 
 GFX950 = fp.DeviceFacts(True, True, hip="7.1", arch="gfx950", name="AMD Instinct MI355X",
                         flydsl=True)  # fmt: skip
@@ -42,7 +41,7 @@ def test_probe_refuses_off_gfx950_with_the_reason(facts, needle):
 
 
 def test_probe_on_gfx950_accepts_once_nothing_is_missing():
-    # issue 10: the binding and HIP IPC are written (never run on gfx950; fb.WRITTEN), so
+    # the binding and HIP IPC are written (never run on gfx950; fb.WRITTEN), so
     # nothing is missing; the backend serves no width until one is measured
     assert fb.NOT_BUILT == () and fb.missing_reason() is None
     assert fb.build.faster_widths == frozenset()
@@ -62,7 +61,6 @@ def _fake_device(monkeypatch, facts, *, complete):
 
     monkeypatch.setattr(fp, "device_facts", lambda: facts)
     monkeypatch.setattr(fb, "NOT_BUILT", () if complete else ("K1 is not written",))
-    monkeypatch.setattr(tp, "ENGINE_FAILSTOP_WIRED", True)
     monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
     cap = (9, 0) if facts.arch == "sm_90" else (9, 5)  # ROCm torch reports gfx950 as 9.5
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""Quantized weight planes: formats, their refusals, and the build keys (issue 9).
+"""Quantized weight planes: formats, their refusals, and the build keys.
 
 The spec side is checked on views; the vLLM side (``engines.vllm.views.plane_view``) on fake
 modules that carry the parameter names, shapes and dtypes vLLM 0.26 leaves after
@@ -185,11 +185,11 @@ def test_official_fp8_layout_is_recognised_per_plane_with_layer_ranges(views):
     attn = ",".join(str(b + 3) for b in range(0, 48, 4))
     assert (
         f"layers {gdn}: out_proj: fp8 block-128 (float8_e4m3fn [2048, 4096], float32 scales "
-        "[16, 32]) recognised; the triton backend's K2 does not read fp8 planes yet (issue 9)"
+        "[16, 32]) recognised; the triton backend's K2 does not read fp8 planes yet"
     ) in reasons
     assert (
         f"layers {attn}: qkv_proj: fp8 block-128 (float8_e4m3fn [9216, 2048], float32 scales "
-        "[72, 16]) recognised; the triton backend's K1 does not read fp8 planes yet (issue 9)"
+        "[72, 16]) recognised; the triton backend's K1 does not read fp8 planes yet"
     ) in reasons
     assert any(r.startswith("layers 0-47: w13: fp8 block-128 ") for r in reasons), reasons
     named = {r.split(": ")[1] for r in reasons}

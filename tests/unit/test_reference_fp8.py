@@ -1,4 +1,4 @@
-"""The reference reads fp8 planes (issue 9): dequantization of the engines' scales, the
+"""The reference reads fp8 planes: dequantization of the engines' scales, the
 ``reference`` backend's launches on fp8 planes with their ``<plane>.scale``, and the spec
 accepting fp8 (not mxfp4) planes for that backend."""
 

@@ -30,7 +30,7 @@ class BuildKey:
     sorted so equal deployments give equal keys. ``formats`` holds the matrix planes whose
     format (``core.views.PLANE_FORMATS``) is not bf16, as sorted (plane, format) pairs: a
     build that reads fp8 or mxfp4 planes is a different build from the bf16 one, and an
-    all-bf16 build has none (its digest is the one it had before formats existed).
+    all-bf16 build has none (so its digest does not depend on formats at all).
     """
 
     spec: str

@@ -9,14 +9,6 @@ sm_90 device is visible; what a deployment needs beyond that is the builder's ``
 from ..core.backends import KernelBackend
 from ..core.hookspecs import hookimpl
 
-# Engines release every step through FailStop before sampling it, graph replays included:
-# vLLM 0.26 in the replacement classes' compute_logits, SGLang 0.5.17 in an after-hook on
-# ModelRunner.forward (both through DecodeDriver.after_step; SGLang 0.5.23's kernel-plugin path
-# still refuses this backend). Tested on CPU with fake health words (tests/unit,
-# tests/e2e/test_*_failstop.py); tests/e2e/test_vllm_gpu.py is the H200 engine run. With this
-# False no deployment may pick the backend (by name or through auto).
-ENGINE_FAILSTOP_WIRED = True
-
 
 def _probe() -> tuple[bool, str]:
     try:
@@ -32,11 +24,6 @@ def _probe() -> tuple[bool, str]:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         return False, f"device is sm_{major}{minor}; the Triton backend is verified on sm_90 only"
-    if not ENGINE_FAILSTOP_WIRED:
-        return False, (
-            "not yet enabled in engines: FailStop is not polled after CUDA-graph replays, so a "
-            "failed step could return tokens"
-        )
     return True, f"{torch.cuda.get_device_name()} (sm_90)"
 
 

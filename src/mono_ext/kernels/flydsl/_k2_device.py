@@ -43,11 +43,6 @@ def _bf16x2(lo, hi):
     return fx.Int32((_rne16(hi) << fx.Uint32(16)) | _rne16(lo))
 
 
-def _bf16_round(x):
-    """fp32 rounded to bf16 and back (the value a bf16 store keeps)."""
-    return fx.Int32(_rne16(x) << fx.Uint32(16)).bitcast(fx.Float32)
-
-
 def _load_bf16(addr):
     return _bf16_lo(fx.Int32(fx.generic_load(gptr(addr, fx.Uint16, 2))))
 

@@ -1151,7 +1151,7 @@ class _K1LaunchBase:
     ``formats``: plane -> format (``kernels.triton.planes.FORMAT_CODES``) of the matrix planes
     in ``_PLANES``; absent ones are bf16, other planes are ignored. A quantized plane ``P`` is
     read in place with its fp32 scales ``weights[P + ".scale"]``; each plane's format is a
-    constexpr, so an all-bf16 build compiles to the kernel it was before formats existed.
+    constexpr, so an all-bf16 build compiles to the same kernel as a build with no format constexprs.
     """
 
     _KIND = ""

@@ -101,8 +101,6 @@ __all__ = [
     "STAGES_ALL",
 ]
 
-META_EXTRA = 2  # meta words after the union list: U, n_pairs
-
 # Stage bits (a debugging aid and the CPU interpreter path: run one stage per launch).
 S1_MATMUL = 1  # out_proj partials (TP: push to peers; TP1: residual + outputs)
 S1_REDUCE = 2  # TP: wait for every rank's partials, residual add, outputs

@@ -203,7 +203,7 @@ def _divides(what: str, total: int, tp: int) -> str | None:
 class Qwen3NextSpec(ModelSpec):
     name: ClassVar[str] = "qwen3_next"
     architectures: ClassVar[tuple[str, ...]] = _ARCHS
-    # Thresholds against the fp32 reference (issue text of K1/K2); the residual
+    # Thresholds against the fp32 reference (the K1/K2 contracts); the residual
     # is an add in fp32 rounded once to bf16, so 2^-8 relative bounds it.
     NUMERICS: ClassVar[Mapping[str, float]] = {
         "k1.out.cosine": 0.999,
@@ -451,7 +451,7 @@ class Qwen3NextSpec(ModelSpec):
         family_ = PLANE_FORMATS[plane.format][0]
         return [
             f"{name}: {desc} recognised; the {backend} backend's {MATRIX_PLANES[name]} does "
-            f"not read {family_} planes yet (issue 9)"
+            f"not read {family_} planes yet"
         ]
 
     # -- stage 3: caches -------------------------------------------------------
