@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from mono_ext.models.qwen3_next.decode import DecodeDriver
+    from mono_ext.models.qwen3_next.driver import DecodeDriver
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -35,7 +35,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mono_ext.kernels.triton.k1 import (
+from mono_ext.models.qwen3_next.configs import get_preset
+from mono_ext.models.qwen3_next.dims import Dims, text_config
+from mono_ext.models.qwen3_next.reference.common import ModelDims
+from mono_ext.models.qwen3_next.reference.gdn import split_ba, split_qkvz
+from mono_ext.models.qwen3_next.triton.k1 import (
     S1,
     STAGES_ALL,
     K1AttnLaunch,
@@ -44,10 +48,6 @@ from mono_ext.kernels.triton.k1 import (
     K1GdnLaunch,
     K1GdnShape,
 )
-from mono_ext.models.qwen3_next.configs import get_preset
-from mono_ext.models.qwen3_next.dims import Dims, text_config
-from mono_ext.reference.common import ModelDims
-from mono_ext.reference.gdn import split_ba, split_qkvz
 from mono_ext.runtime.health import H_FAILED
 from mono_ext.runtime.peers import RankState
 

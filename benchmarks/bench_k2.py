@@ -13,7 +13,7 @@ Time per launch = replay time / ROT, median of several replays.
 
 Formats (``--formats``): ``bf16`` (default), or ``fp8_block128`` / ``fp8_channel``: out_proj,
 w13, w2 and the shared expert's gate_up / down become e4m3fn codes with fp32 scales (block-128
-[.., N/128, K/128] or per-row [.., N, 1], quantized by mono_ext.reference.convert from the same
+[.., N/128, K/128] or per-row [.., N, 1], quantized by mono_ext.models.qwen3_next.reference.convert from the same
 bf16 planes); the router, shared_expert_gate and norm stay bf16, as in vLLM. K2 reads the codes
 and scales in place (``K2Launch.formats``); the vLLM arms are vLLM's own fp8 modules on the same
 codes and scales; the torch arms run on bf16 planes of the dequantized values and are
@@ -84,15 +84,18 @@ import _vllm_chain as vc  # noqa: E402  (imports vLLM only when its arms run)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mono_ext.kernels.triton.k2 import (  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
+from mono_ext.models.qwen3_next.reference.convert import (  # noqa: E402
+    dequantized_weights,
+    quantized_weights,
+)
+from mono_ext.models.qwen3_next.triton.k2 import (  # noqa: E402
     STAGES_ALL,
     K2Config,
     K2Launch,
     K2Shape,
 )
-from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
-from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
 from mono_ext.runtime.health import decode_health  # noqa: E402
 from mono_ext.runtime.peers import RankState  # noqa: E402
 

@@ -30,7 +30,7 @@ def make_fp8_block_checkpoint(out: Path, config: dict[str, Any]) -> Path:
     (``modules_to_not_convert``)."""
     from safetensors.torch import load_file, save_file
 
-    from mono_ext.reference.convert import quantize
+    from mono_ext.models.qwen3_next.reference.convert import quantize
     from mono_ext.tools.checkpoint import make_checkpoint
 
     make_checkpoint(out, config, seed=0)
@@ -108,7 +108,11 @@ def assert_bound_planes_dequantize_to_the_checkpoint(
     import torch
 
     from mono_ext.core.views import MATRIX_PLANES
-    from mono_ext.reference import ModelDims, dequantized_weights, layer_weights_from_state_dict
+    from mono_ext.models.qwen3_next.reference import (
+        ModelDims,
+        dequantized_weights,
+        layer_weights_from_state_dict,
+    )
 
     dims = ModelDims.from_config(config)
     kinds = config["layer_types"]

@@ -58,7 +58,7 @@ from mono_ext.engines.sglang.flags import Monokernel  # noqa: E402
 from mono_ext.engines.sglang.serving import Serving  # noqa: E402
 from mono_ext.engines.sglang.views import step_view  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.reference import (  # noqa: E402
+from mono_ext.models.qwen3_next.reference import (  # noqa: E402
     ModelDims,
     attn_front,
     decode_attention,
@@ -66,7 +66,7 @@ from mono_ext.reference import (  # noqa: E402
     layer_weights_from_state_dict,
     rel_l2,
 )
-from mono_ext.reference.common import gemma_rms_norm  # noqa: E402
+from mono_ext.models.qwen3_next.reference.common import gemma_rms_norm  # noqa: E402
 from mono_ext.tools.checkpoint import make_checkpoint  # noqa: E402
 
 TOL = 3e-2  # launches round every output to bf16; the oracle stays fp32

@@ -204,8 +204,8 @@ def _k2_equals_the_reference_on(sv, ckpt, config, width=3):
     bit for bit. Yields (binding, BoundLayer, reference weights, dims, the K2 inputs) per
     layer, for more launches."""
     from mono_ext.models.qwen3_next.launches import BoundLayer
-    from mono_ext.reference import ModelDims, attn_out_input, layer_tail
-    from mono_ext.reference import layer_weights_from_state_dict as weights_of
+    from mono_ext.models.qwen3_next.reference import ModelDims, attn_out_input, layer_tail
+    from mono_ext.models.qwen3_next.reference import layer_weights_from_state_dict as weights_of
 
     launches = sv.launches[width]
     assert dict(launches.key.formats) == _formats(sv)
@@ -233,7 +233,7 @@ def _k2_equals_the_reference_on(sv, ckpt, config, width=3):
 def test_reference_launches_on_the_bound_fp8_planes_equal_the_dequantized_checkpoint(fp8_fused):
     """K2 (every layer) and K1 (attention layer) of the reference backend on SGLang's fp8
     planes and scales equal the reference on the independently dequantized checkpoint."""
-    from mono_ext.reference import attn_front
+    from mono_ext.models.qwen3_next.reference import attn_front
 
     sv, _ = _serving(fp8_fused)
     assert not sv.accept_model(fp8_fused.model)
@@ -259,7 +259,7 @@ def test_reference_launches_on_the_bound_fp8_planes_equal_the_dequantized_checkp
 
 
 def test_a_backend_that_reads_no_fp8_refuses_by_plane_in_the_vllm_adapters_words(fp8, monkeypatch):
-    from mono_ext.reference import backend as ref_backend
+    from mono_ext.models.qwen3_next.reference import backend as ref_backend
 
     monkeypatch.setattr(ref_backend.build, "plane_formats", frozenset({"bf16"}))
     sv, _ = _serving(fp8)
@@ -280,7 +280,7 @@ def test_a_backend_that_reads_no_fp8_refuses_by_plane_in_the_vllm_adapters_words
 
 
 def test_the_reference_gets_fp8_formats_in_its_build_keys_and_report(fp8):
-    from mono_ext.reference.backend import build
+    from mono_ext.models.qwen3_next.reference.backend import build
 
     sv, _ = _serving(fp8)
     assert sv.spec.deployment.plane_formats == build.plane_formats
@@ -483,9 +483,9 @@ def test_mxfp4_experts_upcast_to_bf16_are_read_in_place_as_bf16(mxfp4, monkeypat
     unquantized MoE: read in place as bf16, with the reference and with the Triton builder's
     plane formats; no scale bound, no format in the build key."""
     from mono_ext.engines.sglang.views import model_view
-    from mono_ext.kernels.triton.backend import build as triton_build
+    from mono_ext.models.qwen3_next.reference import backend as ref_backend
     from mono_ext.models.qwen3_next.spec import MXFP4_UPCAST
-    from mono_ext.reference import backend as ref_backend
+    from mono_ext.models.qwen3_next.triton.backend import build as triton_build
 
     assert mxfp4.mc.quantization == "mxfp4"
     e, i, h = (TINY_MXFP4[k] for k in ("num_experts", "moe_intermediate_size", "hidden_size"))

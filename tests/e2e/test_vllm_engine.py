@@ -22,8 +22,8 @@ from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
 
 STOCK_NEXT = "vllm.model_executor.models.qwen3_next"
 MONO = "mono_ext.engines.vllm.model"
-HEAVY = ("mono_ext.engines.vllm.model", "mono_ext.engines.vllm.views", "mono_ext.reference",
-         "mono_ext.models.qwen3_next.decode")  # fmt: skip
+HEAVY = ("mono_ext.engines.vllm.model", "mono_ext.engines.vllm.views", "mono_ext.models.qwen3_next.reference",
+         "mono_ext.models.qwen3_next.driver")  # fmt: skip
 
 
 def _fused(report) -> dict[int, int]:

@@ -23,7 +23,7 @@ vllm = pytest.importorskip("vllm")
 from safetensors.torch import load_file  # noqa: E402
 
 from mono_ext.models.qwen3_next.configs import get_preset, layer_types  # noqa: E402
-from mono_ext.reference import (  # noqa: E402
+from mono_ext.models.qwen3_next.reference import (  # noqa: E402
     ModelDims,
     attn_front,
     gdn_front,

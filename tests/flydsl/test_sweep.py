@@ -1,7 +1,7 @@
 """The CI sweep: every flydsl launch compiles for gfx950 and passes the limits; one that does
 not compile is reported as a failure, not dropped."""
 
-from mono_ext.kernels.flydsl import sweep
+from mono_ext.models.qwen3_next.flydsl import sweep
 
 
 def test_every_launch_compiles_and_passes(capsys):

@@ -25,7 +25,16 @@ INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if not torch.cuda.is_available() and not INTERP:
     pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
-from mono_ext.kernels.triton.k1 import (  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
+from mono_ext.models.qwen3_next.reference import attn_front, gdn_front, rel_l2  # noqa: E402
+from mono_ext.models.qwen3_next.reference.common import ModelDims  # noqa: E402
+from mono_ext.models.qwen3_next.reference.convert import (  # noqa: E402
+    dequantized_weights,
+    quantized_weights,
+)
+from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
+from mono_ext.models.qwen3_next.triton.k1 import (  # noqa: E402
     K1AttnLaunch,
     K1AttnShape,
     K1Config,
@@ -35,12 +44,6 @@ from mono_ext.kernels.triton.k1 import (  # noqa: E402
     k1_attn_kernel,
     k1_gdn_kernel,
 )
-from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
-from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
-from mono_ext.reference import attn_front, gdn_front, rel_l2  # noqa: E402
-from mono_ext.reference.common import ModelDims  # noqa: E402
-from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
 from mono_ext.runtime.build_cache import jit_cache_size  # noqa: E402
 from mono_ext.runtime.health import H_FAILED  # noqa: E402
 from mono_ext.runtime.peers import RankState  # noqa: E402
@@ -143,7 +146,7 @@ def gdn_weights(md: ModelDims, packing, gen):
     def rnd(*shape, scale=1.0):
         return (randn(gen, *shape) * scale).to(torch.bfloat16)
 
-    from mono_ext.reference import pack_ba, pack_qkvz
+    from mono_ext.models.qwen3_next.reference import pack_ba, pack_qkvz
 
     s = h**-0.5
     qkvz = pack_qkvz(rnd(md.key_dim, h, scale=s), rnd(md.key_dim, h, scale=s),
@@ -269,7 +272,7 @@ def check_gdn_steps(k1, md, w, w_ref, packing, conv_layout, state_dtype, ssm_lay
 
 def test_gdn_row_map_matches_reference_packing():
     """The row map sends each packed row where the reference's split puts it."""
-    from mono_ext.reference.gdn import split_ba, split_qkvz
+    from mono_ext.models.qwen3_next.reference.gdn import split_ba, split_qkvz
 
     for preset in (TINY, TINY_B):
         md = ModelDims.from_config(_cfg(preset))
@@ -411,8 +414,8 @@ def check_attn_steps(k1, md, w, w_ref, gen, widths):
 
 def test_launches_adapter_matches_direct_launch():
     """``K1Launches`` (the k1_* half of ``launches.LayerLaunches``) over BoundLayer views."""
-    from mono_ext.kernels.triton.k1 import K1Launches
     from mono_ext.models.qwen3_next.launches import BoundLayer
+    from mono_ext.models.qwen3_next.triton.k1 import K1Launches
 
     md = ModelDims.from_config(_cfg(TINY))
     gdn, attn = gdn_build(TINY, "bfloat16"), attn_build(TINY)

@@ -3,7 +3,7 @@
 Real Qwen3-Next-80B-A3B tail shapes (H 2048, GDN out_proj input 4096, 512 experts top-10,
 I 512, shared 512), sharded for TP 1, 2 and 8 (virtual TP: R launches on R streams of one
 GPU). Every check draws fresh random inputs, poisons the outputs with NaN, and compares
-with ``mono_ext.reference.layer_tail`` through ``CheckTracker`` (rows whose router top-k is
+with ``mono_ext.models.qwen3_next.reference.layer_tail`` through ``CheckTracker`` (rows whose router top-k is
 a near tie are skipped and counted). Also: batch invariance (a row's output is bit-identical
 alone, in any batch and any position), graph replay bit-identical to eager over 200
 replays, no wait gave up, and no compile after warm-up.
@@ -22,7 +22,16 @@ if not torch.cuda.is_available():
 
 
 from mono_ext.core.numerics import CheckTracker, metrics  # noqa: E402
-from mono_ext.kernels.triton.k2 import (  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
+from mono_ext.models.qwen3_next.reference.common import ModelDims  # noqa: E402
+from mono_ext.models.qwen3_next.reference.convert import (  # noqa: E402
+    dequantized_weights,
+    quantized_weights,
+)
+from mono_ext.models.qwen3_next.reference.tail import layer_tail  # noqa: E402
+from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
+from mono_ext.models.qwen3_next.triton.k2 import (  # noqa: E402
     BLOCK_B,
     K2Config,
     K2Launch,
@@ -30,12 +39,6 @@ from mono_ext.kernels.triton.k2 import (  # noqa: E402
     k2_kernel,
     shard_tail_weights,
 )
-from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
-from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
-from mono_ext.reference.common import ModelDims  # noqa: E402
-from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
-from mono_ext.reference.tail import layer_tail  # noqa: E402
 from mono_ext.runtime.build_cache import jit_cache_size  # noqa: E402
 from mono_ext.runtime.health import decode_health  # noqa: E402
 from mono_ext.runtime.peers import VirtualPeers  # noqa: E402

@@ -22,19 +22,22 @@ if not torch.cuda.is_available() and not INTERP:
 
 
 from mono_ext.core.numerics import CheckTracker  # noqa: E402
-from mono_ext.kernels.triton.k2 import (  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
+from mono_ext.models.qwen3_next.reference.common import ModelDims  # noqa: E402
+from mono_ext.models.qwen3_next.reference.convert import (  # noqa: E402
+    dequantized_weights,
+    quantized_weights,
+)
+from mono_ext.models.qwen3_next.reference.tail import layer_tail  # noqa: E402
+from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
+from mono_ext.models.qwen3_next.triton.k2 import (  # noqa: E402
     BLOCK_B,
     K2Config,
     K2Launch,
     K2Shape,
     shard_tail_weights,
 )
-from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
-from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
-from mono_ext.reference.common import ModelDims  # noqa: E402
-from mono_ext.reference.convert import dequantized_weights, quantized_weights  # noqa: E402
-from mono_ext.reference.tail import layer_tail  # noqa: E402
 from mono_ext.runtime.health import decode_health  # noqa: E402
 from mono_ext.runtime.peers import RankState  # noqa: E402
 

@@ -33,18 +33,18 @@ from mono_ext.core.numerics import CheckTracker, metrics  # noqa: E402
 from mono_ext.core.spec import Deployment  # noqa: E402
 from mono_ext.core.views import ConfigView, StepView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.decode import DecodeDriver, StepInputs  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
+from mono_ext.models.qwen3_next.driver import DecodeDriver, StepInputs  # noqa: E402
 from mono_ext.models.qwen3_next.launches import (  # noqa: E402
     BoundLayer,
     BuildContext,
     LaunchBuilder,
     LayerLaunches,
 )
+from mono_ext.models.qwen3_next.reference.attention import decode_attention  # noqa: E402
+from mono_ext.models.qwen3_next.reference.common import gemma_rms_norm  # noqa: E402
+from mono_ext.models.qwen3_next.reference.tail import route  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
-from mono_ext.reference.attention import decode_attention  # noqa: E402
-from mono_ext.reference.common import gemma_rms_norm  # noqa: E402
-from mono_ext.reference.tail import route  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -241,7 +241,7 @@ class Harness:
         cv = ConfigView(hf_config=model.cfg)
         assert not self.spec.accept_config(cv), self.spec.refuse_config(cv).message()
         self.builder = builder
-        self.ref_builder = load_target("mono_ext.reference.backend:build")
+        self.ref_builder = load_target("mono_ext.models.qwen3_next.reference.backend:build")
         ctx = BuildContext(text_config=model.cfg, device=str(DEV), null_slot=NULL, extra=extra)
         self.fused = self._launches(builder, "triton", widths, ctx)
         self.ref = self._launches(self.ref_builder, "reference", widths, ctx)
@@ -375,7 +375,7 @@ def run_width(h: Harness, width: int, steps: int, tracker: CheckTracker, seed: i
 def harness():
     if not CUDA:
         pytest.skip("needs a CUDA device")
-    from mono_ext.kernels.triton.backend import TritonBuilder
+    from mono_ext.models.qwen3_next.triton.backend import TritonBuilder
 
     h = Harness(Model(model_config()), TritonBuilder())
     yield h
@@ -383,8 +383,8 @@ def harness():
 
 
 def _jit_sizes():
-    from mono_ext.kernels.triton.k1 import k1_attn_kernel, k1_gdn_kernel
-    from mono_ext.kernels.triton.k2 import k2_kernel
+    from mono_ext.models.qwen3_next.triton.k1 import k1_attn_kernel, k1_gdn_kernel
+    from mono_ext.models.qwen3_next.triton.k2 import k2_kernel
     from mono_ext.runtime.build_cache import jit_cache_size
 
     return [jit_cache_size(k) for k in (k1_gdn_kernel, k1_attn_kernel, k2_kernel)]
@@ -476,7 +476,7 @@ def test_graph_replay_matches_eager(harness, width):
 @gpu
 def test_failed_wait_stops_every_step():
     """A wait that gave up (the sticky failed word) makes the step raise, and every later one."""
-    from mono_ext.kernels.triton.backend import TritonBuilder
+    from mono_ext.models.qwen3_next.triton.backend import TritonBuilder
     from mono_ext.runtime.failstop import FailStopError
     from mono_ext.runtime.health import H_FAILED
 
@@ -501,7 +501,7 @@ def test_probe_and_target():
     from mono_ext.plugins import triton as plugin
 
     (backend,) = plugin.mono_ext_kernel_backends()
-    assert backend.target == "mono_ext.kernels.triton.backend:build"
+    assert backend.target == "mono_ext.models.qwen3_next.triton.backend:build"
     assert isinstance(load_target(backend.target), LaunchBuilder)
     ok, why = backend.probe()
     print(f"\nprobe: {ok} {why}")
@@ -513,7 +513,7 @@ def test_probe_and_target():
 
 
 def _reasons(**over) -> list[str]:
-    from mono_ext.kernels.triton.backend import TritonBuilder
+    from mono_ext.models.qwen3_next.triton.backend import TritonBuilder
 
     cfg = model_config()
     layouts = dict(LAYOUTS)
@@ -538,7 +538,7 @@ def test_refusals_name_every_reason():
 
 def test_builds_only_for_cuda_and_tp1():
     from mono_ext.core.spec import BuildKey
-    from mono_ext.kernels.triton.backend import TritonBuilder
+    from mono_ext.models.qwen3_next.triton.backend import TritonBuilder
 
     key = BuildKey("qwen3_next", "triton", 4, "bfloat16", 1, tuple(sorted(LAYOUTS.items())))
     with pytest.raises(ValueError, match="CUDA"):

@@ -19,12 +19,12 @@ from mono_ext.core.backends import load_target  # noqa: E402
 from mono_ext.core.spec import Deployment  # noqa: E402
 from mono_ext.core.views import ConfigView, StepView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.decode import (  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
+from mono_ext.models.qwen3_next.driver import (  # noqa: E402
     DecodeDriver,
     StepInputs,
     StepWithheld,
 )
-from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
 from mono_ext.runtime.failstop import (  # noqa: E402
@@ -121,7 +121,7 @@ def _setup(world: int = 1, persistent: bool = True, lagging: bool = False):
             layouts={"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"},
         )
     )
-    builder = load_target("mono_ext.reference.backend:build")
+    builder = load_target("mono_ext.models.qwen3_next.reference.backend:build")
     ctx = BuildContext(text_config=cfg, null_slot=NULL)
     rt = Runtime(world, lagging)
     launches = {

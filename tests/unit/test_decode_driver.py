@@ -20,20 +20,28 @@ from mono_ext.core.backends import load_target  # noqa: E402
 from mono_ext.core.spec import Deployment  # noqa: E402
 from mono_ext.core.views import ConfigView, StepView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.decode import DecodeDriver, StepInputs  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
+from mono_ext.models.qwen3_next.driver import DecodeDriver, StepInputs  # noqa: E402
 from mono_ext.models.qwen3_next.launches import (  # noqa: E402
     BoundLayer,
     BuildContext,
     LaunchBuilder,
     LayerLaunches,
 )
+from mono_ext.models.qwen3_next.reference import (  # noqa: E402
+    ModelDims,
+    decode_attention,
+    decoder_layer_step,
+    rel_l2,
+)
+from mono_ext.models.qwen3_next.reference.attention import attn_front  # noqa: E402
+from mono_ext.models.qwen3_next.reference.common import (  # noqa: E402
+    add_gemma_rms_norm,
+    gemma_rms_norm,
+)
+from mono_ext.models.qwen3_next.reference.gdn import gdn_front  # noqa: E402
+from mono_ext.models.qwen3_next.reference.tail import moe_forward  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
-from mono_ext.reference import ModelDims, decode_attention, decoder_layer_step, rel_l2  # noqa: E402
-from mono_ext.reference.attention import attn_front  # noqa: E402
-from mono_ext.reference.common import add_gemma_rms_norm, gemma_rms_norm  # noqa: E402
-from mono_ext.reference.gdn import gdn_front  # noqa: E402
-from mono_ext.reference.tail import moe_forward  # noqa: E402
 
 BF16 = torch.bfloat16
 SLOTS, T_MAX, NULL = 9, 32, 0
@@ -129,7 +137,7 @@ def _driver(eng: FakeEngine, widths=(1, 2, 3, 4), stock=None):
             layouts={"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": eng.packing},
         )
     )
-    builder = load_target("mono_ext.reference.backend:build")
+    builder = load_target("mono_ext.models.qwen3_next.reference.backend:build")
     assert isinstance(builder, LaunchBuilder)
     ctx = BuildContext(text_config=eng.cfg, null_slot=NULL)
     launches = {k.width: builder(k, ctx) for k in spec.build_keys()}

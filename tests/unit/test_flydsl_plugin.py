@@ -8,7 +8,7 @@ import pytest
 from mono_ext.core.backends import BackendError, select_backend
 from mono_ext.core.registry import build_registry
 from mono_ext.core.spec import BuildKey
-from mono_ext.kernels.flydsl import backend as fb
+from mono_ext.models.qwen3_next.flydsl import backend as fb
 from mono_ext.plugins import flydsl as fp
 
 GFX950 = fp.DeviceFacts(True, True, hip="7.1", arch="gfx950", name="AMD Instinct MI355X",
@@ -20,7 +20,7 @@ def test_registered_through_the_entry_point():
     reg = build_registry()
     b = reg.backends["flydsl"]
     assert reg.origins["backend:flydsl"].startswith("entry point 'flydsl' of mono-ext")
-    assert b.target == "mono_ext.kernels.flydsl.backend:build"
+    assert b.target == "mono_ext.models.qwen3_next.flydsl.backend:build"
     assert b.auto_priority > reg.backends["triton"].auto_priority > 0
     assert not b.testing_only
 

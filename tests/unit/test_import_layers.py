@@ -4,15 +4,11 @@ Every ``import`` in ``src/mono_ext`` (module level and inside functions: a lazy 
 a dependency) is read from the source (AST), resolved to the module it names and checked:
 
 * no circle between modules;
-* imports go down only: engines -> serve -> models (the family wing, with its reference) ->
-  kernels -> runtime -> core; ``plugins``, ``tools``, ``cli`` and ``demo`` sit on top;
+* imports go down only: engines -> serve -> models (each family's wing: its spec, driver,
+  reference and kernel backends) -> kernels (generic device code) -> runtime -> core; ``plugins``, ``tools``, ``cli`` and ``demo`` sit on top;
 * ``core`` imports no engine, no kernel language and no other layer, and torch (but never
   ``torch.cuda``) only inside the functions that need it: it imports on a CPU-only box.
 
-The kernel backends still live under ``kernels/`` and read the Qwen3-Next family's shapes,
-dims and launch interface (and the reference's RoPE table), an upward import each, until they
-move into ``models/qwen3_next/``. Those are listed in ``MOVING``, exactly: a new upward import
-fails here, and so does one that went away without leaving the list.
 """
 
 from __future__ import annotations
@@ -21,24 +17,9 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mono_ext"
-RANK = {"core": 0, "runtime": 1, "kernels": 2, "reference": 3, "models": 3, "serve": 4,
-        "engines": 5}  # fmt: skip
+RANK = {"core": 0, "runtime": 1, "kernels": 2, "models": 3, "serve": 4, "engines": 5}
 TOP = {"plugins", "tools", "cli", "demo", "__init__"}
 CORE_NEVER = ("vllm", "sglang", "triton", "flydsl")
-
-#: The kernel backends' imports of the model family, until they move into it.
-MOVING = {
-    ("kernels.flydsl.backend", "models.qwen3_next.dims"),
-    ("kernels.flydsl.backend", "models.qwen3_next.launches"),
-    ("kernels.flydsl.backend", "models.qwen3_next.shapes"),
-    ("kernels.flydsl.k1", "reference.attention"),
-    ("kernels.flydsl.k2", "models.qwen3_next.shapes"),
-    ("kernels.triton.backend", "models.qwen3_next.dims"),
-    ("kernels.triton.backend", "models.qwen3_next.launches"),
-    ("kernels.triton.backend", "models.qwen3_next.shapes"),
-    ("kernels.triton.k1", "reference.attention"),
-    ("kernels.triton.k2", "models.qwen3_next.shapes"),
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -155,8 +136,7 @@ def test_imports_go_down_the_layers():
             b = _layer(dep)
             if b in TOP or RANK[b] > RANK[a]:
                 upward.add((name, dep))
-    assert upward - MOVING == set(), "imports that go up the layers"
-    assert MOVING - upward == set(), "gone: take them off MOVING"
+    assert upward == set(), "imports that go up the layers"
 
 
 def test_core_imports_no_engine_kernel_language_or_torch_at_import():

@@ -1,6 +1,6 @@
 """The Triton backend's served widths come from committed results, and say so.
 
-``kernels/triton/measured.py`` lists, per engine and device, the widths served by default; here
+``models/qwen3_next/triton/measured.py`` lists, per engine and device, the widths served by default; here
 each entry is recomputed from the result file it names: a width is served exactly when the
 run measured it and its TPOT with mono_ext was below stock's at every layer count.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from mono_ext.core.backends import served_widths
-from mono_ext.kernels.triton.backend import TritonBuilder
-from mono_ext.kernels.triton.measured import FASTER, measured_faster
+from mono_ext.models.qwen3_next.triton.backend import TritonBuilder
+from mono_ext.models.qwen3_next.triton.measured import FASTER, measured_faster
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = tuple(range(1, 17))

@@ -14,9 +14,13 @@ from mono_ext.core import BuildKey, ConfigView, Deployment  # noqa: E402
 from mono_ext.core.views import PlaneView, ScaleView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext  # noqa: E402
+from mono_ext.models.qwen3_next.reference import (  # noqa: E402
+    ModelDims,
+    dequantize,
+    dequantized_weights,
+)
+from mono_ext.models.qwen3_next.reference.backend import build  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
-from mono_ext.reference import ModelDims, dequantize, dequantized_weights  # noqa: E402
-from mono_ext.reference.backend import build  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 TINY_FP8 = get_preset("qwen3-next-tiny-fp8")

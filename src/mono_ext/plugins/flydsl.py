@@ -1,6 +1,6 @@
 """Entry-point plugin (group ``mono_ext``) registering the ``flydsl`` backend (AMD gfx950).
 
-Its target is :data:`mono_ext.kernels.flydsl.backend.build`. The probe says usable only on a
+Its target is :data:`mono_ext.models.qwen3_next.flydsl.backend.build`. The probe says usable only on a
 ROCm device whose architecture is gfx950 (MI350X/MI355X) with flydsl installed, and only once
 every piece a deployment needs is built (``backend.NOT_BUILT`` empty); otherwise it names why.
 Its ``auto_priority`` is above the Triton backend's, so ``auto`` takes FlyDSL on gfx950 (where
@@ -70,7 +70,7 @@ def probe_facts(facts: DeviceFacts, missing: str | None) -> tuple[bool, str]:
 
 
 def _probe() -> tuple[bool, str]:
-    from ..kernels.flydsl.backend import missing_reason
+    from mono_ext.models.qwen3_next.flydsl.backend import missing_reason
 
     return probe_facts(device_facts(), missing_reason())
 
@@ -81,7 +81,7 @@ def mono_ext_kernel_backends():
         KernelBackend(
             name="flydsl",
             description="persistent FlyDSL K1/K2 launches (AMD Instinct MI355X, gfx950)",
-            target="mono_ext.kernels.flydsl.backend:build",
+            target="mono_ext.models.qwen3_next.flydsl.backend:build",
             probe=_probe,
             auto_priority=AUTO_PRIORITY,
         )

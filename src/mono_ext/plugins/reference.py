@@ -23,7 +23,7 @@ def mono_ext_kernel_backends():
         KernelBackend(
             name="reference",
             description="exact fp32 torch semantics of K1/K2; CPU testing only, slow",
-            target="mono_ext.reference.backend:build",
+            target="mono_ext.models.qwen3_next.reference.backend:build",
             probe=_probe,
             auto_priority=0,
             testing_only=True,

@@ -1,6 +1,6 @@
 """Entry-point plugin (group ``mono_ext``) registering the ``triton`` backend (NVIDIA sm_90).
 
-Its target is :data:`mono_ext.kernels.triton.backend.build` (K1/K2 behind the launch interface;
+Its target is :data:`mono_ext.models.qwen3_next.triton.backend.build` (K1/K2 behind the launch interface;
 a whole-model decode step through it is checked on the H200 by
 ``tests/kernels/test_triton_backend.py``). The probe says usable where triton imports and an
 sm_90 device is visible; what a deployment needs beyond that is the builder's ``refusals``.
@@ -33,7 +33,7 @@ def mono_ext_kernel_backends():
         KernelBackend(
             name="triton",
             description="persistent Triton K1/K2 launches (NVIDIA Hopper, sm_90)",
-            target="mono_ext.kernels.triton.backend:build",
+            target="mono_ext.models.qwen3_next.triton.backend:build",
             probe=_probe,
             auto_priority=10,
         )

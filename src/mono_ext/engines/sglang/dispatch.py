@@ -9,7 +9,7 @@ reads host facts only (mode, rows, tokens per row, which optional inputs are giv
 A routed step, in SGLang's own objects (no math here):
 
 1. ``text_model.embed_tokens(input_ids)``;
-2. the engine-neutral driver (``models.qwen3_next.decode``) runs K1 -> attention -> K2 for
+2. the engine-neutral driver (``models.qwen3_next.driver``) runs K1 -> attention -> K2 for
    every layer, the attention being the layer's own ``RadixAttention`` (it writes the KV
    cache), the GDN slots those SGLang's own kernels would read (:func:`.binding.step_slots`);
    then SGLang's own prefix-cache state tracking, where the step asks for it;
@@ -194,7 +194,7 @@ class Router:
         return positions
 
     def run(self, step: Step, input_ids, positions, forward_batch) -> Any:
-        from ...models.qwen3_next.decode import StepInputs
+        from mono_ext.models.qwen3_next.driver import StepInputs
 
         rows = step.width
         driver = self.serving.driver

@@ -525,7 +525,7 @@ def gdn_state_dtypes(hf_config: Any) -> tuple[str, str] | None:
 def build_extra(
     hf_config: Any, server_args: Any, planes: Mapping[int, Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """``BuildContext.extra`` (keys as ``kernels/triton/backend.py`` reads them): the GDN state
+    """``BuildContext.extra`` (keys as ``models/qwen3_next/triton/backend.py`` reads them): the GDN state
     dtypes SGLang allocates, the loaded A_log / dt_bias dtypes, int64 positions, and the
     largest position a request can reach (``--context-length``, else the config's
     ``max_position_embeddings``)."""

@@ -547,7 +547,7 @@ def build_extra(
     vllm_config: Any, model_cls: Any, weights: list[dict[str, torch.Tensor]]
 ) -> dict[str, Any]:
     """``BuildContext.extra``: what a backend builds for that only vLLM knows (keys as
-    ``kernels/triton/backend.py`` reads them).
+    ``models/qwen3_next/triton/backend.py`` reads them).
 
     ``ssm_dtype`` / ``conv_dtype``: the GDN state dtypes vLLM allocates for this deployment
     (the model class's ``get_mamba_state_dtype_from_config``: ``--mamba-cache-dtype``,

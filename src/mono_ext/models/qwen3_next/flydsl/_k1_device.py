@@ -5,7 +5,18 @@ import flydsl.expr as fx
 from flydsl.expr import range_constexpr
 from flydsl.expr.typing import Int32, Int64, Stream, Vector
 
-from ._k2_device import (
+from mono_ext.kernels.flydsl.limits import BLOCK
+from mono_ext.kernels.flydsl.primitives import (
+    gptr,
+    load_word,
+    pack_tagged,
+    seq_tag,
+    step_seq,
+    store_tagged,
+    word_addr,
+)
+from mono_ext.kernels.flydsl.primitives import wait_tagged as _wait_tagged
+from mono_ext.models.qwen3_next.flydsl._k2_device import (
     _NULL_STREAM,
     WAVE,
     WAVES,
@@ -19,9 +30,6 @@ from ._k2_device import (
     _wave_sum,
     _x_words,
 )
-from .limits import BLOCK
-from .primitives import gptr, load_word, pack_tagged, seq_tag, step_seq, store_tagged, word_addr
-from .primitives import wait_tagged as _wait_tagged
 
 __all__ = ["k1_attn_launch"]
 

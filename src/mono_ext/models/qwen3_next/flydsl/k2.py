@@ -3,8 +3,8 @@
 ``out_proj``/``o_proj`` -> TP all-reduce -> residual add + post-attention Gemma RMSNorm ->
 router softmax top-k (renormalised when the model says so) -> shared expert (sigmoid-gated)
 and routed experts (gate_up, SiLU * up, down, weighted) -> MoE TP all-reduce. Semantics:
-:func:`mono_ext.reference.tail.layer_tail`; the tensor contract (inputs, outputs, weight
-planes) is the Triton K2's (``kernels/triton/k2.py``). **Compiled for gfx950 offline only:
+:func:`mono_ext.models.qwen3_next.reference.tail.layer_tail`; the tensor contract (inputs, outputs, weight
+planes) is the Triton K2's (``models/qwen3_next/triton/k2.py``). **Compiled for gfx950 offline only:
 nothing here has run on an MI355X; its numerics are unverified until the Buildkite MI355
 step runs it.**
 
@@ -49,9 +49,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...models.qwen3_next.shapes import TailShape
-from ...runtime.layout import Layout, Program, Region, Stage, plan_layout, push, wait, write
-from .limits import GFX950, MAX_WIDTH, WAVES
+from mono_ext.kernels.flydsl.limits import GFX950, MAX_WIDTH, WAVES
+from mono_ext.models.qwen3_next.shapes import TailShape
+from mono_ext.runtime.layout import Layout, Program, Region, Stage, plan_layout, push, wait, write
 
 __all__ = [
     "K2Build",
@@ -244,7 +244,7 @@ class K2Build:
     def compile(self, load: bool = False):
         """Compile this key for gfx950 (``load``: and load it onto the current device, a
         gfx950 GPU); the :class:`~mono_ext.kernels.flydsl.toolchain.Compiled`, with ``.build``."""
-        from ._k2_device import k2_launch
+        from mono_ext.models.qwen3_next.flydsl._k2_device import k2_launch
 
         return _compile(self, k2_launch(self), N_PTR_ARGS, (0, 1), load)
 
@@ -253,7 +253,7 @@ def _compile(build, launch, n_ptr: int, ints: tuple, load: bool):
     """Compile one K1/K2 build: ``n_ptr`` address placeholders, then ``ints``."""
     import flydsl.expr as fx
 
-    from .toolchain import compile_offline
+    from mono_ext.kernels.flydsl.toolchain import compile_offline
 
     args = tuple(fx.Int64(0) for _ in range(n_ptr)) + ints
     c = compile_offline(launch, args, label=build.label(), grid=build.grid, load=load)

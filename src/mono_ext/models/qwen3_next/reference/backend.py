@@ -20,14 +20,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.spec import BuildKey
-from ..core.views import ConfigView
-from ..models.qwen3_next.launches import DEFAULT_LAYOUTS, LAYOUT_KEYS, BoundLayer, BuildContext
-from .attention import attn_front, attn_out_input
-from .common import ModelDims
-from .convert import dequantized_weights
-from .gdn import gdn_front
-from .tail import layer_tail
+from mono_ext.core.spec import BuildKey
+from mono_ext.core.views import ConfigView
+from mono_ext.models.qwen3_next.launches import (
+    DEFAULT_LAYOUTS,
+    LAYOUT_KEYS,
+    BoundLayer,
+    BuildContext,
+)
+from mono_ext.models.qwen3_next.reference.attention import attn_front, attn_out_input
+from mono_ext.models.qwen3_next.reference.common import ModelDims
+from mono_ext.models.qwen3_next.reference.convert import dequantized_weights
+from mono_ext.models.qwen3_next.reference.gdn import gdn_front
+from mono_ext.models.qwen3_next.reference.tail import layer_tail
 
 __all__ = ["ReferenceLaunches", "ReferenceBuilder", "build"]
 
@@ -167,5 +172,5 @@ class ReferenceBuilder:
         )
 
 
-#: ``KernelBackend.target`` of the ``reference`` backend (``mono_ext.reference.backend:build``).
+#: ``KernelBackend.target`` of the ``reference`` backend (``mono_ext.models.qwen3_next.reference.backend:build``).
 build = ReferenceBuilder()

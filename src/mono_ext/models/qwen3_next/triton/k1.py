@@ -1,10 +1,10 @@
 """K1, the layer front, as one persistent Triton launch per layer per decode step (bf16
 activations; the matrix planes in bf16 or fp8 e4m3fn with fp32 scales, ``formats``).
 
-GDN layers (:func:`mono_ext.reference.gdn.gdn_front` is the fp32 oracle): residual add +
+GDN layers (:func:`mono_ext.models.qwen3_next.reference.gdn.gdn_front` is the fp32 oracle): residual add +
 input Gemma RMSNorm -> ``in_proj_qkvz`` / ``in_proj_ba`` -> causal conv1d update on the
 engine's conv state -> gated delta rule on the engine's recurrent state (in place) -> gated
-RMSNorm with SiLU(z) = out_proj's input. Attention layers (:func:`mono_ext.reference.
+RMSNorm with SiLU(z) = out_proj's input. Attention layers (:func:`mono_ext.models.qwen3_next.reference.
 attention.attn_front`): residual add + norm -> ``qkv_proj`` -> q/k Gemma norms -> partial
 neox RoPE -> q, k, v, gate. Writing k/v into the paged KV cache stays with the engine's
 attention call (its ``reshape_and_cache`` / backend ``forward``), which runs after K1.
@@ -1038,7 +1038,7 @@ def rope_table(shape: K1AttnShape, max_positions: int, device: Any = "cpu") -> A
     """[max_positions, rotary_dim] fp32: cos then sin halves, built like the reference."""
     import torch
 
-    from mono_ext.reference.attention import rope_cos_sin
+    from mono_ext.models.qwen3_next.reference.attention import rope_cos_sin
 
     pos = torch.arange(max_positions, device=device)
     cos, sin = rope_cos_sin(pos, shape.rotary_dim, shape.rope_theta)

@@ -3,7 +3,7 @@
 ``out_proj``/``o_proj`` -> TP all-reduce -> residual add + post-attention Gemma RMSNorm ->
 router GEMV + softmax top-k (renormalised) -> shared expert and the union of picked routed
 experts (gate_up, SiLU * up, down, weighted) -> MoE TP all-reduce. Semantics:
-:func:`mono_ext.reference.tail.layer_tail` (the fp32 oracle). Weights are read in place.
+:func:`mono_ext.models.qwen3_next.reference.tail.layer_tail` (the fp32 oracle). Weights are read in place.
 
 Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live rows,
 ``G`` = grid, ``Um = min(E, Bb * top_k)`` routed slots, ``Pm = Bb * top_k`` routed pairs,

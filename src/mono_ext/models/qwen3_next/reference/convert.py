@@ -39,9 +39,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..core.views import SCALE_SUFFIX, scale_key
-from .common import ModelDims
-from .gdn import pack_ba, pack_qkvz, repack_ba, repack_qkvz
+from mono_ext.core.views import SCALE_SUFFIX, scale_key
+from mono_ext.models.qwen3_next.reference.common import ModelDims
+from mono_ext.models.qwen3_next.reference.gdn import pack_ba, pack_qkvz, repack_ba, repack_qkvz
 
 __all__ = [
     "layer_weights_from_state_dict",

@@ -1,7 +1,7 @@
 """K1, the layer front, in FlyDSL for gfx950 (compile-only: nothing here has run on an MI355X;
 numerics are unverified until the Buildkite MI355 step runs it).
 
-Both fronts exist (the Triton K1's contracts). GDN front (:func:`mono_ext.reference.gdn.
+Both fronts exist (the Triton K1's contracts). GDN front (:func:`mono_ext.models.qwen3_next.reference.gdn.
 gdn_front`), build-time layouts ``packing`` (interleaved / contiguous), ``conv_layout`` (vLLM
 [S, K-1, C] / SGLang [S, C, K-1]), ``ssm_layout`` (vk / kv), ``state_dtype``, ``dt_bias_dtype``;
 tables ``wtab`` (``GDN_WEIGHT_ENTRIES``), ``rtab`` (scratch, xs, -, ctrl, health) and ``stab``
@@ -13,7 +13,7 @@ z, beta, g) -> ``recurrence`` (one (row, value head) per CTA: bounded waits on i
 l2-norm q / k, decay + delta-rule update of the [Dv, Dk] state in place, o = S q, gated
 RMSNorm with SiLU(z) -> o_in).
 
-Attention front (:func:`mono_ext.reference.attention.attn_front`; the Triton K1's tensor
+Attention front (:func:`mono_ext.models.qwen3_next.reference.attention.attn_front`; the Triton K1's tensor
 contract), one build per width ``W`` (a launch takes exactly ``W`` rows):
 
 | name            | shape                  | dtype | layout                                  | writer           |
@@ -46,9 +46,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...runtime.layout import Layout, Program, Region, Stage, plan_layout, wait, write
-from .k2 import _compile, _raise_launch, launch_reasons, runtime_table
-from .limits import GFX950, MAX_WIDTH
+from mono_ext.kernels.flydsl.limits import GFX950, MAX_WIDTH
+from mono_ext.models.qwen3_next.flydsl.k2 import (
+    _compile,
+    _raise_launch,
+    launch_reasons,
+    runtime_table,
+)
+from mono_ext.runtime.layout import Layout, Program, Region, Stage, plan_layout, wait, write
 
 __all__ = [
     "K1AttnBuild",
@@ -151,7 +156,7 @@ class K1AttnBuild:
         """Every reason the tensors do not fit this build (empty: they do)."""
         import torch
 
-        from .k2 import _tensor_reasons
+        from mono_ext.models.qwen3_next.flydsl.k2 import _tensor_reasons
 
         s, w = self.shape, self.width
         want = {
@@ -197,7 +202,7 @@ class K1AttnBuild:
 
     def compile(self, load: bool = False):
         """Compile for gfx950 (``load``: and load onto the current gfx950 device)."""
-        from ._k1_device import k1_attn_launch
+        from mono_ext.models.qwen3_next.flydsl._k1_device import k1_attn_launch
 
         return _compile(self, k1_attn_launch(self), N_PTR_ARGS, (1, 0, 1), load)
 
@@ -214,7 +219,7 @@ def rope_table(rotary_dim: int, theta: float, max_positions: int, device: Any = 
     sin (rd/2) per position, from the reference's frequencies."""
     import torch
 
-    from ...reference.attention import rope_cos_sin
+    from mono_ext.models.qwen3_next.reference.attention import rope_cos_sin
 
     cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), rotary_dim, theta)
     return torch.cat([cos, sin], dim=-1).contiguous()
@@ -259,7 +264,7 @@ class K1GdnShape:
         return self.conv_dim + self.hv * self.dv + 2 * self.hv
 
     def refusals(self) -> list[str]:
-        from .limits import BLOCK
+        from mono_ext.kernels.flydsl.limits import BLOCK
 
         bad = []
         if self.hk < 1 or self.hv % self.hk:
@@ -341,7 +346,7 @@ class K1GdnBuild:
         """Every reason the tensors do not fit this build (empty: they do)."""
         import torch
 
-        from .k2 import _tensor_reasons
+        from mono_ext.models.qwen3_next.flydsl.k2 import _tensor_reasons
 
         s, w = self.shape, self.width
         want = {
@@ -418,7 +423,7 @@ class K1GdnBuild:
 
     def compile(self, load: bool = False):
         """Compile for gfx950 (``load``: and load onto the current gfx950 device)."""
-        from ._k1_device import k1_gdn_launch
+        from mono_ext.models.qwen3_next.flydsl._k1_device import k1_gdn_launch
 
         return _compile(self, k1_gdn_launch(self), GDN_N_PTR_ARGS, (1, 0, 0, 1), load)
 

@@ -41,9 +41,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.spec import BuildKey
-from ...core.views import ConfigView
-from ...models.qwen3_next.launches import (
+from mono_ext.core.spec import BuildKey
+from mono_ext.core.views import ConfigView
+from mono_ext.kernels.triton.limits import BLOCK_B, READ_FORMATS
+from mono_ext.models.qwen3_next.launches import (
     STATE_DTYPES,
     BoundLayer,
     BuildContext,
@@ -51,10 +52,14 @@ from ...models.qwen3_next.launches import (
     resolved_layouts,
     state_dtype,
 )
-from ...models.qwen3_next.shapes import kernel_shape_reasons
-from ...runtime.persistent import PersistentLaunches, PersistentRuntime, runtime_key, wait_namer
-from .limits import BLOCK_B, READ_FORMATS
-from .measured import measured_faster
+from mono_ext.models.qwen3_next.shapes import kernel_shape_reasons
+from mono_ext.models.qwen3_next.triton.measured import measured_faster
+from mono_ext.runtime.persistent import (
+    PersistentLaunches,
+    PersistentRuntime,
+    runtime_key,
+    wait_namer,
+)
 
 __all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build"]
 
@@ -90,13 +95,13 @@ class TritonRuntime(PersistentRuntime):
     def create(cls, key: BuildKey, ctx: BuildContext) -> TritonRuntime:
         import torch
 
-        from ...core.settings import load_settings
-        from ...models.qwen3_next.dims import Dims
-        from ...runtime.build_cache import BuildCache
-        from ...runtime.failstop import CudaHealthSource, FailStop
-        from ...runtime.peers import RankState
-        from . import k1 as k1m
-        from . import k2 as k2m
+        from mono_ext.core.settings import load_settings
+        from mono_ext.models.qwen3_next.dims import Dims
+        from mono_ext.models.qwen3_next.triton import k1 as k1m
+        from mono_ext.models.qwen3_next.triton import k2 as k2m
+        from mono_ext.runtime.build_cache import BuildCache
+        from mono_ext.runtime.failstop import CudaHealthSource, FailStop
+        from mono_ext.runtime.peers import RankState
 
         dev = torch.device(ctx.device)
         if dev.type != "cuda":
@@ -266,8 +271,8 @@ class TritonBuilder:
             import triton  # noqa: F401
         except ImportError:
             return [*reasons, "triton is not installed"]
-        from .k1 import K1AttnShape, K1GdnShape
-        from .k2 import K2Shape
+        from mono_ext.models.qwen3_next.triton.k1 import K1AttnShape, K1GdnShape
+        from mono_ext.models.qwen3_next.triton.k2 import K2Shape
 
         tp = max(1, cfg.tp_size)
         shape = kernel_shape_reasons(text, tp, "Triton", K1GdnShape, K1AttnShape, K2Shape)
@@ -291,5 +296,5 @@ class TritonBuilder:
         return rt.cache.get(key)
 
 
-#: ``KernelBackend.target`` of the ``triton`` backend (``mono_ext.kernels.triton.backend:build``).
+#: ``KernelBackend.target`` of the ``triton`` backend (``mono_ext.models.qwen3_next.triton.backend:build``).
 build = TritonBuilder()

@@ -6,10 +6,18 @@ from flydsl._mlir.dialects import llvm
 from flydsl.expr import range_constexpr, rocdl
 from flydsl.expr.typing import Int32, Int64, Stream, Vector
 
-from ...runtime import health as _h
-from .limits import BLOCK, GFX950, WAVES
-from .primitives import gptr, load_word, pack_tagged, seq_tag, step_seq, store_tagged, word_addr
-from .primitives import wait_tagged as _wait_tagged
+from mono_ext.kernels.flydsl.limits import BLOCK, GFX950, WAVES
+from mono_ext.kernels.flydsl.primitives import (
+    gptr,
+    load_word,
+    pack_tagged,
+    seq_tag,
+    step_seq,
+    store_tagged,
+    word_addr,
+)
+from mono_ext.kernels.flydsl.primitives import wait_tagged as _wait_tagged
+from mono_ext.runtime import health as _h
 
 WAVE = GFX950.wave_size
 _NULL_STREAM = Stream(None)

@@ -50,9 +50,15 @@ Dense-MLP layers (Qwen3-Next ``mlp_only_layers`` / ``decoder_sparse_step``) are 
 by ``layer_tail`` with ``gate_up`` [2I, H] and ``down`` [H, I].
 """
 
-from .attention import AttnFrontOut, apply_neox_rope, attn_front, attn_out_input, decode_attention
-from .common import ModelDims, bf16_ulp, gemma_rms_norm, rel_l2
-from .convert import (
+from mono_ext.models.qwen3_next.reference.attention import (
+    AttnFrontOut,
+    apply_neox_rope,
+    attn_front,
+    attn_out_input,
+    decode_attention,
+)
+from mono_ext.models.qwen3_next.reference.common import ModelDims, bf16_ulp, gemma_rms_norm, rel_l2
+from mono_ext.models.qwen3_next.reference.convert import (
     conv_state_to_layout,
     dequantize,
     dequantized_weights,
@@ -60,9 +66,17 @@ from .convert import (
     layer_weights_from_hf,
     layer_weights_from_state_dict,
 )
-from .gdn import FrontOut, gdn_front, pack_ba, pack_qkvz, repack_ba, repack_qkvz, valid_rows
-from .layer import decoder_layer_step
-from .tail import TailOut, layer_tail, route
+from mono_ext.models.qwen3_next.reference.gdn import (
+    FrontOut,
+    gdn_front,
+    pack_ba,
+    pack_qkvz,
+    repack_ba,
+    repack_qkvz,
+    valid_rows,
+)
+from mono_ext.models.qwen3_next.reference.layer import decoder_layer_step
+from mono_ext.models.qwen3_next.reference.tail import TailOut, layer_tail, route
 
 __all__ = [
     "AttnFrontOut",

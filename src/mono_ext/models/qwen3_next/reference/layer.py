@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attn_front, attn_out_input, decode_attention
-from .common import ModelDims
-from .gdn import gdn_front, valid_rows
-from .tail import TailOut, layer_tail
+from mono_ext.models.qwen3_next.reference.attention import (
+    attn_front,
+    attn_out_input,
+    decode_attention,
+)
+from mono_ext.models.qwen3_next.reference.common import ModelDims
+from mono_ext.models.qwen3_next.reference.gdn import gdn_front, valid_rows
+from mono_ext.models.qwen3_next.reference.tail import TailOut, layer_tail
 
 __all__ = ["decoder_layer_step"]
 

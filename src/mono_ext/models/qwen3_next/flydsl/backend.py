@@ -1,6 +1,6 @@
 """The ``flydsl`` backend's :class:`~mono_ext.models.qwen3_next.launches.LaunchBuilder`: the
 FlyDSL K1 (``k1.py``) and K2 (``k2.py``) behind the launch interface, with the runtime state
-they share. Its structure is the Triton backend's (``kernels/triton/backend.py``).
+they share. Its structure is the Triton backend's (``models/qwen3_next/triton/backend.py``).
 
 **Nothing here has run on an MI355X** (none where it was written): what is compiled, what is
 written and exercised on a CPU only, and what is missing are :data:`BUILT`, :data:`WRITTEN`
@@ -57,9 +57,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.spec import BuildKey
-from ...core.views import ConfigView
-from ...models.qwen3_next.launches import (
+from mono_ext.core.spec import BuildKey
+from mono_ext.core.views import ConfigView
+from mono_ext.kernels.flydsl.limits import MAX_WIDTH
+from mono_ext.models.qwen3_next.launches import (
     STATE_DTYPES,
     BoundLayer,
     BuildContext,
@@ -67,9 +68,13 @@ from ...models.qwen3_next.launches import (
     resolved_layouts,
     state_dtype,
 )
-from ...models.qwen3_next.shapes import kernel_shape_reasons
-from ...runtime.persistent import PersistentLaunches, PersistentRuntime, runtime_key, wait_namer
-from .limits import MAX_WIDTH
+from mono_ext.models.qwen3_next.shapes import kernel_shape_reasons
+from mono_ext.runtime.persistent import (
+    PersistentLaunches,
+    PersistentRuntime,
+    runtime_key,
+    wait_namer,
+)
 
 __all__ = [
     "BUILT",
@@ -82,14 +87,14 @@ __all__ = [
     "missing_reason",
 ]
 
-#: Pieces compiled for gfx950 in CI (``mono_ext.kernels.flydsl.sweep``), never run.
+#: Pieces compiled for gfx950 in CI (``mono_ext.models.qwen3_next.flydsl.sweep``), never run.
 BUILT: tuple[str, ...] = (
     "runtime primitives: tagged mailbox store and bounded wait (s_memrealtime deadline, health "
     "record, sticky failed word)",
     "one-shot peer-buffer all-reduce through a device table of peer addresses",
-    "K1 (layer fronts), kernels/flydsl/k1.py: GDN (every engine layout) and attention "
+    "K1 (layer fronts), models/qwen3_next/flydsl/k1.py: GDN (every engine layout) and attention "
     "fronts, widths 1..16, compiled and checked for gfx950; host-side tensor checks",
-    "K2 (layer tail), kernels/flydsl/k2.py: GDN and attention (gated) layers, widths 1..16, "
+    "K2 (layer tail), models/qwen3_next/flydsl/k2.py: GDN and attention (gated) layers, widths 1..16, "
     "compiled and checked for gfx950; host-side tensor checks and launch arguments",
 )
 
@@ -150,12 +155,13 @@ class FlyDSLRuntime(PersistentRuntime):
     def create(cls, key: BuildKey, ctx: BuildContext) -> FlyDSLRuntime:
         import torch
 
-        from ...core.settings import load_settings
-        from ...models.qwen3_next.dims import Dims
-        from ...runtime.build_cache import BuildCache
-        from ...runtime.failstop import CudaHealthSource, FailStop, ScriptedHealthSource
-        from ...runtime.peers import RankState
-        from . import _k1_device, _k2_device, k1, k2, primitives
+        from mono_ext.core.settings import load_settings
+        from mono_ext.kernels.flydsl import primitives
+        from mono_ext.models.qwen3_next.dims import Dims
+        from mono_ext.models.qwen3_next.flydsl import _k1_device, _k2_device, k1, k2
+        from mono_ext.runtime.build_cache import BuildCache
+        from mono_ext.runtime.failstop import CudaHealthSource, FailStop, ScriptedHealthSource
+        from mono_ext.runtime.peers import RankState
 
         extra = dict(ctx.extra)
         dry = bool(extra.get("dry_run", False))
@@ -230,7 +236,7 @@ class FlyDSLRuntime(PersistentRuntime):
 
         import torch
 
-        from ...runtime.build_cache import ResidencyError
+        from mono_ext.runtime.build_cache import ResidencyError
 
         out = {}
         # FlyDSL loads onto the current device
@@ -268,7 +274,7 @@ class FlyDSLRuntime(PersistentRuntime):
 
     def launch(self, c: Any, args: tuple) -> None:
         if self.dry_run:
-            from .toolchain import dry_launch
+            from mono_ext.kernels.flydsl.toolchain import dry_launch
 
             self.launched.append((c.label, args, dry_launch(c, (*args, None))))
             return
@@ -281,7 +287,7 @@ def _device(key: BuildKey, device: Any, dry: bool) -> tuple[Any, int]:
     """(torch device, grid): a ROCm gfx950 GPU and its CU count, or the CPU of a dry run."""
     import torch
 
-    from .limits import GFX950
+    from mono_ext.kernels.flydsl.limits import GFX950
 
     dev = torch.device(device)
     if dry:
@@ -383,7 +389,7 @@ class FlyDSLBuilder:
         self.runtimes: dict[tuple, FlyDSLRuntime] = {}
 
     def refusals(self, cfg: ConfigView, layouts: Mapping[str, str]) -> list[str]:
-        from .toolchain import flydsl_available
+        from mono_ext.kernels.flydsl.toolchain import flydsl_available
 
         reasons = list(NOT_BUILT)
         if cfg.tp_size != 1:
@@ -404,8 +410,8 @@ class FlyDSLBuilder:
         ok, why = flydsl_available()
         if not ok:
             reasons.append(why)
-        from .k1 import K1AttnShape, K1GdnShape
-        from .k2 import K2Shape
+        from mono_ext.models.qwen3_next.flydsl.k1 import K1AttnShape, K1GdnShape
+        from mono_ext.models.qwen3_next.flydsl.k2 import K2Shape
 
         tp = max(1, cfg.tp_size)
         shape = kernel_shape_reasons(text, tp, "FlyDSL", K1GdnShape, K1AttnShape, K2Shape)
@@ -429,5 +435,5 @@ class FlyDSLBuilder:
         return rt.cache.get(key)
 
 
-#: ``KernelBackend.target`` of the ``flydsl`` backend (``mono_ext.kernels.flydsl.backend:build``).
+#: ``KernelBackend.target`` of the ``flydsl`` backend (``mono_ext.models.qwen3_next.flydsl.backend:build``).
 build = FlyDSLBuilder()

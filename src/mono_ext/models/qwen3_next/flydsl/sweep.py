@@ -1,7 +1,7 @@
 """Compile every gfx950 launch of the flydsl backend offline, check each, and print the table
 of docs/perf.md's "FlyDSL gfx950 (compile-only)" section.
 
-    python -m mono_ext.kernels.flydsl.sweep [--jobs N] [--all]
+    python -m mono_ext.models.qwen3_next.flydsl.sweep [--jobs N] [--all]
 
 What is swept: the runtime launches (mailbox hand-off, one-shot all-reduce at TP 1/2/4/8) and
 K2 (GDN and attention layers) and K1 (attention front; GDN front with vLLM's layouts:
@@ -41,7 +41,8 @@ def targets(all_widths: bool = False) -> list[tuple[str, dict]]:
 
 def compile_target(target: tuple[str, dict]) -> tuple[str, list[dict], list[str], str]:
     """(label, kernel metadata rows, check reasons, error) for one target; never raises."""
-    from . import k1, k2, runtime
+    from mono_ext.kernels.flydsl import runtime
+    from mono_ext.models.qwen3_next.flydsl import k1, k2
 
     name, kwargs = target
     label = f"{name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
@@ -63,7 +64,7 @@ def table(results) -> str:
             lines.append(f"| {label} | - | - | - | - | - | - | - | does not compile: {error} |")
             continue
         for r in rows:
-            from .toolchain import KernelMeta
+            from mono_ext.kernels.flydsl.toolchain import KernelMeta
 
             meta = KernelMeta(**{k: v for k, v in r.items() if k != "unified_vgprs"})
             verdict = "ok" if not reasons else "; ".join(reasons)

@@ -25,7 +25,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .common import ModelDims, add_gemma_rms_norm, f32, gated_rms_norm, l2_normalize
+from mono_ext.models.qwen3_next.reference.common import (
+    ModelDims,
+    add_gemma_rms_norm,
+    f32,
+    gated_rms_norm,
+    l2_normalize,
+)
 
 __all__ = [
     "FrontOut",

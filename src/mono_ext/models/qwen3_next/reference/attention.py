@@ -16,7 +16,12 @@ from typing import NamedTuple
 
 import torch
 
-from .common import ModelDims, add_gemma_rms_norm, f32, gemma_rms_norm
+from mono_ext.models.qwen3_next.reference.common import (
+    ModelDims,
+    add_gemma_rms_norm,
+    f32,
+    gemma_rms_norm,
+)
 
 __all__ = [
     "AttnFrontOut",

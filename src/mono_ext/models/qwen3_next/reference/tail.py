@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .common import ModelDims, bf16_ulp, f32, gemma_rms_norm
+from mono_ext.models.qwen3_next.reference.common import ModelDims, bf16_ulp, f32, gemma_rms_norm
 
 __all__ = ["TailOut", "route", "moe_forward", "dense_mlp", "layer_tail"]
 

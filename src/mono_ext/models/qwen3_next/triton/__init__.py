@@ -1,0 +1,10 @@
+"""The ``triton`` kernel backend of the Qwen3-Next family: persistent K1/K2 launches for NVIDIA
+Hopper (sm_90), on the generic device code of ``kernels/triton``.
+
+| module     | what                                                                        |
+|------------|-----------------------------------------------------------------------------|
+| ``k1``     | K1, the layer front (GDN and attention): kernels, shapes, configs, launches |
+| ``k2``     | K2, the layer tail: kernel, hand-off program, shapes, configs, launches     |
+| ``backend``| the backend's ``target``: builds per width over one runtime, refusals       |
+| ``measured``| the widths measured faster than each engine's own step, per device         |
+"""
