@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from mono_ext.core.backends import served_widths
-from mono_ext.core.spec import BuildKey
+from mono_ext.core.spec import BuildContext, BuildKey
 from mono_ext.core.views import ConfigView
 from mono_ext.kernels.flydsl.toolchain import dry_launch, launch_params
 from mono_ext.models.qwen3_next.configs import get_preset
 from mono_ext.models.qwen3_next.dims import Dims
 from mono_ext.models.qwen3_next.flydsl import backend as fb
 from mono_ext.models.qwen3_next.flydsl import k1, k2
-from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext
+from mono_ext.models.qwen3_next.launches import BoundLayer
 from mono_ext.models.qwen3_next.reference.attention import rope_cos_sin
 from mono_ext.runtime.build_cache import NotBuiltError
 from mono_ext.runtime.failstop import FailStopError

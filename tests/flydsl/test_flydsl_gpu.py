@@ -30,12 +30,12 @@ import torch
 from test_backend_binding import _config
 
 from mono_ext.core.numerics import CheckTracker
-from mono_ext.core.spec import BuildKey, Step
+from mono_ext.core.spec import BuildContext, BuildKey, Step
 from mono_ext.kernels.flydsl.limits import GFX950, MAX_WIDTH
 from mono_ext.models.qwen3_next.dims import Dims
 from mono_ext.models.qwen3_next.driver import DecodeDriver, StepInputs
 from mono_ext.models.qwen3_next.flydsl.backend import FlyDSLBuilder  # imports no flydsl
-from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext
+from mono_ext.models.qwen3_next.launches import BoundLayer
 from mono_ext.models.qwen3_next.reference import (
     ModelDims,
     attn_front,

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mono_ext.core.backends import load_target  # noqa: E402
-from mono_ext.core.spec import Deployment  # noqa: E402
+from mono_ext.core.spec import BuildContext, Deployment  # noqa: E402
 from mono_ext.core.views import ConfigView, StepView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
@@ -25,7 +25,7 @@ from mono_ext.models.qwen3_next.driver import (  # noqa: E402
     StepInputs,
     StepWithheld,
 )
-from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext  # noqa: E402
+from mono_ext.models.qwen3_next.launches import BoundLayer  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
 from mono_ext.runtime.failstop import (  # noqa: E402
     FAILED,

@@ -17,14 +17,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mono_ext.core.backends import load_target  # noqa: E402
-from mono_ext.core.spec import Deployment  # noqa: E402
+from mono_ext.core.spec import BuildContext, Deployment  # noqa: E402
 from mono_ext.core.views import ConfigView, StepView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.driver import DecodeDriver, StepInputs  # noqa: E402
 from mono_ext.models.qwen3_next.launches import (  # noqa: E402
     BoundLayer,
-    BuildContext,
     LaunchBuilder,
     LayerLaunches,
 )

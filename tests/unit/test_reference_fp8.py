@@ -11,9 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mono_ext.core import BuildKey, ConfigView, Deployment  # noqa: E402
+from mono_ext.core.spec import BuildContext  # noqa: E402
 from mono_ext.core.views import PlaneView, ScaleView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.launches import BoundLayer, BuildContext  # noqa: E402
+from mono_ext.models.qwen3_next.launches import BoundLayer  # noqa: E402
 from mono_ext.models.qwen3_next.reference import (  # noqa: E402
     ModelDims,
     dequantize,

@@ -12,12 +12,12 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .refusal import Refusal
 from .views import CacheView, ConfigView, ModelView, StepView
 
-__all__ = ["BuildKey", "Step", "Deployment", "ModelSpec", "DEFAULT_WIDTHS"]
+__all__ = ["BuildContext", "BuildKey", "Step", "Deployment", "ModelSpec", "DEFAULT_WIDTHS"]
 
 DEFAULT_WIDTHS: tuple[int, ...] = tuple(range(1, 17))
 
@@ -57,6 +57,18 @@ class BuildKey:
             + (f"/{lay}" if lay else "")
             + (f"/formats:{fmt}" if fmt else "")
         )
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a backend's builder may know besides the key: the model's text config, the device,
+    the engine's padding convention and rank, and backend-specific extras."""
+
+    text_config: Mapping[str, Any]  # HF-style text config
+    device: str = "cpu"
+    null_slot: int | None = None  # the engine's padding slot (vLLM 0.26: 0), or None
+    tp_rank: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific, e.g. peers
 
 
 @dataclass(frozen=True)

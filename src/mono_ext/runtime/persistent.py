@@ -98,7 +98,7 @@ def wait_namer(layouts: Sequence[Any]):
 
 def runtime_key(key: Any, ctx: Any) -> tuple:
     """What the build keys of one runtime share: everything of the key but its width, and the
-    build context (a ``BuildKey`` and a model family's ``BuildContext``)."""
+    build context (a ``BuildKey`` and a ``BuildContext``)."""
 
     def frozen(m: Mapping[str, Any]) -> str:
         return json.dumps({k: repr(v) for k, v in m.items()}, sort_keys=True)

@@ -237,8 +237,8 @@ class Lifecycle:
         context: Callable[[], Any],
     ) -> Refusal:
         """``bind()`` binds the engine's planes in place: (the model's view, the binding's own
-        reasons), checked against the spec; then ``context()`` (the model family's
-        ``BuildContext``) and every build key is built. Ranks agree on both."""
+        reasons), checked against the spec; then ``context()`` (a
+        ``core.spec.BuildContext``) and every build key is built. Ranks agree on both."""
         if self.off:
             return self.refusal
 

@@ -144,7 +144,7 @@ class Serving(Lifecycle):
         return self.model.text.embed_tokens.weight.device
 
     def _build_context(self) -> Any:
-        from ...models.qwen3_next.launches import BuildContext
+        from ...core.spec import BuildContext
 
         planes = {b.index: b.planes for b in self.model.layers}
         self.build_extra = build_extra(self._hf_config, self._server_args, planes)

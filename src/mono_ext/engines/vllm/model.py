@@ -47,9 +47,8 @@ from mono_ext.models.qwen3_next.driver import DecodeDriver, StepInputs, is_captu
 
 from ...core.refusal import Refusal
 from ...core.settings import load_settings
-from ...core.spec import Step
+from ...core.spec import BuildContext, Step
 from ...core.views import SCALE_SUFFIX
-from ...models.qwen3_next.launches import BuildContext
 from ...runtime.release import Ticket
 from ...serve.lifecycle import Lifecycle, device_name
 from . import flags, release, views

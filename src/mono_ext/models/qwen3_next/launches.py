@@ -69,10 +69,10 @@ backend that cannot do that refuses the deployment through :meth:`LaunchBuilder.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ...core.spec import BuildKey
+from ...core.spec import BuildContext, BuildKey
 from ...core.views import ConfigView
 
 if TYPE_CHECKING:  # torch is not a dependency of this module's importers
@@ -80,7 +80,6 @@ if TYPE_CHECKING:  # torch is not a dependency of this module's importers
 
 __all__ = [
     "BoundLayer",
-    "BuildContext",
     "LayerLaunches",
     "LaunchBuilder",
     "LAYOUT_KEYS",
@@ -142,18 +141,6 @@ class BoundLayer:
     @property
     def is_gdn(self) -> bool:
         return self.kind == "linear_attention"
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """What a builder may know besides the key: the model's text config and the engine's
-    padding convention."""
-
-    text_config: Mapping[str, Any]  # HF-style text config (``dims.text_config``)
-    device: str = "cpu"
-    null_slot: int | None = None  # the engine's padding slot (vLLM 0.26: 0), or None
-    tp_rank: int = 0
-    extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific, e.g. peers
 
 
 @runtime_checkable

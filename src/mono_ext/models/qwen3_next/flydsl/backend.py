@@ -57,13 +57,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mono_ext.core.spec import BuildKey
+from mono_ext.core.spec import BuildContext, BuildKey
 from mono_ext.core.views import ConfigView
 from mono_ext.kernels.flydsl.limits import MAX_WIDTH
 from mono_ext.models.qwen3_next.launches import (
     STATE_DTYPES,
     BoundLayer,
-    BuildContext,
     layout_reasons,
     resolved_layouts,
     state_dtype,

@@ -20,14 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mono_ext.core.spec import BuildKey
+from mono_ext.core.spec import BuildContext, BuildKey
 from mono_ext.core.views import ConfigView
-from mono_ext.models.qwen3_next.launches import (
-    DEFAULT_LAYOUTS,
-    LAYOUT_KEYS,
-    BoundLayer,
-    BuildContext,
-)
+from mono_ext.models.qwen3_next.launches import DEFAULT_LAYOUTS, LAYOUT_KEYS, BoundLayer
 from mono_ext.models.qwen3_next.reference.attention import attn_front, attn_out_input
 from mono_ext.models.qwen3_next.reference.common import ModelDims
 from mono_ext.models.qwen3_next.reference.convert import dequantized_weights

@@ -41,13 +41,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mono_ext.core.spec import BuildKey
+from mono_ext.core.spec import BuildContext, BuildKey
 from mono_ext.core.views import ConfigView
 from mono_ext.kernels.triton.limits import BLOCK_B, READ_FORMATS
 from mono_ext.models.qwen3_next.launches import (
     STATE_DTYPES,
     BoundLayer,
-    BuildContext,
     layout_reasons,
     resolved_layouts,
     state_dtype,
