@@ -1,5 +1,6 @@
-"""Shared by the GPU e2e tests (``test_vllm_gpu.py``, ``test_sglang_gpu.py``): kept engine runs,
-raw results for offline analysis, and the flag-off / flag-on comparison of one batch.
+"""Shared by the GPU e2e tests (``test_vllm_gpu.py``, ``test_vllm_gpu_failstop.py``,
+``test_sglang_gpu.py``): kept engine runs, raw results for offline analysis, the flag-off /
+flag-on comparison of one batch, and the vLLM engine arguments.
 
 Imported as ``_gpu_common`` (pytest puts ``tests/e2e`` on ``sys.path``: no ``__init__.py``).
 Imports neither torch nor an engine, so the test modules can skip before touching either.
@@ -19,6 +20,20 @@ from mono_ext.core.numerics import GreedyAgreement, greedy_agreement, same_conte
 
 #: env var: a directory where finished engine runs are kept and reused (by source digest)
 KEEP_ENV = "MONO_EXT_GPU_RUNS"
+
+#: vLLM engine arguments of the GPU e2e tests: a tiny model, FULL decode graphs without
+#: torch.compile (every decode step of a captured width replays one whole-model graph)
+VLLM_GPU_LLM: dict[str, Any] = dict(
+    skip_tokenizer_init=True,
+    dtype="bfloat16",
+    max_model_len=512,
+    max_num_seqs=16,
+    seed=0,
+    gpu_memory_utilization=0.3,
+    gdn_prefill_backend="triton",  # FlashInfer is not in the device bundle
+    enforce_eager=False,
+    compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+)
 
 
 def source_digest(*files: Path) -> str:

@@ -58,7 +58,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import _vllm_runs  # noqa: E402
-from _gpu_common import compare_batch, export_result, kept_runs_dir  # noqa: E402
+from _gpu_common import VLLM_GPU_LLM, compare_batch, export_result, kept_runs_dir  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -71,19 +71,9 @@ KL_LIMIT = 0.02
 TIE_NATS = 0.02
 WIDTHS = (1, 3, 8)
 
-LLM_GPU = dict(
-    skip_tokenizer_init=True,
-    dtype="bfloat16",
-    max_model_len=512,
-    max_num_seqs=16,
-    seed=0,
-    gpu_memory_utilization=0.3,
-    gdn_prefill_backend="triton",  # FlashInfer is not in the device bundle
-    enforce_eager=False,
-    compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
-)
-# the triton backend serves no width by default until it is measured faster than stock
-# (core.backends.served_widths); this test is about routing and tokens, so it opts in
+# the triton backend serves by default only the widths measured faster than stock
+# (models/qwen3_next/triton/measured.py); this test is about routing and tokens at every
+# width, so it opts in
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "MONO_EXT_CHECK": "0", "MONO_EXT_SERVE_UNMEASURED": "1"}
 
 
@@ -144,8 +134,10 @@ def gpu_engines(engines, monkeypatch_module):
     # prefill kernel (fla fused_post_conv_prep) fails to compile when they differ (qwen3.5-moe-
     # tiny: 32 vs 64) in the flag-off run already; the real checkpoints have them equal (128)
     for tag, preset in (("next", "qwen3-next-tiny"), ("q35", "qwen3.5-moe-tiny-b")):
-        on = dict(LLM_GPU, additional_config={"monokernel_backend": "triton"})
-        monkeypatch_module.setitem(runs.RUNS, f"gpu_{tag}_off", (preset, dict(LLM_GPU), ENV, None))
+        on = dict(VLLM_GPU_LLM, additional_config={"monokernel_backend": "triton"})
+        monkeypatch_module.setitem(
+            runs.RUNS, f"gpu_{tag}_off", (preset, dict(VLLM_GPU_LLM), ENV, None)
+        )
         monkeypatch_module.setitem(runs.RUNS, f"gpu_{tag}_on", (preset, on, ENV, None))
     return KeptEngines(engines, runs)
 

@@ -34,7 +34,7 @@ if not current_platform.is_cuda():
 
 from pathlib import Path  # noqa: E402
 
-from _gpu_common import export_result  # noqa: E402
+from _gpu_common import VLLM_GPU_LLM, export_result  # noqa: E402
 from _vllm_runs import run_engine  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -45,18 +45,7 @@ NEW_TOKENS = 48
 STOP_S = 10.0
 PROMPTS = [[(37 * r + 11 * i + 5) % 500 + 3 for i in range(9 + 4 * r)] for r in range(3)]
 
-LLM_GPU = dict(
-    skip_tokenizer_init=True,
-    dtype="bfloat16",
-    max_model_len=512,
-    max_num_seqs=16,
-    seed=0,
-    gpu_memory_utilization=0.3,
-    gdn_prefill_backend="triton",  # FlashInfer is not in the device bundle
-    enforce_eager=False,
-    compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
-    additional_config={"monokernel_backend": "triton"},
-)
+LLM_GPU = dict(VLLM_GPU_LLM, additional_config={"monokernel_backend": "triton"})
 ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "MONO_EXT_SERVE_UNMEASURED": "1",  # routing is the subject here, not speed
