@@ -27,16 +27,15 @@ def run_demo(preset: str = "qwen3-next-tiny", steps: int = 8, batch: int = 3, se
     import torch
     import transformers
 
-    from mono_ext.models.qwen3_next.reference import (
+    from .core import get_registry
+    from .models.qwen3_next.configs import family, get_preset, layer_types
+    from .models.qwen3_next.reference import (
         ModelDims,
         decoder_layer_step,
         gdn_state_from_hf,
         layer_weights_from_hf,
         rel_l2,
     )
-
-    from .core import get_registry
-    from .models.qwen3_next.configs import family, get_preset, layer_types
     from .tools.checkpoint import make_checkpoint
 
     if not 1 <= batch <= 16:

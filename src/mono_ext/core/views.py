@@ -7,8 +7,8 @@ serves both engines and the CLI (which builds a ConfigView from a config.json).
 Plane and cache names are the engine-neutral names below, not the engines'
 attribute paths; shapes are those *this rank* holds (TP-sharded).
 
-Plane names are the reference's weight keys (mono_ext.models.qwen3_next.reference.convert), so a
-bound layer's tensors and its view share one naming:
+Plane names are the reference's weight keys (mono_ext.models.qwen3_next.reference.convert),
+so a bound layer's tensors and its view share one naming:
 
 GDN layer planes          attention layer planes    MoE planes (every layer)
 -----------------------   -----------------------   -------------------------------

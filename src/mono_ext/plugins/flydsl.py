@@ -70,7 +70,7 @@ def probe_facts(facts: DeviceFacts, missing: str | None) -> tuple[bool, str]:
 
 
 def _probe() -> tuple[bool, str]:
-    from mono_ext.models.qwen3_next.flydsl.backend import missing_reason
+    from ..models.qwen3_next.flydsl.backend import missing_reason
 
     return probe_facts(device_facts(), missing_reason())
 

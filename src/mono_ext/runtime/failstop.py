@@ -39,7 +39,6 @@ __all__ = [
     "CudaHealthSource",
     "FailStop",
     "FailStopError",
-    "HEALTHY",
     "HealthSource",
     "ScriptedHealthSource",
     "VirtualFailStop",
@@ -47,9 +46,7 @@ __all__ = [
 ]
 
 OK, SUSPECT, FAILED = "ok", "suspect", "failed"
-#: A health block no wait has written to (what a healthy step's copy holds).
-HEALTHY: tuple[int, ...] = tuple(_health.health_init_words())
-_MAGIC = HEALTHY[_health.H_MAGIC]
+_MAGIC = _health.health_init_words()[_health.H_MAGIC]  # as the words of a copy hold it
 NameOf = Callable[[int, int], str]
 
 
@@ -123,9 +120,8 @@ class ScriptedHealthSource:
 class CudaHealthSource:
     """Pinned ring of health-block copies, each slot with its own event; polling never blocks.
 
-    The slots and events are made once (a step's host cost is one copy, one event record and
-    the polls); a copy whose failed word is 0 is reported as :data:`HEALTHY` without reading
-    the rest of it."""
+    The slots and events are made once: a step's host cost is one copy, one event record and
+    the polls."""
 
     def __init__(self, health: Any, depth: int = 8):
         import torch
@@ -136,7 +132,6 @@ class CudaHealthSource:
         self._slots = [
             torch.empty(HEALTH_WORDS, dtype=torch.int32, pin_memory=True) for _ in range(depth)
         ]
-        self._views = [slot.numpy() for slot in self._slots]  # host views of pinned memory
         self._events = [torch.cuda.Event() for _ in range(depth)]
         self._free = collections.deque(range(depth))
         self._pending: collections.deque = collections.deque()  # (step, slot)
@@ -166,9 +161,7 @@ class CudaHealthSource:
         out = []
         while self._pending and self._events[self._pending[0][1]].query():
             step, slot = self._pending.popleft()
-            view = self._views[slot]
-            healthy = view[_health.H_FAILED] == 0 and view[_health.H_MAGIC] == _MAGIC
-            out.append((step, HEALTHY if healthy else self._slots[slot].tolist()))
+            out.append((step, self._slots[slot].tolist()))
             self._free.append(slot)
         return out
 
@@ -245,9 +238,7 @@ class FailStop:
     def _poll(self, until_step: int | None) -> str:
         for step, words in self.source.ready(until_step):
             self.last_seen_step = step
-            if words is HEALTHY or (
-                words[_health.H_FAILED] == 0 and words[_health.H_MAGIC] == _MAGIC
-            ):
+            if words[_health.H_FAILED] == 0 and words[_health.H_MAGIC] == _MAGIC:
                 continue  # the common case, without decoding the block
             summary = decode_health(words, self.rank, step)
             if not summary.ok and self.first_failed_step is None:

@@ -94,7 +94,6 @@ class Lifecycle:
         engine: str | None = None,
         device: str | None = None,
     ) -> None:
-        self.requested_backend = backend
         self.engine, self.device = engine, device
         self.requested_name = backend if isinstance(backend, str) else backend.name
         self.group = group

@@ -194,7 +194,7 @@ class Router:
         return positions
 
     def run(self, step: Step, input_ids, positions, forward_batch) -> Any:
-        from mono_ext.models.qwen3_next.driver import StepInputs
+        from ...models.qwen3_next.driver import StepInputs
 
         rows = step.width
         driver = self.serving.driver

@@ -177,8 +177,7 @@ class Serving(Lifecycle):
     def _make_driver(self) -> Any:
         import torch
 
-        from mono_ext.models.qwen3_next.driver import DecodeDriver
-
+        from ...models.qwen3_next.driver import DecodeDriver
         from ...models.qwen3_next.launches import BoundLayer
         from .check import SglangStockLayers
 

@@ -43,12 +43,11 @@ import torch
 from vllm.model_executor.models.qwen3_5 import Qwen3_5MoeForConditionalGeneration
 from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
-from mono_ext.models.qwen3_next.driver import DecodeDriver, StepInputs, is_capturing
-
 from ...core.refusal import Refusal
 from ...core.settings import load_settings
 from ...core.spec import BuildContext, Step
 from ...core.views import SCALE_SUFFIX
+from ...models.qwen3_next.driver import DecodeDriver, StepInputs, is_capturing
 from ...runtime.release import Ticket
 from ...serve.lifecycle import Lifecycle, device_name
 from . import flags, release, views

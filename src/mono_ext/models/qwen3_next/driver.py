@@ -37,12 +37,12 @@ from typing import Protocol
 
 import torch
 
-from mono_ext.core.numerics import CheckTracker
-from mono_ext.core.spec import Step
-from mono_ext.models.qwen3_next.dims import Dims
-from mono_ext.models.qwen3_next.launches import BoundLayer, LayerLaunches
-from mono_ext.runtime.failstop import FailStopError
-from mono_ext.runtime.release import Ticket
+from ...core.numerics import CheckTracker
+from ...core.spec import Step
+from ...runtime.failstop import FailStopError
+from ...runtime.release import Ticket
+from .dims import Dims
+from .launches import BoundLayer, LayerLaunches
 
 __all__ = ["Attend", "StockLayers", "StepInputs", "DecodeDriver", "StepWithheld", "is_capturing"]
 
@@ -308,9 +308,9 @@ class DecodeDriver:
         self._compare("k1", "residual", r1[valid], r_stock[valid], layer.index)
 
     def _check_k2(self, layer, o_in, gate, r1, h2, r2, valid) -> None:
-        from mono_ext.models.qwen3_next.reference.attention import attn_out_input
-        from mono_ext.models.qwen3_next.reference.common import gemma_rms_norm
-        from mono_ext.models.qwen3_next.reference.tail import route
+        from .reference.attention import attn_out_input
+        from .reference.common import gemma_rms_norm
+        from .reference.tail import route
 
         if gate is not None:  # o_proj's input as the engine forms it: attn * sigmoid(gate)
             o_in = attn_out_input(o_in, gate).to(o_in.dtype)

@@ -16,8 +16,8 @@ epoch there), so a captured CUDA graph records it and every replay repeats it.
 FailStop there, which raises :class:`~mono_ext.runtime.failstop.FailStopError` once a wait
 is known to have given up); it does nothing while the stream is being captured, and an engine
 that replays a captured step calls it after each replay. A backend with device waits also has
-``release(number)``, asked where the engine awaits that step's tokens (``runtime.release``). Backends with nothing to do implement
-both as no-ops (the reference backend does).
+``release(number)``, asked where the engine awaits that step's tokens (``runtime.release``).
+Backends with nothing to do implement both as no-ops (the reference backend does).
 
 Launches read the engine's weights and caches in place (a :class:`BoundLayer`), write their
 outputs into caller-owned buffers (allocated once, reused every step, so a captured graph
