@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from mono_ext.models.qwen3_next.configs import get_preset
+    from mono_ext.models.qwen3_next.dims import Dims
     from mono_ext.models.qwen3_next.driver import DecodeDriver
+    from mono_ext.models.qwen3_next.launches import BoundLayer
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -85,9 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         source, work, device = ScriptedHealthSource(), None, "cpu (scripted health source)"
     key = BuildKey(spec="qwen3_next", backend="triton", width=4, dtype="bfloat16", tp_size=1)
     hooks = Hooks(FailStop(source, agree_every=16), key)
-    driver = DecodeDriver.__new__(DecodeDriver)  # only after_step's state: no layers needed
-    driver.launches, driver.replays, driver.capturing = {4: hooks}, 0, lambda: False
-    driver._finished = None
+    # one layer of the tiny preset: after_step touches no layer, only the launches' hooks
+    dims = Dims.from_config(get_preset("qwen3-next-tiny"))
+    layer = BoundLayer(0, "linear_attention", {}, None, None)
+    driver = DecodeDriver(
+        [layer], {4: hooks}, dims, dtype=torch.bfloat16, device="cpu", null_slot=None, numerics={}
+    )
+    driver.capturing = lambda: False  # a replayed step, as on the device outside capture
     queue, step = ReleaseQueue(), Step(4, key)
 
     parts: dict[str, list[float]] = {"after_step": [], "queue": [], "release": [], "total": []}
