@@ -24,13 +24,14 @@ import argparse
 import datetime as dt
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+
+from _provenance import commit  # noqa: E402
 
 from mono_ext.core.spec import BuildKey, Step  # noqa: E402
 from mono_ext.runtime.failstop import FailStop, ScriptedHealthSource  # noqa: E402
@@ -53,13 +54,6 @@ class Hooks:
 
     def release(self, step: int | None) -> bool:
         return self.failstop.release(self.steps if step is None else step)
-
-
-def _commit() -> str:
-    out = subprocess.run(
-        ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True
-    )
-    return out.stdout.strip() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "device": device,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
         "command": " ".join(["python", "benchmarks/bench_host.py", *(argv or sys.argv[1:])]),
         "torch": torch.__version__,
         "steps": a.steps,

