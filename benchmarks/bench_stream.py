@@ -4,7 +4,7 @@
 
 K1's projections and K2's expert planes are GEMVs of a bf16 plane [N, K] (K = 2048, rows
 4 KB apart) against at most 16 activation rows. Both kernels land at 14-20 GB/s per SM
-(docs/perf.md), about half of what the HBM gives. This isolates the stream: the same
+(docs/journal.md), about half of what the HBM gives. This isolates the stream: the same
 product ``y[N, 16] = W[N, K] @ x[16, K]^T`` written several ways, each checked against
 torch, each timed as 8 launches over 8 copies of W (8 x ~52 MB, so the 50 MB L2 holds
 none of them) inside one CUDA graph, median of 20 replays; cuBLAS and a device copy in the

@@ -7,7 +7,7 @@ MI355X (gfx950) in FlyDSL, on the generic device code and toolchain of ``kernels
 |                 | ``_k1_device`` holds the device code                             |              |
 | ``k2``          | K2 (layer tail): build keys, hand-off program, host-side tensor  | to compile   |
 |                 | checks and launch tables; ``_k2_device`` holds its device code   |              |
-| ``sweep``       | every gfx950 build key compiled and checked (CI, docs/perf.md)   | yes          |
+| ``sweep``       | every gfx950 build key compiled and checked (CI, docs/journal.md)| yes          |
 | ``backend``     | the backend's ``target``: the launch binding (a CPU dry run is   | to build     |
 |                 | what ran), refusals, what is built / written / missing           |              |
 

@@ -1,5 +1,5 @@
 """Compile every gfx950 launch of the flydsl backend offline, check each, and print the table
-of docs/perf.md's "FlyDSL gfx950 (compile-only)" section.
+of docs/journal.md's "FlyDSL gfx950 (compile-only)" entry.
 
     python -m mono_ext.models.qwen3_next.flydsl.sweep [--jobs N] [--all]
 

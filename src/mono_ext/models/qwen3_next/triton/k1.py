@@ -973,7 +973,7 @@ class K1Config:
     weight tile is the MMA's M (wgmma, 64 rows per warpgroup of 4 warps; with 8 warps the
     two warpgroups split the batch columns), the batch rows its N. Without it, x is a 16-row
     M operand (mma.sync) that every warp re-reads (the first version; kept for comparison).
-    The defaults are the fastest tested on H200 at the 80B-A3B shapes (docs/perf.md, K1):
+    The defaults are the fastest tested on H200 at the 80B-A3B shapes (docs/journal.md, K1):
     8 warps (4: 1.7x slower, 16: 8-25% slower), 3 stages (2 and 4-5 slower).
     """
 
