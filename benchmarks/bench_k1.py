@@ -13,9 +13,17 @@ copies, median of ``reps`` replays.
 Baseline, same run, same copies, same graph treatment: "torch chain" = the same math as
 stock torch ops (fp32 add + Gemma RMSNorm rounded to bf16, bf16 ``F.linear`` for both
 projections, conv update via index_select / index_copy_, fp32 l2norm / gates / delta rule
-(einsum) / gated norm, states written back with index_copy_). vLLM's own chain (its fused
-RMSNorm, GEMMs, ``causal_conv1d_update``, FLA fused recurrent kernel) is not on the device
-machine; that comparison is still owed.
+(einsum) / gated norm, states written back with index_copy_).
+
+Stock, same run, same copies, same graph treatment (``--stock vllm``, the default where vLLM
+imports): vLLM 0.26's own modules and ops for the same work (benchmarks/_vllm_front.py names
+every file and function): arm ``vllm`` as ``enforce_eager`` dispatches them, arm
+``vllm-compiled`` under vLLM's default compilation (Inductor around the opaque GDN core op).
+Before timing, each vLLM arm's output at every width is checked against K1's on the same
+inputs and states (cosine >= 0.999 of the gated-norm output / q, and of the new recurrent
+state); an arm that fails is reported and not timed. ``--results-csv`` writes one row per
+(kind, width, arm) with ``stock_over_arm`` = the fastest vLLM arm's time over the arm's, the
+stock to beat being vLLM's, never the torch chain.
 
 Bandwidth: bytes a launch must move (weights once, every step row's state read + written,
 conv state read + written, activations) over its time, against a device-to-device copy
@@ -50,6 +58,9 @@ from mono_ext.models.qwen3_next.triton.k1 import (
 )
 from mono_ext.runtime.health import H_FAILED
 from mono_ext.runtime.peers import RankState
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _provenance import provenance  # noqa: E402
 
 DEV = torch.device("cuda")
 PRESET = "qwen3-next-80b-a3b"
@@ -230,7 +241,8 @@ def sweep(widths, copies, reps, cfg, bw_copy, rows_out) -> dict:
     return best[1]
 
 
-def bench_gdn(widths, copies, reps, cfg, stages_variants, bw_copy, rows_out, conf=None):
+def bench_gdn(widths, copies, reps, cfg, stages_variants, bw_copy, rows_out, conf=None,
+              vllm_too=False):  # fmt: skip
     md = ModelDims.from_config(cfg)
     shape = K1GdnShape.from_dims(Dims.from_config(cfg))
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
@@ -246,17 +258,29 @@ def bench_gdn(widths, copies, reps, cfg, stages_variants, bw_copy, rows_out, con
     gen = torch.Generator(device=DEV).manual_seed(0)
     st = RankState.create(0, DEV, float(os.environ.get("MONO_EXT_DEADLINE_S", "2")))
     for width in widths:
-        rows_out.append(_gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, True))
+        rows_out.append(
+            _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, True, vllm_too)
+        )
         print(rows_out[-1], flush=True)
         torch.cuda.empty_cache()
 
 
-def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too) -> dict:
+def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too, vllm_too=False):
     layers, slots, hid, res = make_gdn_layers(md, width, copies, gen)
     o_in = torch.empty(width, md.value_dim, dtype=torch.bfloat16, device=DEV)
     r_out = torch.empty_like(hid)
     nbytes = gdn_bytes(md, width)
     results = {}
+    if vllm_too:  # K1 on a copy of layer 0's states: the output vLLM's arms must reproduce
+        w0, conv0, ssm0 = layers[0]
+        start = (conv0.clone(), ssm0.clone())
+        conv_k, ssm_k = conv0.clone(), ssm0.clone()
+        k1 = launches[STAGES_ALL]
+        st.bump_epoch()
+        k1.launch(hid, res, w0, conv_k, ssm_k, slots, o_in, r_out, ws=k1.workspace(DEV),
+                  ctrl=st.ctrl, health=st.health, null_slot=0, layer=0, layers_per_step=copies)  # fmt: skip
+        torch.cuda.synchronize()
+        k1_ref = (o_in.clone(), ssm_k[slots.long()].clone())
     for stages, k1 in launches.items():
         ws = k1.workspace(DEV)
 
@@ -292,10 +316,14 @@ def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too) -
         row["speedup"] = round(chain_us / k1_us, 2)
     if f"k1_stages{S1}" in results:
         row["k1_s1_only_us"] = round(results[f"k1_stages{S1}"], 2)
+    if vllm_too:
+        layers[0] = (layers[0][0], *start)  # the check starts where K1's reference did
+        row["vllm_rows"] = vllm_gdn_rows(md, width, layers, slots, hid.clone(), res.clone(),
+                                         k1_ref, copies, reps, nbytes, bw_copy)  # fmt: skip
     return row
 
 
-def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None):
+def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too=False):
     md = ModelDims.from_config(cfg)
     shape = K1AttnShape.from_dims(Dims.from_config(cfg))
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
@@ -306,11 +334,11 @@ def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None):
     gen = torch.Generator(device=DEV).manual_seed(1)
     st = RankState.create(0, DEV, float(os.environ.get("MONO_EXT_DEADLINE_S", "2")))
     for width in widths:
-        rows_out.append(_attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy))
+        rows_out.append(_attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too))
         print(rows_out[-1], flush=True)
 
 
-def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy) -> dict:
+def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=False) -> dict:
     h, d = md.hidden, md.head_dim
     rows = (2 * md.num_heads + 2 * md.num_kv_heads) * d
     qd, kvd = md.num_heads * d, md.num_kv_heads * d
@@ -342,7 +370,7 @@ def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy) -> dict:
     us = statistics.median(_events_ms(g.replay, reps)) * 1e3 / copies
     assert int(st.health[H_FAILED].item()) == 0, "a K1 wait gave up during the benchmark"
     nbytes = rows * h * 2 + width * (3 * h * 2 + 2 * (qd + kvd) * 2)
-    return {
+    row = {
         "kind": "attn",
         "width": width,
         "bytes": nbytes,
@@ -350,6 +378,126 @@ def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy) -> dict:
         "k1_GBps": round(nbytes / us / 1e3, 1),
         "pct_copy_bw": round(100 * nbytes / us / 1e3 / bw_copy, 1),
     }
+    if vllm_too:  # layer 0's q from K1 (the graph's inputs are the same): vLLM must match it
+        st.bump_epoch()
+        k1.launch(hid, res, ws_list[0], pos, *outs, r_out, ws=ws, ctrl=st.ctrl, health=st.health,
+                  layer=0, layers_per_step=copies)  # fmt: skip
+        torch.cuda.synchronize()
+        row["vllm_rows"] = vllm_attn_rows(md, width, ws_list, hid.clone(), res.clone(), pos,
+                                          outs[0].clone(), copies, reps, nbytes, bw_copy)  # fmt: skip
+    return row
+
+
+# ------------------------------------------------------------------ vLLM's own front
+
+VLLM_MODES = ("eager", "compiled")
+STOCK_COSINE = 0.999
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+def _vllm_front(gdn_planes, attn_planes, mode):
+    from _vllm_front import ARMS, VllmFront
+
+    return ARMS[mode], VllmFront(gdn_planes, attn_planes, mode=mode, device=DEV)
+
+
+def vllm_gdn_rows(md, width, layers, slots, hid, res, k1_ref, copies, reps, nbytes, bw_copy):
+    """vLLM's GDN front per mode on the same weights and states as K1's rows: checked against
+    ``k1_ref`` = (o_in, new recurrent state of layer 0's first slot), then timed."""
+    out = []
+    planes = [{k: v for k, v in w.items() if k != "conv1d_t"} for w, _, _ in layers]
+    for mode in VLLM_MODES:
+        try:
+            arm, front = _vllm_front(planes, [], mode)
+            if not front.conv_is_time_major():
+                raise RuntimeError("vLLM keeps the conv state channel-major here; K1's rows "
+                                   "use time-major (VLLM_SSM_CONV_STATE_LAYOUT unset)")  # fmt: skip
+            states = [(conv, ssm) for _, conv, ssm in layers]
+            check = [(states[0][0].clone(), states[0][1].clone())] + states[1:]
+            with front.gdn_step(check, slots):
+                o, _ = front.gdn_front(0, hid, res)
+            torch.cuda.synchronize()
+            c_o = cosine(o, k1_ref[0])
+            c_s = cosine(check[0][1][slots.long()], k1_ref[1])
+            print(f"  {arm} w{width} vs k1: output cosine {c_o:.6f}, state cosine {c_s:.6f}",
+                  flush=True)  # fmt: skip
+            if not (c_o >= STOCK_COSINE and c_s >= STOCK_COSINE):
+                print(f"  {arm}: below {STOCK_COSINE} against K1; not timed", flush=True)
+                continue
+
+            def body(front=front, states=states):
+                with front.gdn_step(states, slots):
+                    for i in range(copies):
+                        front.gdn_front(i, hid, res)
+
+            g = _graph(body)
+            us = statistics.median(_events_ms(g.replay, reps)) * 1e3 / copies
+        except Exception as e:  # report and go on: K1's numbers and the other arm still stand
+            print(f"  vllm {mode} w{width}: not timed ({type(e).__name__}: {e})", flush=True)
+            continue
+        out.append({"kind": "gdn", "width": width, "arm": arm, "median_us": round(us, 2),
+                    "bytes": nbytes, "pct_hbm": round(100 * nbytes / us / 1e3 / bw_copy, 1)})  # fmt: skip
+        print(f"  {arm:<14} gdn w{width:<2} {us:8.2f} us", flush=True)
+        del g, front
+        torch.cuda.empty_cache()
+    return out
+
+
+def vllm_attn_rows(md, width, ws_list, hid, res, pos, k1_ref, copies, reps, nbytes, bw_copy):
+    """vLLM's attention front per mode on the same weights as K1's rows: q checked against
+    ``k1_ref`` (K1's q), then timed with K/V written into a FlashAttention cache."""
+    out = []
+    for mode in VLLM_MODES:
+        try:
+            arm, front = _vllm_front([], ws_list, mode)
+            caches = front.attn_cache(width + 1)
+            slot_mapping = torch.arange(width, device=DEV, dtype=torch.int64) * 16 + 16 + 3
+            with front.attn_step():
+                q, _, _ = front.attn_front(0, hid, res, pos, caches[0], slot_mapping)
+            torch.cuda.synchronize()
+            c_q = cosine(q, k1_ref)
+            print(f"  {arm} w{width} vs k1: q cosine {c_q:.6f}", flush=True)
+            if not c_q >= STOCK_COSINE:
+                print(f"  {arm}: below {STOCK_COSINE} against K1; not timed", flush=True)
+                continue
+
+            def body(front=front, caches=caches, slot_mapping=slot_mapping):
+                with front.attn_step():
+                    for i in range(copies):
+                        front.attn_front(i, hid, res, pos, caches[i], slot_mapping)
+
+            g = _graph(body)
+            us = statistics.median(_events_ms(g.replay, reps)) * 1e3 / copies
+        except Exception as e:
+            print(f"  vllm {mode} attn w{width}: not timed ({type(e).__name__}: {e})", flush=True)
+            continue
+        out.append({"kind": "attn", "width": width, "arm": arm, "median_us": round(us, 2),
+                    "bytes": nbytes, "pct_hbm": round(100 * nbytes / us / 1e3 / bw_copy, 1)})  # fmt: skip
+        print(f"  {arm:<14} attn w{width:<2} {us:8.2f} us", flush=True)
+        del g, front
+        torch.cuda.empty_cache()
+    return out
+
+
+def results_rows(rows: list[dict], meta: dict) -> list[dict]:
+    """One row per (kind, width, arm): K1's and the vLLM arms', with the stock (fastest vLLM
+    arm) time over each arm's."""
+    arms = []
+    for r in rows:
+        if r["kind"] in ("gdn", "attn"):
+            arms.append({"kind": r["kind"], "width": r["width"], "arm": "k1",
+                         "median_us": r["k1_us"], "bytes": r["bytes"],
+                         "pct_hbm": r["pct_copy_bw"]})  # fmt: skip
+            arms.extend(r.get("vllm_rows", []))
+    for a in arms:
+        stock = [b["median_us"] for b in arms
+                 if (b["kind"], b["width"]) == (a["kind"], a["width"]) and b["arm"] != "k1"]  # fmt: skip
+        a["stock_over_arm"] = round(min(stock) / a["median_us"], 3) if stock else ""
+        a.update(meta)
+    return arms
 
 
 def ncu_target(cfg) -> int:
@@ -383,6 +531,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="K1Config overrides (JSON) for the table")
     ap.add_argument("--best-json", default=None, help="write the sweep's best overrides here")
     ap.add_argument("--csv", default=None)
+    ap.add_argument(
+        "--stock", choices=("vllm", "torch"), default=None,
+        help="stock arms: vLLM 0.26's own front (and the torch chain), or the torch chain only "
+             "(default: vllm where vLLM imports)",
+    )  # fmt: skip
+    ap.add_argument("--results-csv", default=None,
+                    help="one row per (kind, width, arm), e.g. docs/results/k1_vllm.csv")  # fmt: skip
     ap.add_argument("--ncu", action="store_true", help="3 eager width-1 launches (for ncu), exit")
     args = ap.parse_args(argv)
     if args.ncu:
@@ -406,9 +561,14 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(over, f, sort_keys=True)
     conf = _conf(props.multi_processor_count, over)
     print(f"table config: {conf}", flush=True)
-    bench_gdn(widths, args.copies, args.reps, cfg, variants, bw_copy, rows, conf)
+    if args.stock is None:
+        import importlib.util
+
+        args.stock = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+    vllm_too = args.stock == "vllm"
+    bench_gdn(widths, args.copies, args.reps, cfg, variants, bw_copy, rows, conf, vllm_too)
     if not args.no_attn:
-        bench_attn(widths, args.copies, args.reps, cfg, bw_copy, rows, conf)
+        bench_attn(widths, args.copies, args.reps, cfg, bw_copy, rows, conf, vllm_too)
     sweep_rows = [r for r in rows if r["kind"] == "gdn_sweep"]
     if sweep_rows:
         print("\n| config (K1Config overrides) | width | GDN us | % BW | attn us | attn % BW | regs "
@@ -428,6 +588,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['kind']} | {r['width']} | {r['bytes'] / 1e6:.1f} | {r['k1_us']} | "
               f"{r.get('k1_s1_only_us', '-')} | {r.get('torch_chain_us', '-')} | {sp} | "
               f"{r['k1_GBps']} | {r['pct_copy_bw']} |")  # fmt: skip
+    arms = results_rows(rows, {**provenance(props.name), "copy_GBps": round(bw_copy)})
+    if vllm_too:
+        print("\n| kind | width | arm | us | % copy BW | vLLM / arm |")
+        print("|---|---|---|---|---|---|")
+        for a in arms:
+            print(f"| {a['kind']} | {a['width']} | {a['arm']} | {a['median_us']} | "
+                  f"{a['pct_hbm']} | {a['stock_over_arm']} |")  # fmt: skip
+    if args.results_csv:
+        keys = ["kind", "width", "arm", "median_us", "pct_hbm", "stock_over_arm", "bytes",
+                "copy_GBps", "device", "date", "commit", "command"]  # fmt: skip
+        with open(args.results_csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=keys)
+            wr.writeheader()
+            wr.writerows(arms)
+    for r in rows:
+        r.pop("vllm_rows", None)
     if args.csv:
         keys = sorted({k for r in rows for k in r})
         with open(args.csv, "w", newline="") as f:
