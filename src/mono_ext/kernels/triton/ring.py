@@ -18,7 +18,7 @@ Tensor contract:
 | name | shape | dtype | layout | written by |
 |---|---|---|---|---|
 | ``w`` | [N, K] | bf16 | row-major, N % tile_rows == 0, K % k_chunk == 0 | the engine (weights) |
-| ``xt`` | [K, B] | bf16 | row-major (x transposed), B in {8, 16} | the caller |
+| ``xt`` | [K, 16] | bf16 | row-major (x transposed; rows past the batch are zeros) | the caller |
 | ``y`` | [N, B] | fp32 | row-major | this kernel, every element once |
 
 Bytes in flight per SM are ``stages * tile_rows * k_chunk * 2``. Little's law at ~2 us loaded
@@ -40,10 +40,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["RingConfig", "RingGemv", "ring_gemv_kernel", "SMEM_PER_BLOCK"]
+__all__ = ["COLS", "RingConfig", "RingGemv", "ring_gemv_kernel", "SMEM_PER_BLOCK"]
 
 #: Dynamic shared memory one sm_90 block may use.
 SMEM_PER_BLOCK = 227 * 1024
+#: Columns of x^T: the wgmma N of every chunk. Narrower x^T tiles (8 columns, a 16-byte TMA
+#: box) fault on the H200 with this layout, so a batch is padded to 16 rows.
+COLS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +182,15 @@ class RingGemv:
         n, k = w.shape
         cols = xt.shape[1]
         c = config
-        if n % c.tile_rows or k % c.k_chunk or xt.shape[0] != k or tuple(y.shape) != (n, cols):
+        if (
+            n % c.tile_rows
+            or k % c.k_chunk
+            or tuple(xt.shape) != (k, COLS)
+            or tuple(y.shape) != (n, COLS)
+        ):
             raise ValueError(
-                f"ring GEMV needs N % {c.tile_rows} == 0, K % {c.k_chunk} == 0, xt [K, B], "
-                f"y [N, B]; got w {tuple(w.shape)}, xt {tuple(xt.shape)}, y {tuple(y.shape)}"
+                f"ring GEMV needs N % {c.tile_rows} == 0, K % {c.k_chunk} == 0, xt [K, {COLS}], "
+                f"y [N, {COLS}]; got w {tuple(w.shape)}, xt {tuple(xt.shape)}, y {tuple(y.shape)}"
             )
         if c.smem_bytes(k, cols) > SMEM_PER_BLOCK:
             raise ValueError(f"ring needs {c.smem_bytes(k, cols)} B of SMEM, over {SMEM_PER_BLOCK}")
