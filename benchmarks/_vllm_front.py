@@ -29,8 +29,11 @@ Qwen3-Next and called as its decoder layer calls them (paths under vllm/, 0.26.0
 
 Modes as in benchmarks/_vllm_chain.py: ``eager`` (arm ``vllm``, custom ops on) and
 ``compiled`` (arm ``vllm-compiled``): vLLM compiles everything around its splitting custom
-ops with Inductor, so the front's norm, projections and gated norm go through
-``torch.compile`` with the GDN core op left opaque, as in vLLM's piecewise graphs.
+ops with Inductor, in pieces split at those ops. The GDN front is then two compiled pieces
+(input norm, projections, q/k/v ordering; the gated norm) around the eager core op, the
+pieces holding forward_cuda's own statements (a single graph through the op would let
+Inductor hand the op differently strided inputs than vLLM's piecewise graphs do); the
+attention front, which has no splitting op before the K/V write, is one compiled function.
 """
 
 from __future__ import annotations
@@ -60,6 +63,44 @@ class _OutProjOff(torch.nn.Module):
 def _gdn_front(norm, gdn, hidden: torch.Tensor, residual: torch.Tensor):
     h, res = norm(hidden, residual)
     return gdn.forward_cuda(h), res
+
+
+def _gdn_project(norm, gdn, hidden: torch.Tensor, residual: torch.Tensor):
+    """forward_cuda's part 1 with the layer's input norm: the piece vLLM compiles before the
+    GDN core op (its interleaved branch; ``rearrange "l p d -> l (p d)"`` is this reshape)."""
+    h, res = norm(hidden, residual)
+    mixed_qkvz, _ = gdn.in_proj_qkvz(h)
+    ba, _ = gdn.in_proj_ba(h)
+    q, k, v, z, b, a = gdn.fix_query_key_value_ordering(mixed_qkvz, ba)
+    q, k, v = (t.reshape(t.shape[0], -1) for t in (q, k, v))
+    return torch.cat((q, k, v), dim=-1), z, b, a, res
+
+
+def _gdn_gated_norm(gdn, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """_output_projection up to out_proj: the piece vLLM compiles after the core op."""
+    out = gdn.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
+    return out.reshape(z.shape).flatten(-2)
+
+
+def _gdn_pieces(project, gated_norm):
+    """The compiled arm's GDN front as vLLM's piecewise graphs run it: the two compiled pieces
+    around the opaque core op, called eagerly between them (Inductor keeps a piece's output
+    strides, which the op's kernels rely on)."""
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    def front(norm, gdn, hidden, residual):
+        mixed_qkv, z, b, a, res = project(norm, gdn, hidden, residual)
+        core = torch.zeros(
+            (hidden.shape[0], gdn.num_v_heads // gdn.tp_size, gdn.head_v_dim),
+            dtype=hidden.dtype,
+            device=hidden.device,
+        )
+        torch.ops.vllm.qwen_gdn_attention_core(
+            mixed_qkv, b, a, core, layer_name=_encode_layer_name(gdn.prefix)
+        )
+        return gated_norm(gdn, core, z), res
+
+    return front
 
 
 def _attn_front(norm, attn, hidden, residual, positions):
@@ -165,7 +206,10 @@ class VllmFront:
                 m.to(self.device)
         self._gdn_fn, self._attn_fn = _gdn_front, _attn_front
         if mode == "compiled":
-            self._gdn_fn = torch.compile(_gdn_front, backend="inductor", dynamic=False)
+            self._gdn_fn = _gdn_pieces(
+                torch.compile(_gdn_project, backend="inductor", dynamic=False),
+                torch.compile(_gdn_gated_norm, backend="inductor", dynamic=False),
+            )
             self._attn_fn = torch.compile(_attn_front, backend="inductor", dynamic=False)
             dc = torch._dynamo.config
             n = len(gdn_planes) + len(attn_planes)

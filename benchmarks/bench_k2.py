@@ -83,6 +83,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _vllm_chain as vc  # noqa: E402  (imports vLLM only when its arms run)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _provenance import provenance  # noqa: E402
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
@@ -594,8 +595,10 @@ def main(argv: list[str] | None = None) -> int:
             wr = csv.writer(f)
             wr.writerow(["device", "date", "width", "arm", "median_us", "best_us", "mbytes",
                          "tb_per_s", "pct_hbm", "stock_over_arm", "copy_tb_per_s",
-                         "stock_arm"] + (["formats"] if fmt_col else []))  # fmt: skip
-            wr.writerows(row + fmt_col for row in out)
+                         "stock_arm"] + (["formats"] if fmt_col else [])
+                        + ["commit", "command"])  # fmt: skip
+            prov = provenance(name)
+            wr.writerows(row + fmt_col + [prov["commit"], prov["command"]] for row in out)
     if args.plot:
         import matplotlib
 
