@@ -2,13 +2,14 @@
 
 What an engine adapter runs on the host for a step that replays a captured graph (vLLM's FULL
 decode graphs, SGLang's decode graphs): ``DecodeDriver.after_step(replayed=True)`` (the launches'
-``end_step``: FailStop enqueues the step's health copy and polls the landed ones), the ticket
+``end_step``: FailStop records the step's event and polls the landed ones), the ticket
 queued, taken by the engine's output object and released at the engine's token await
-(``FailStop.release`` of that step). The launches here are a persistent backend's per-step
-hooks over a real :class:`~mono_ext.runtime.failstop.FailStop`: on CUDA over
-:class:`~mono_ext.runtime.failstop.CudaHealthSource` (pinned copies, events) with a device
-health block, elsewhere over the scripted source (the Python part only). Each step also
-enqueues a small device op, as the replay would, so copies land as they do behind real work.
+(``FailStop.release`` of that step). The launches here are the hooks every persistent backend
+shares (``runtime.persistent``) over a real :class:`~mono_ext.runtime.failstop.FailStop`: on
+CUDA over :class:`~mono_ext.runtime.failstop.CudaHealthSource` with a device health block,
+each step a replay of a captured graph holding a small device op and the health copy (as a
+decode graph holds the step's launches and the copy), elsewhere over the scripted source (the
+Python part only).
 
     python benchmarks/bench_host.py [--steps N] [--json PATH]
 
@@ -35,25 +36,15 @@ from _provenance import commit  # noqa: E402
 
 from mono_ext.core.spec import BuildKey, Step  # noqa: E402
 from mono_ext.runtime.failstop import FailStop, ScriptedHealthSource  # noqa: E402
+from mono_ext.runtime.persistent import PersistentLaunches, PersistentRuntime  # noqa: E402
 from mono_ext.runtime.release import ReleaseQueue  # noqa: E402
 
 
-class Hooks:
-    """A persistent backend's step hooks (as the Triton runtime's) over ``failstop``."""
+class Runtime(PersistentRuntime):
+    """The runtime hooks every persistent backend shares, over ``failstop`` (no kernels)."""
 
-    def __init__(self, failstop: FailStop, key: BuildKey) -> None:
-        self.failstop, self.key, self.steps = failstop, key, 0
-
-    def begin_step(self) -> None:
-        pass
-
-    def end_step(self) -> int:
-        self.steps += 1
-        self.failstop.after_launch(self.steps)
-        return self.steps
-
-    def release(self, step: int | None) -> bool:
-        return self.failstop.release(self.steps if step is None else step)
+    def __init__(self, failstop: FailStop) -> None:
+        self.failstop, self.steps = failstop, 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         source, work, device = ScriptedHealthSource(), None, "cpu (scripted health source)"
     key = BuildKey(spec="qwen3_next", backend="triton", width=4, dtype="bfloat16", tp_size=1)
-    hooks = Hooks(FailStop(source, agree_every=16), key)
+    hooks = PersistentLaunches()
+    hooks.key, hooks.runtime = key, Runtime(FailStop(source, agree_every=16))
+    replay = None
+    if work is not None:  # the step's graph: its device work, then the health copy, as captured
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            work.add_(1.0)
+            hooks.health_copy()
+        replay = graph.replay
     # one layer of the tiny preset: after_step touches no layer, only the launches' hooks
     dims = Dims.from_config(get_preset("qwen3-next-tiny"))
     layer = BoundLayer(0, "linear_attention", {}, None, None)
@@ -94,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parts: dict[str, list[float]] = {"after_step": [], "queue": [], "release": [], "total": []}
     pending = None
     for _ in range(a.steps):
-        if work is not None:
-            work.add_(1.0)  # the step's device work, behind which its health copy lands
+        if replay is not None:
+            replay()  # the step's device work, behind which its health copy lands
         t0 = time.perf_counter_ns()
         ticket = driver.after_step(step, replayed=True)
         t1 = time.perf_counter_ns()

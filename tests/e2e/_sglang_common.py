@@ -184,7 +184,7 @@ class Persistent:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def end_step(self) -> int:
+    def end_step(self, replayed: bool = False) -> int:
         self.shared["steps"] += 1
         self.shared["fs"].after_launch(self.shared["steps"])
         return self.shared["steps"]

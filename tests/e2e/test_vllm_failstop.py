@@ -45,7 +45,7 @@ class Persistent:
     def begin_step(self) -> None:
         self.shared["begins"] += 1
 
-    def end_step(self) -> int:
+    def end_step(self, replayed: bool = False) -> int:
         self.shared["steps"] += 1
         self.shared["fs"].after_launch(self.shared["steps"])
         return self.shared["steps"]

@@ -182,8 +182,8 @@ class Recorder:
     def begin_step(self):
         self.inner.begin_step()
 
-    def end_step(self):
-        self.inner.end_step()
+    def end_step(self, replayed=False):
+        self.inner.end_step(replayed)
 
     @staticmethod
     def _c(t):
@@ -460,7 +460,7 @@ def test_graph_replay_matches_eager(harness, width):
         hg.fill_(float("nan"))
         rg.fill_(float("nan"))
         graph.replay()
-        h.drv.launches[width].end_step()  # what an engine does after each replay
+        h.drv.launches[width].end_step(replayed=True)  # what an engine does after each replay
         torch.cuda.synchronize()
         assert torch.equal(hg, eager[0]) and torch.equal(rg, eager[1])
         for i, ts in m.caches["fused"].items():

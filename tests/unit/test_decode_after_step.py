@@ -57,7 +57,7 @@ class Runtime:
             raise self.failstop.error
         self.begins += 1
 
-    def end_step(self) -> int | None:
+    def end_step(self, replayed: bool = False) -> int | None:
         if self.capturing:
             return None
         self.steps += 1
@@ -79,8 +79,8 @@ class Launches:
     def begin_step(self) -> None:
         self.runtime.begin_step()
 
-    def end_step(self) -> int | None:
-        return self.runtime.end_step()
+    def end_step(self, replayed: bool = False) -> int | None:
+        return self.runtime.end_step(replayed)
 
     def release(self, step=None) -> bool:
         return self.runtime.release(step)

@@ -31,7 +31,10 @@ class FakeSource:
         base = h.H_RECORDS
         self.words[base : base + h.RECORD_WORDS] = [region, index, 5, 4, cta, rank, 3, 10**6]
 
-    def submit(self, step):
+    def copy(self):
+        pass
+
+    def submit(self, step, copied=False):
         self.pending.append((step, list(self.words)))
 
     def ready(self, until_step=None):

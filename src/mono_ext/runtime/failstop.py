@@ -1,11 +1,13 @@
 """FailStop: the host side of bounded waits.
 
-After each step's launches the host enqueues a copy of the rank's health block into pinned
-memory on the step's stream (non-blocking) and looks at copies that have landed
-(``event.query()``, never a sync). :meth:`FailStop.release` reads a step's own copy; an
-engine adapter calls it where the engine already waits for that step's sampled tokens, which
-the stream produces after the health copy, so the copy has landed by then and the release
-adds no host synchronisation (``runtime.release``). An engine may await a step's tokens on
+Right after each step's launches a copy of the rank's health block into pinned memory is
+enqueued on the step's stream (:meth:`CudaHealthSource.copy`; inside a captured graph it is a
+node of the graph, so a replay brings its own copy and the host issues none). After the step
+the host records one event and looks at steps whose events have completed
+(``event.query()``, never a sync). :meth:`FailStop.release` reads the health as of a step's
+own copy or a later one; an engine adapter calls it where the engine already waits for that
+step's sampled tokens, which the stream produces after the health copy, so the copy has
+landed by then and the release adds no host synchronisation (``runtime.release``). An engine may await a step's tokens on
 another thread than the one that launches the next step (vLLM's output thread), so a
 FailStop serialises its calls with a lock.
 Every ``MONO_EXT_AGREE_EVERY`` steps the TP ranks exchange health summaries over the CPU
@@ -46,7 +48,8 @@ __all__ = [
 ]
 
 OK, SUSPECT, FAILED = "ok", "suspect", "failed"
-_MAGIC = _health.health_init_words()[_health.H_MAGIC]  # as the words of a copy hold it
+_HEALTHY = tuple(_health.health_init_words())  # a block no wait has failed in
+_MAGIC = _HEALTHY[_health.H_MAGIC]  # as the words of a copy hold it
 NameOf = Callable[[int, int], str]
 
 
@@ -71,8 +74,12 @@ class FailStopError(RuntimeError):
 
 
 class HealthSource(Protocol):
-    def submit(self, step: int) -> None:
-        """Enqueue a non-blocking copy of the health block, tagged with ``step``."""
+    def copy(self) -> None:
+        """Enqueue the health block's copy on the current stream (capturable)."""
+
+    def submit(self, step: int, copied: bool = False) -> None:
+        """Mark ``step`` finished on the host; enqueue its copy first unless ``copied`` (the
+        step's launches were followed by :meth:`copy` already, or its graph holds one)."""
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
         """Copies that have landed, oldest first. With ``until_step``, also wait for the copy
@@ -102,7 +109,10 @@ class ScriptedHealthSource:
         record = [0, self.index, 5, 4, self.cta, 0, 3, 10**6]
         self.words[base : base + _health.RECORD_WORDS] = record
 
-    def submit(self, step: int) -> None:
+    def copy(self) -> None:
+        pass  # the block is host memory: a step's words are taken at submit
+
+    def submit(self, step: int, copied: bool = False) -> None:
         self.pending.append((step, list(self.words)))
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
@@ -118,10 +128,14 @@ class ScriptedHealthSource:
 
 
 class CudaHealthSource:
-    """Pinned ring of health-block copies, each slot with its own event; polling never blocks.
+    """The health block mirrored into one pinned buffer by a copy on the step's stream; each
+    finished step marked by an event from a fixed ring; polling never blocks.
 
-    The slots and events are made once: a step's host cost is one copy, one event record and
-    the polls."""
+    The failed count is sticky and only grows, so the mirror as of a copy that landed after
+    step n's own copy still answers for step n: a failure it shows may belong to a later step,
+    and then step n is withheld too, which stops the engine one step earlier, never later.
+    Per step the host records one event (and issues the copy itself only for steps whose
+    launches did not, see :meth:`FailStop.after_launch`)."""
 
     def __init__(self, health: Any, depth: int = 8):
         import torch
@@ -129,22 +143,25 @@ class CudaHealthSource:
         if health.numel() != HEALTH_WORDS or health.dtype != torch.int32:
             raise ValueError(f"health block must be int32 [{HEALTH_WORDS}], got {health.shape}")
         self.health = health
-        self._slots = [
-            torch.empty(HEALTH_WORDS, dtype=torch.int32, pin_memory=True) for _ in range(depth)
-        ]
+        self._mirror = torch.tensor(_health.health_init_words(), dtype=torch.int32).pin_memory()
+        self._words = self._mirror.numpy()  # a view: reads see each landed copy
         self._events = [torch.cuda.Event() for _ in range(depth)]
         self._free = collections.deque(range(depth))
-        self._pending: collections.deque = collections.deque()  # (step, slot)
-        self._landed: list[tuple[int, Sequence[int]]] = []  # reaped, not yet handed out
+        self._pending: collections.deque = collections.deque()  # (step, event slot)
+        self._landed: list[int] = []  # steps reaped, not yet handed out
 
-    def submit(self, step: int) -> None:
+    def copy(self) -> None:
+        self._mirror.copy_(self.health, non_blocking=True)
+
+    def submit(self, step: int, copied: bool = False) -> None:
+        if not copied:
+            self.copy()
         if not self._free:
-            # The host ran `depth` steps ahead of the device: wait for the oldest copy rather
-            # than drop it (a dropped copy could hide the step that failed).
+            # The host ran `depth` steps ahead of the device: wait for the oldest step rather
+            # than drop it (a dropped step could be the one that failed).
             self._events[self._pending[0][1]].synchronize()
             self._landed += self._reap()
         slot = self._free.popleft()
-        self._slots[slot].copy_(self.health, non_blocking=True)
         self._events[slot].record()
         self._pending.append((step, slot))
 
@@ -154,16 +171,25 @@ class CudaHealthSource:
                 if step == until_step:
                     self._events[slot].synchronize()
                     break
-        out, self._landed = self._landed + self._reap(), []
-        return out
+        steps, self._landed = self._landed + self._reap(), []
+        if not steps:
+            return []
+        words = self._snapshot()
+        return [(step, words) for step in steps]
 
-    def _reap(self) -> list[tuple[int, Sequence[int]]]:
+    def _reap(self) -> list[int]:
         out = []
         while self._pending and self._events[self._pending[0][1]].query():
             step, slot = self._pending.popleft()
-            out.append((step, self._slots[slot].tolist()))
+            out.append(step)
             self._free.append(slot)
         return out
+
+    def _snapshot(self) -> Sequence[int]:
+        w = self._words
+        if w[_health.H_FAILED] == 0 and w[_health.H_MAGIC] == _MAGIC:
+            return _HEALTHY  # the common case, without copying the words out
+        return w.tolist()
 
 
 def agree_health(summary: HealthSummary, group: Any = None) -> list[HealthSummary]:
@@ -220,10 +246,12 @@ class FailStop:
         self._lock = threading.RLock()
 
     # -- per step ---------------------------------------------------------------------------
-    def after_launch(self, step: int) -> None:
+    def after_launch(self, step: int, copied: bool = False) -> None:
+        """``step``'s launches are enqueued. ``copied``: they were followed by the health
+        copy already (on their stream, or as a node of the graph just replayed)."""
         with self._lock:
             self._raise_if_failed()
-            self.source.submit(step)
+            self.source.submit(step, copied)
             self._launches += 1
             self.poll()
             agree = self._launches % self.agree_every == 0

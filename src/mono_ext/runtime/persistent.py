@@ -8,8 +8,11 @@ class the backend's runtime subclasses and a base for its per-key launches:
 |---------------|----------------------------|---------------------------------------------------|
 | begin_step    | device, on the step stream | sticky error first (no step runs after a failure),|
 |               | (captured with the step)   | the build cache sealed, the step epoch bumped     |
-| end_step      | host, after the launches   | the step counted and its health copy enqueued for |
-|               | (after each graph replay)  | FailStop; returns the step's number; nothing      |
+| health_copy   | device, on the step stream | the health block's copy for FailStop, right after |
+|               | (captured with the step)   | the step's last launch                            |
+| end_step      | host, after the launches   | the step counted and marked for FailStop (its     |
+|               | (after each graph replay)  | copy enqueued here only if health_copy did not    |
+|               |                            | run for it); returns the step's number; nothing   |
 |               |                            | while a graph is captured                         |
 | release(n)    | host, where the engine     | FailStop's word on step ``n``'s tokens            |
 |               | awaits step n's tokens     | (``runtime.release``)                             |
@@ -36,12 +39,15 @@ class PersistentRuntime:
     failstop: Any
     cache: Any
     steps: int
+    _copied = False  # health_copy ran since the last eager end_step
+    _graphs_copy = False  # graphs captured here hold the health copy
 
     def capturing(self) -> bool:
-        """Whether the current stream is capturing a CUDA/HIP graph."""
+        """Whether the current stream is capturing a CUDA/HIP graph (never, on a build of
+        torch without either)."""
         import torch
 
-        return torch.cuda.is_current_stream_capturing()
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
     def begin_step(self) -> None:
         if self.failstop.error is not None:
@@ -49,11 +55,23 @@ class PersistentRuntime:
         self.cache.seal()  # start-up is over: a key not built by now never will be
         self.state.bump_epoch()
 
-    def end_step(self) -> int | None:
+    def health_copy(self) -> None:
+        """On the step's stream, after its last launch: the copy FailStop reads. Called inside
+        a capture it becomes part of the graph, so each replay brings its own copy."""
+        self.failstop.source.copy()
+        if self.capturing():
+            self._graphs_copy = True
+        else:
+            self._copied = True
+
+    def end_step(self, replayed: bool = False) -> int | None:
+        """After a step's launches (``replayed``: after a replay of a captured graph)."""
         if self.capturing():
             return None  # the engine calls end_step after each replay instead
+        copied = self._graphs_copy if replayed else self._copied
+        self._copied = False
         self.steps += 1
-        self.failstop.after_launch(self.steps)
+        self.failstop.after_launch(self.steps, copied)
         return self.steps
 
     def release(self, step: int | None = None) -> bool:
@@ -70,8 +88,11 @@ class PersistentLaunches:
     def begin_step(self) -> None:
         self.runtime.begin_step()
 
-    def end_step(self) -> int | None:
-        return self.runtime.end_step()
+    def health_copy(self) -> None:
+        self.runtime.health_copy()
+
+    def end_step(self, replayed: bool = False) -> int | None:
+        return self.runtime.end_step(replayed)
 
     def release(self, step: int | None = None) -> bool:
         return self.runtime.release(step)

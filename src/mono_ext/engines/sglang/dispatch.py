@@ -21,7 +21,7 @@ entry) refuses a deployment none of whose graphs routes to the kernels.
 FailStop, without a host wait: SGLang samples a step's tokens after ``ModelRunner.forward``
 returns (the logits come out of the forward, replayed graph or not). An after-hook on
 ``ModelRunner.forward`` (:mod:`.hooks`) calls :meth:`Router.after_forward`: an eager routed step
-(its forward ran here and called ``end_step``, which enqueued its health copy) gets its release
+(its forward ran here: its health copy followed its launches, and ``end_step`` ran) gets its release
 ticket; a decode step that replayed a graph without entering the router
 (``ModelRunnerOutput.can_run_graph``: only a replay sets it for a decode step) is looked up by
 the graph's padded batch size (``decode_cuda_graph_runner.bs``) in the plans recorded at capture

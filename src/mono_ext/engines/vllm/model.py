@@ -14,7 +14,7 @@ FailStop after every step, replayed or not, without a host wait: vLLM's V1 GPU m
 forward (outside the forward context and any graph), and samples only after it returns, in every
 scheduling mode. The replacement classes' ``compute_logits`` therefore calls
 :meth:`Dispatch.after_forward` after vLLM's own logits: an eager planned step (its forward ran
-here and already called ``end_step``, which enqueued its health copy) gets its release ticket; a
+here: its health copy followed its launches and ``end_step`` ran) gets its release ticket; a
 step whose forward never entered Python was a FULL graph replay, and if the graph vLLM replays
 for that many requests was captured on the planned path (:meth:`PlanLedger.replayed`),
 ``end_step`` runs for it now, once, and it gets its ticket. Nothing there waits for the device.

@@ -227,7 +227,10 @@ class DecodeDriver:
             if self.checking:
                 self._check_k2(layer, o_in, gate, r1, h2, r2, valid)
             hidden, residual = h2, r2
-        self._finished = launches.end_step()  # health copy enqueued (a no-op while capturing)
+        health_copy = getattr(launches, "health_copy", None)
+        if health_copy is not None:
+            health_copy()  # on the stream after the last K2: inside a capture, a graph node
+        self._finished = launches.end_step()  # the step counted (a no-op while capturing)
         self.steps += 1
         return hidden, residual
 
@@ -252,7 +255,7 @@ class DecodeDriver:
                 f"no launches built for width {step.width} (built: {sorted(self.launches)})"
             )
         if replayed:
-            number = launches.end_step()
+            number = launches.end_step(replayed=True)
             self.replays += 1
         else:
             number, self._finished = self._finished, None

@@ -2,20 +2,23 @@
 
 A backend's ``target`` (``core.backends.KernelBackend``) is a :class:`LaunchBuilder`: called
 once per :class:`~mono_ext.core.spec.BuildKey` at start-up, it returns a :class:`LayerLaunches`
-whose three launch methods the per-step driver (``decode.py``) calls for every decoder layer,
+whose three launch methods the per-step driver (``driver.py``) calls for every decoder layer,
 between the two per-step hooks:
 
     begin_step()                                    once, before the first layer's launch
     GDN layer:        k1_gdn  ->                                        k2
     attention layer:  k1_attn -> the engine's paged attention (attend) -> k2 (with gate)
+    health_copy()  (backends with device waits)     on the stream, after the last launch
     end_step()                                      once, after the last layer's launch
 
 ``begin_step`` is device-side work on the step's stream (a persistent backend bumps its step
 epoch there), so a captured CUDA graph records it and every replay repeats it.
-``end_step`` is host-side bookkeeping (a persistent backend enqueues its health copy for
-FailStop there, which raises :class:`~mono_ext.runtime.failstop.FailStopError` once a wait
-is known to have given up); it does nothing while the stream is being captured, and an engine
-that replays a captured step calls it after each replay. A backend with device waits also has
+``health_copy``, where a backend has it, is device-side too: the copy of its health block that
+FailStop reads, so inside a capture it becomes part of the graph. ``end_step`` is host-side
+bookkeeping (a persistent backend marks the step for FailStop there, which raises
+:class:`~mono_ext.runtime.failstop.FailStopError` once a wait is known to have given up); it
+does nothing while the stream is being captured, and an engine that replays a captured step
+calls it after each replay with ``replayed=True``. A backend with device waits also has
 ``release(number)``, asked where the engine awaits that step's tokens (``runtime.release``).
 Backends with nothing to do implement both as no-ops (the reference backend does).
 
@@ -153,10 +156,10 @@ class LayerLaunches(Protocol):
         """Start of a step, before any launch: device work on the current stream only (it is
         captured with the step); no host reads of device values."""
 
-    def end_step(self) -> int | None:
-        """End of a step, after every launch (or after a captured step's replay): host-side
-        health bookkeeping that never waits for the device; raises if a device wait is known
-        to have given up; a no-op while capturing. Returns the number a backend with a
+    def end_step(self, replayed: bool = False) -> int | None:
+        """End of a step, after every launch (or, ``replayed``, after a captured step's
+        replay): host-side health bookkeeping that never waits for the device; raises if a
+        device wait is known to have given up; a no-op while capturing. Returns the number a backend with a
         ``release(number) -> bool`` method asks about that step's tokens by (None: nothing to
         ask; ``release(None)`` means the last finished step)."""
 

@@ -56,7 +56,7 @@ class ReferenceLaunches:
     def begin_step(self) -> None:
         """Nothing per step: the reference keeps no device state between launches."""
 
-    def end_step(self) -> None:
+    def end_step(self, replayed: bool = False) -> None:
         """Nothing per step: the reference has no device waits to check."""
 
     def _check_rows(self, hidden: torch.Tensor) -> None:
