@@ -1,10 +1,12 @@
 """The ``triton`` kernel backend of the Qwen3-Next family: persistent K1/K2 launches for NVIDIA
 Hopper (sm_90), on the generic device code of ``kernels/triton``.
 
-| module     | what                                                                        |
-|------------|-----------------------------------------------------------------------------|
-| ``k1``     | K1, the layer front (GDN and attention): kernels, shapes, configs, launches |
-| ``k2``     | K2, the layer tail: kernel, hand-off program, shapes, configs, launches     |
-| ``backend``| the backend's ``target``: builds per width over one runtime, refusals       |
-| ``measured``| the widths measured faster than each engine's own step, per device         |
+| module        | what                                                                      |
+|---------------|---------------------------------------------------------------------------|
+| ``k1``        | K1, the layer front (GDN and attention): kernels, shapes, configs, launches|
+| ``k2``        | K2, the layer tail: hand-off program, shapes, configs, launches, contract |
+| ``k2_kernel`` | K2's device code: the kernel and its stages                               |
+| ``backend``   | the backend's ``target``: builds per width over one runtime, refusals     |
+| ``measured``  | the widths measured faster than each engine's own step, per device        |
+| ``offline``   | K1/K2 builds compiled for sm_90a without a device (``tools/ptx_digest.py``)|
 """

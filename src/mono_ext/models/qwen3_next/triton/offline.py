@@ -130,31 +130,9 @@ def _k2(kw: dict, width: int) -> OfflineBuild:
     import torch
 
     from mono_ext.models.qwen3_next.triton import k2 as k2m
-    from mono_ext.runtime.peers import RankState
 
-    d, dev = _dims(), torch.device("cpu")
-    launch = k2m.K2Launch(k2m.K2Shape.from_dims(d, kw["kind"]), k2m.K2Config(grid=GRID), **kw)
-    bf = dict(dtype=torch.bfloat16, device=dev)
-    f32, i32 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int32, device=dev)
-    one = torch.zeros(16, **bf)
-    weights = {k: one for k in k2m._WEIGHT_KEYS}
-    weights["out_proj"] = weights["o_proj"] = one
-    for plane in (launch.w_o_name, *k2m.QUANTIZABLE):
-        if launch.fmt(plane) != "bf16":
-            weights[plane] = torch.zeros(16, dtype=torch.float8_e4m3fn, device=dev)
-            weights[plane + ".scale"] = torch.zeros(16, **f32)
-    ws = k2m.K2Workspace(
-        scratch=torch.zeros(16, dtype=torch.int64, device=dev),
-        xs=one,
-        pw=torch.zeros(16, **f32),
-        prk=torch.zeros(16, **i32),
-        wsc=torch.zeros(16, **f32),
-        ppos=torch.zeros(16, **i32),
-        meta=torch.zeros(16, **i32),
-    )
-    st = RankState.create(0, dev, 1.0)
-    args = launch._args(one, one, weights, one, one, ws, st.ctrl, st.health, None, width, 0, 1,
-                        one if launch.gated else None)  # fmt: skip
+    launch = k2m.K2Launch(k2m.K2Shape.from_dims(_dims(), kw["kind"]), k2m.K2Config(grid=GRID), **kw)
+    args = launch._warmup_args(torch.device("cpu"), n_rows=width)
     return OfflineBuild("", launch.label(), k2m.k2_kernel, args, launch._constexprs())
 
 
