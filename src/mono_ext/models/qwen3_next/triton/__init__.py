@@ -3,7 +3,9 @@ Hopper (sm_90), on the generic device code of ``kernels/triton``.
 
 | module        | what                                                                      |
 |---------------|---------------------------------------------------------------------------|
-| ``k1``        | K1, the layer front (GDN and attention): kernels, shapes, configs, launches|
+| ``k1``        | K1, the layer front (GDN and attention): shapes, configs, programs,       |
+|               | launches, contract                                                        |
+| ``k1_kernel`` | K1's device code: the GDN and attention kernels and their stages          |
 | ``k2``        | K2, the layer tail: hand-off program, shapes, configs, launches, contract |
 | ``k2_kernel`` | K2's device code: the kernel and its stages                               |
 | ``backend``   | the backend's ``target``: builds per width over one runtime, refusals     |

@@ -97,8 +97,8 @@ class TritonRuntime(PersistentRuntime):
         from mono_ext.core.settings import load_settings
         from mono_ext.models.qwen3_next.dims import Dims
         from mono_ext.models.qwen3_next.triton import k1 as k1m
+        from mono_ext.models.qwen3_next.triton import k1_kernel, k2_kernel
         from mono_ext.models.qwen3_next.triton import k2 as k2m
-        from mono_ext.models.qwen3_next.triton import k2_kernel
         from mono_ext.runtime.build_cache import BuildCache
         from mono_ext.runtime.failstop import CudaHealthSource, FailStop
         from mono_ext.runtime.peers import RankState
@@ -189,7 +189,9 @@ class TritonRuntime(PersistentRuntime):
             cache=None,
             compiled=compiled,
         )
-        rt.cache = BuildCache(lambda k: TritonLaunches(k, rt), sources=(k1m, k2m, k2_kernel))
+        rt.cache = BuildCache(
+            lambda k: TritonLaunches(k, rt), sources=(k1m, k1_kernel, k2m, k2_kernel)
+        )
         torch.cuda.synchronize(dev)  # workspaces zeroed before any step can see them
         return rt
 

@@ -1,0 +1,777 @@
+"""K1's device code: the persistent layer-front kernels ``k1_gdn_kernel`` and ``k1_attn_kernel``
+and their stages (``@triton.jit`` helpers, inlined). The host side (shapes, config, programs,
+launches, the tensor contract) is ``k1.py``.
+
+Program (both kinds; declared by ``k1.k1_gdn_program`` / ``k1.k1_attn_program`` and checked
+by ``runtime.layout.check_handoffs`` at build):
+
+- prologue, every CTA: residual add + input norm of the B rows (redundant, so no hand-off),
+  kept in a private bf16 buffer as the dot operand; CTA 0 writes ``residual_out``.
+- S1, over the grid: the projection rows in tiles of ``BN`` rows x all of H, whole rounds
+  of the grid, then the rest in smaller tiles so that no CTA streams much more than its
+  share (``k1.s1_tiles``); GDN: ``in_proj_ba`` first (every S2 task needs beta and g). One
+  flattened loop over (tile, K chunk); each chunk is ``acc^T = W x^T`` with the weight tile
+  as wgmma's M operand (``K1Config.wt``); weights streamed with ``evict_first``. Epilogue
+  per tile: GDN: the conv update for the conv channels in the tile (read K-1 cached
+  values, write the shifted window back, SiLU), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention:
+  gate and v go straight to their outputs. Everything a later stage needs goes into one
+  tagged mailbox region (fp32 bits). An fp8 plane is read in place through
+  ``planes.qdot`` (a chunk's MMA on the codes widened to bf16, times its scales); block-128
+  planes cap the K chunk at 128 (one scale column per chunk). When in_proj_qkvz and in_proj_ba
+  differ in format (an FP8 checkpoint keeps ba bf16), each chunk loads from both planes, the
+  other's fully masked. The loop is software-pipelined (``ns`` stages of async
+  copies); what an epilogue reads (conv window, taps, A_log, dt_bias) is loaded at the
+  tile's first chunk, because a dependent load behind a full memory pipeline costs a
+  whole queue's latency (several us, measured on H200).
+- S2, over the grid: GDN: one task per (row, value head): wait for its q, k (the key
+  head's), v, z, beta, g words, L2-norm q/k, decay + delta-rule update of the
+  [Dv, Dk] state tile (fp32 math, stored back in the state's dtype), o = S q, gated RMSNorm;
+  one bounded wait covers every word of a task; the state tile in ``dvs`` row slices
+  (registers). Tasks run from the last CTA down (the first CTAs carry the extra S1 tiles).
+  The first task's state is L2-prefetched before S1 and its first slice loaded into
+  registers (``preload``); later ones are L2-prefetched one task ahead.
+  Attention: one task per q or k head (all rows): wait, Gemma norm, RoPE from a cos/sin
+  table (positions, cos/sin and norm weights are loaded before S1).
+
+A CTA finishes all of its S1 tiles before its first S2 wait and S1 never waits, so with
+every CTA resident (checked at build) no wait can deadlock. Waits are bounded
+(``primitives.wait_tagged``). Reduction orders depend only on the build, never on the
+width, so a row's result does not depend on the other rows and replays are bit-identical.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mono_ext.kernels.triton.planes import qdot, qdot_either
+from mono_ext.kernels.triton.primitives import (
+    put_words,
+    seq_tag,
+    step_seq,
+    unpack_value,
+    wait_tagged,
+)
+
+__all__ = ["S1", "S2", "STAGES_ALL", "k1_attn_kernel", "k1_gdn_kernel"]
+
+S1 = 1  # prologue + projections (+ conv); the interpreter runs S1 and S2 as two launches
+S2 = 2  # recurrence + gated norm (GDN) / norm + RoPE (attention)
+STAGES_ALL = 3
+L2NORM_EPS = tl.constexpr(1e-6)  # FLA / vLLM: x / sqrt(sum(x^2) + 1e-6)
+
+
+@triton.jit
+def _put(region_ptr, offs, values, mask, tag, INTERP: tl.constexpr):
+    """Hand fp32 ``values`` to a later stage as tagged words."""
+    put_words(region_ptr, offs, values.to(tl.int32, bitcast=True), mask, tag, INTERP)
+
+
+@triton.jit
+def _get(region_ptr, offs, mask, tag, ctrl_ptr, health_ptr, region_id, INTERP: tl.constexpr):
+    """Bounded wait for 1-D tagged words; returns their fp32 values (0 where masked)."""
+    if INTERP:
+        words = tl.load(region_ptr + offs, mask=mask, other=0)
+    else:
+        words, ok = wait_tagged(region_ptr + offs, mask, offs, tag, ctrl_ptr, health_ptr, region_id)
+    return tl.where(mask, unpack_value(words).to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _wait_all(region_ptr, offs, mask, tag, ctrl_ptr, health_ptr, region_id, INTERP: tl.constexpr):
+    """One bounded wait until every masked word carries ``tag`` (read them with _read_f32)."""
+    if not INTERP:  # the interpreter runs the stages as separate launches: nothing to wait for
+        wait_tagged(region_ptr + offs, mask, offs, tag, ctrl_ptr, health_ptr, region_id)
+
+
+@triton.jit
+def _read_f32(region_ptr, offs, mask):
+    """fp32 values of tagged words already waited for (volatile: never a stale L1 line)."""
+    words = tl.load(region_ptr + offs, mask=mask, other=0, volatile=True)
+    return tl.where(mask, unpack_value(words).to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` per pointer (one per 128-byte line is enough)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred %p; setp.ne.b32 %p, $2, 0; @%p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _tile(t, FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr):
+    """Row-space start and row count of S1 tile ``t``: ``FT`` tiles of ``BN`` rows (whole
+    rounds of the grid), then tiles of ``HB`` rows (the rest, spread over the grid)."""
+    full = t < FT
+    r0 = tl.where(full, t * BN, FT * BN + (t - FT) * HB)
+    nr = tl.where(full, BN, HB)
+    return r0, nr
+
+
+@triton.jit
+def _acc_zeros(BB: tl.constexpr, BN: tl.constexpr, WT: tl.constexpr):
+    """A projection tile's fp32 accumulator: [BN, BB] with ``WT`` (acc^T = W x^T: weight rows
+    as the MMA's M), else [BB, BN] (acc = x W^T: x is a 16-row M operand every warp re-reads)."""
+    if WT:  # noqa: SIM108 (a constexpr branch)
+        acc = tl.zeros([BN, BB], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BB, BN], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _dot_chunk(acc, wt, xs_base, rows, rmask, k, H: tl.constexpr, WT: tl.constexpr, sp, wrows,
+               wlive, k0, Q: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """One K chunk of a tile: the weight chunk ``wt`` [BN, BK] (plane format ``Q``, its scales
+    at ``sp``, stored rows ``wrows``, chunk at column ``k0``) times this CTA's normed rows."""
+    if WT:
+        xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :],
+                     other=0.0)  # fmt: skip
+        acc = qdot(wt, xt, acc, sp, wrows, wlive, k0, Q, N, H)  # Q = 0: tl.dot(wt, xt, acc)
+    else:
+        tl.static_assert(Q == 0, "fp8 planes are read with wt (refused at build)")
+        xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None],
+                     other=0.0)  # fmt: skip
+        acc = tl.dot(xa, tl.trans(wt), acc)
+    return acc
+
+
+@triton.jit
+def _acc_rows(acc, WT: tl.constexpr):
+    """A finished tile's accumulator as [BB, BN] (batch rows x projection rows)."""
+    if WT:  # noqa: SIM108 (a constexpr branch)
+        acc_r = tl.trans(acc)
+    else:
+        acc_r = acc
+    return acc_r
+
+
+@triton.jit
+def _dot_mixed(acc, wq, wa, is_ba, xs_base, rows, rmask, k, k0, sq_ptr, sba_ptr, wrows, live,
+               H: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, Q_QKVZ: tl.constexpr,
+               Q_BA: tl.constexpr):  # fmt: skip
+    """A GDN chunk when in_proj_qkvz and in_proj_ba differ in format (the usual FP8 checkpoint:
+    fp8 qkvz, bf16 ba): the tile's plane (``is_ba``) was loaded into ``wa`` or ``wq`` (the
+    other fully masked); ``planes.qdot_either`` (wt only, checked at build)."""
+    xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :], other=0.0)
+    return qdot_either(acc, wq, wa, is_ba, xt, sq_ptr, sba_ptr, wrows, live, k0, Q_QKVZ, Q_BA,
+                       PQ, H, PBA, H)  # fmt: skip
+
+
+@triton.jit
+def _prefetch_w(w_ptr, w2_ptr, it, n_it, pid, G, KCH, NA, LIM1, LIM2, H: tl.constexpr,
+                FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """L2-prefetch the bf16 weight chunk of flattened iteration ``it`` (one 128-byte line per
+    thread): row-space rows ``< NA`` are rows of ``w_ptr`` (``LIM1`` rows), later ones of
+    ``w2_ptr``."""
+    LPR: tl.constexpr = BK // 64  # 128-byte lines per row of a [BN, BK] bf16 chunk
+    j = it // KCH
+    kc = it - j * KCH
+    r0, nr = _tile(pid + j * G, FT, BN, HB)
+    first = r0 < NA
+    wb = tl.where(first, w_ptr, w2_ptr)
+    lim = tl.where(first, LIM1, LIM2)
+    li = tl.arange(0, BN * LPR)
+    rr = li // LPR
+    r = tl.where(first, r0, r0 - NA) + rr
+    _prefetch_l2(wb + r * H + kc * BK + (li % LPR) * 64, (it < n_it) & (rr < nr) & (r < lim))
+
+
+@triton.jit
+def _input_norm(
+    hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr,
+):  # fmt: skip
+    """s = hidden (+ residual) in fp32; xs = bf16(s * rsqrt(mean(s^2) + eps) * (1 + w)).
+
+    Every CTA computes it into its own ``xs_base`` (the dot operand); CTA 0 writes s (bf16)
+    to ``residual_out``.
+    """
+    rows = tl.arange(0, BB)
+    rmask = rows < n_rows
+    hh = tl.arange(0, CH)
+    NCH: tl.constexpr = (H + CH - 1) // CH
+    ss = tl.zeros([BB], dtype=tl.float32)
+    for c in tl.static_range(NCH):  # unrolled: every chunk's loads in flight together
+        hc = c * CH + hh
+        m = rmask[:, None] & (hc[None, :] < H)
+        off = rows[:, None] * H + hc[None, :]
+        s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
+        tl.store(rout_ptr + off, s.to(tl.bfloat16), mask=m & (pid == 0))
+        ss += tl.sum(s * s, axis=1)
+    rstd = tl.rsqrt(ss / H + eps)
+    for c in tl.static_range(NCH):
+        hc = c * CH + hh
+        hm = hc < H
+        m = rmask[:, None] & hm[None, :]
+        off = rows[:, None] * H + hc[None, :]
+        s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + hc, mask=hm, other=0.0).to(tl.float32)
+        xn = s * rstd[:, None] * (1.0 + w[None, :])
+        tl.store(xs_base + off, xn.to(tl.bfloat16), mask=m)
+    tl.debug_barrier()  # xs written by this CTA's threads, read back by all of them
+
+
+@triton.jit
+def _payload_word(p, PQ: tl.constexpr, PBA: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, RR: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+    """Payload word of projection row ``p`` (``in_proj_qkvz`` rows, then ``in_proj_ba``);
+    -1 past the end. Arithmetic mirror of :func:`gdn_row_map` (no table load: one memory
+    round trip less in front of every tile's epilogue)."""
+    KD: tl.constexpr = (HV // RR) * DK
+    VD: tl.constexpr = HV * DV
+    CONV: tl.constexpr = 2 * KD + VD
+    if INTERLEAVED:
+        RDV: tl.constexpr = RR * DV
+        GS: tl.constexpr = 2 * DK + 2 * RDV
+        g = p // GS
+        o = p - g * GS
+        dq = tl.where(
+            o < DK,
+            g * DK + o,
+            tl.where(
+                o < 2 * DK,
+                KD + g * DK + (o - DK),
+                tl.where(o < 2 * DK + RDV, 2 * KD + g * RDV + (o - 2 * DK),
+                         CONV + g * RDV + (o - 2 * DK - RDV)),
+            ),
+        )  # fmt: skip
+        pb = p - PQ
+        gb = pb // (2 * RR)
+        ob = pb - gb * (2 * RR)
+        dba = tl.where(ob < RR, CONV + VD + gb * RR + ob, CONV + VD + HV + gb * RR + (ob - RR))
+        d = tl.where(p < PQ, dq, dba)
+    else:
+        d = p
+    return tl.where(p < PQ + PBA, d, -1)
+
+
+@triton.jit
+def _conv_inputs(
+    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t, cs_c,
+    CONV: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, KC: tl.constexpr,
+):  # fmt: skip
+    """What a tile's epilogue reads from memory: the K-1 cached conv inputs [Bb, BN], the
+    conv taps, A_log and dt_bias of its rows (zeros where they do not apply)."""
+    is_conv = (dest >= 0) & (dest < CONV)
+    is_a = dest >= CONV + VD + HV
+    ch = tl.where(is_conv, dest, 0)
+    ha = tl.where(is_a, dest - (CONV + VD + HV), 0)
+    cm = rvalid[:, None] & is_conv[None, :]
+    cbase = conv_ptr + slot64[:, None] * cs_slot + ch[None, :] * cs_c
+    s0 = tl.load(cbase, mask=cm, other=0.0).to(tl.float32)
+    s1 = tl.load(cbase + cs_t, mask=cm, other=0.0).to(tl.float32)
+    s2 = tl.load(cbase + 2 * cs_t, mask=cm, other=0.0).to(tl.float32)
+    w0 = tl.load(convw_ptr + ch * KC, mask=is_conv, other=0.0).to(tl.float32)
+    w1 = tl.load(convw_ptr + ch * KC + 1, mask=is_conv, other=0.0).to(tl.float32)
+    w2 = tl.load(convw_ptr + ch * KC + 2, mask=is_conv, other=0.0).to(tl.float32)
+    w3 = tl.load(convw_ptr + ch * KC + 3, mask=is_conv, other=0.0).to(tl.float32)
+    alog = tl.load(alog_ptr + ha, mask=is_a, other=0.0).to(tl.float32)
+    dtb = tl.load(dtb_ptr + ha, mask=is_a, other=0.0).to(tl.float32)
+    return s0, s1, s2, w0, w1, w2, w3, alog, dtb
+
+
+@triton.jit
+def _prefetch_conv_inputs(
+    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t,
+    cs_c, CONV: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, KC: tl.constexpr,
+):  # fmt: skip
+    """L2-prefetch what :func:`_conv_inputs` will read (no registers, nothing waits)."""
+    is_conv = (dest >= 0) & (dest < CONV)
+    is_a = dest >= CONV + VD + HV
+    ch = tl.where(is_conv, dest, 0)
+    ha = tl.where(is_a, dest - (CONV + VD + HV), 0)
+    cm = rvalid[:, None] & is_conv[None, :]
+    cbase = conv_ptr + slot64[:, None] * cs_slot + ch[None, :] * cs_c
+    _prefetch_l2(cbase, cm)
+    _prefetch_l2(cbase + cs_t, cm)
+    _prefetch_l2(cbase + 2 * cs_t, cm)
+    _prefetch_l2(convw_ptr + ch * KC, is_conv)
+    _prefetch_l2(alog_ptr + ha, is_a)
+    _prefetch_l2(dtb_ptr + ha, is_a)
+
+
+@triton.jit
+def _gdn_epilogue(
+    acc, dest, s0, s1, s2, w0, w1, w2, w3, alog, dtb, rows, rmask, rvalid, slot64, proj_ptr,
+    conv_ptr, cs_slot, cs_t, cs_c, tag,
+    CONV: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, WROW: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """One finished tile (acc [Bb, BN]): conv update (K = 4, window [s0, s1, s2, x] oldest
+    first), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), hand-off."""
+    is_conv = (dest >= 0) & (dest < CONV)
+    is_z = (dest >= CONV) & (dest < CONV + VD)
+    is_b = (dest >= CONV + VD) & (dest < CONV + VD + HV)
+    ch = tl.where(is_conv, dest, 0)
+    cm = rvalid[:, None] & is_conv[None, :]
+    cbase = conv_ptr + slot64[:, None] * cs_slot + ch[None, :] * cs_c
+    y = s0 * w0[None, :] + s1 * w1[None, :] + s2 * w2[None, :] + acc * w3[None, :]
+    tl.store(cbase, s1.to(conv_ptr.dtype.element_ty), mask=cm)
+    tl.store(cbase + cs_t, s2.to(conv_ptr.dtype.element_ty), mask=cm)
+    tl.store(cbase + 2 * cs_t, acc.to(conv_ptr.dtype.element_ty), mask=cm)
+    conv_out = y * tl.sigmoid(y)
+    xa = acc + dtb[None, :]
+    sp = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))  # torch's softplus
+    g = -tl.exp(alog)[None, :] * sp
+    val = tl.where(
+        is_conv[None, :],
+        conv_out,
+        tl.where(is_z[None, :], acc, tl.where(is_b[None, :], tl.sigmoid(acc), g)),
+    )
+    off = rows[:, None] * WROW + dest[None, :]
+    _put(proj_ptr, off, val, rmask[:, None] & (dest >= 0)[None, :], tag, INTERP)
+
+
+@triton.jit
+def _delta_rule(S, qv, kv, vvec, beta, decay):
+    """Rows of the gated delta rule: S <- decay S + beta (v - decay S k) k^T; o = S q."""
+    S = S * decay
+    ks = tl.sum(S * kv[None, :], axis=1)
+    delta = (vvec - ks) * beta
+    S = S + delta[:, None] * kv[None, :]
+    o = tl.sum(S * qv[None, :], axis=1)
+    return S, o
+
+
+@triton.jit
+def _gdn_s1(
+    hid_ptr, res_ptr, rout_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr, conv_ptr,
+    slots_ptr, xs_ptr, proj_ptr, sq_ptr, sba_ptr, pid, G, rows, rmask, n_rows, has_res,
+    null_slot, cs_slot, cs_t, cs_c, eps, tag, H: tl.constexpr, HV: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, WROW: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr,
+    PRE: tl.constexpr, WT: tl.constexpr, CVL: tl.constexpr, CONV: tl.constexpr,
+    VD: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, RR: tl.constexpr,
+    Q_QKVZ: tl.constexpr, Q_BA: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """GDN S1: input norm, then the projection tiles (ba tiles first: every S2 task needs
+    beta and g, then qkvz tiles), flattened over K chunks; each tile's epilogue runs the conv
+    update and hands the payload words to S2."""
+    # row space: in_proj_ba rows (padded to NA), then in_proj_qkvz rows; tiles from _tile
+    NA: tl.constexpr = (PBA + BN - 1) // BN * BN
+    KCH: tl.constexpr = H // BK
+    n_my = tl.where(pid < NT, (NT - 1 - pid) // G + 1, 0)
+    n_it = n_my * KCH
+    if PRE:  # the first chunks start moving into L2 while the norm runs
+        for pi in tl.static_range(NS - 1):
+            _prefetch_w(wba_ptr, wq_ptr, pi, n_it, pid, G, KCH, NA, PBA, PQ, H, FT, BN, HB,
+                        BK)  # fmt: skip
+
+    xs_base = xs_ptr + pid * (BB * H)
+    _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+                H, BB, CH)  # fmt: skip
+
+    slot_r = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+    rvalid = rmask & (slot_r >= 0) & (slot_r != null_slot)
+    slot64 = tl.where(rvalid, slot_r, 0).to(tl.int64)
+
+    kk = tl.arange(0, BK)
+    nn = tl.arange(0, BN)
+    acc = _acc_zeros(BB, BN, WT)
+    # a tile's epilogue inputs, loaded at its first chunk: their latency hides behind the
+    # tile's other chunks instead of stalling the pipeline at the tile's end
+    c0 = tl.zeros([BB, BN], dtype=tl.float32)
+    c1 = c0
+    c2 = c0
+    cw0 = tl.zeros([BN], dtype=tl.float32)
+    cw1 = cw0
+    cw2 = cw0
+    cw3 = cw0
+    alog = cw0
+    dtb = cw0
+    # Software-pipelined (NS stages of async copies into shared memory): HBM latency is
+    # covered by NS - 1 chunks in flight per CTA, also across tile epilogues.
+    for it in tl.range(0, n_it, num_stages=NS):
+        j = it // KCH
+        kc = it - j * KCH
+        r0, nr = _tile(pid + j * G, FT, BN, HB)
+        is_ba = r0 < NA
+        rs = r0 + nn
+        r_in = tl.where(is_ba, rs, rs - NA)  # the plane's stored row (also its scale row)
+        if Q_QKVZ == Q_BA:  # one format: one load from the tile's plane
+            wb = tl.where(is_ba, wba_ptr, wq_ptr)
+        lim = tl.where(is_ba, PBA, PQ)
+        live = (nn < nr) & (r_in < lim)
+        k = kc * BK + kk
+        if Q_QKVZ == Q_BA:
+            wt = tl.load(
+                wb + r_in[:, None] * H + k[None, :],
+                mask=live[:, None],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+        else:  # element types differ: a load per plane, the other plane's fully masked
+            wt = tl.load(wq_ptr + r_in[:, None] * H + k[None, :],
+                         mask=(live & (is_ba == 0))[:, None], other=0.0,
+                         eviction_policy="evict_first")  # fmt: skip
+            wa = tl.load(wba_ptr + r_in[:, None] * H + k[None, :],
+                         mask=(live & is_ba)[:, None], other=0.0,
+                         eviction_policy="evict_first")  # fmt: skip
+        p = tl.where(is_ba, PQ + rs, rs - NA)
+        dest = tl.where(live, _payload_word(p, PQ, PBA, HV, DK, DV, RR, INTERLEAVED), -1)
+        if kc == 0:
+            if CVL:  # start moving them into L2; loaded at the tile's last chunk
+                if not INTERP:
+                    _prefetch_conv_inputs(
+                        dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr,
+                        cs_slot, cs_t, cs_c, CONV, VD, HV, KC,
+                    )  # fmt: skip
+            else:
+                c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
+                    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
+                    cs_t, cs_c, CONV, VD, HV, KC,
+                )  # fmt: skip
+        if Q_QKVZ == Q_BA:
+            # scale_index reads only K: PQ stands for either plane's N
+            sp = tl.where(is_ba, sba_ptr, sq_ptr)
+            acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT, sp, r_in, live,
+                             kc * BK, Q_QKVZ, PQ)  # fmt: skip
+        else:
+            acc = _dot_mixed(acc, wt, wa, is_ba, xs_base, rows, rmask, k, kc * BK, sq_ptr,
+                             sba_ptr, r_in, live, H, PQ, PBA, Q_QKVZ, Q_BA)  # fmt: skip
+        if kc == KCH - 1:
+            acc_r = _acc_rows(acc, WT)
+            if CVL:
+                e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb = _conv_inputs(
+                    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
+                    cs_t, cs_c, CONV, VD, HV, KC,
+                )  # fmt: skip
+            else:
+                e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb = (
+                    c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb,
+                )  # fmt: skip
+            _gdn_epilogue(
+                acc_r, dest, e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb, rows, rmask, rvalid,
+                slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag,
+                CONV, VD, HV, WROW, INTERP,
+            )  # fmt: skip
+            acc = tl.zeros_like(acc)
+
+
+@triton.jit
+def _gdn_s2(
+    ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows, rmask, n_tasks,
+    null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale, tag, HV: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, WROW: tl.constexpr, RID_PROJ: tl.constexpr,
+    PRELOAD: tl.constexpr, DVS: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
+    VD: tl.constexpr, CONV: tl.constexpr, RR: tl.constexpr, LINES: tl.constexpr,
+    EPL: tl.constexpr, VH: tl.constexpr, SL_OFF: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """GDN S2: one task per (row, value head): gated delta rule on the state tile (in place),
+    then the gated RMSNorm -> ``o_in``."""
+    two = tl.arange(0, 2)
+    # every word one task reads, as one block: q (Dk), k (Dk), v (Dv), z (Dv), beta, g
+    NW: tl.constexpr = 2 * DK + 2 * DV + 2
+    wi = tl.arange(0, WB)
+    slots_all = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+    for t in range(first, n_tasks, G):
+        b = t // HV
+        h = t - b * HV
+        gk = h // RR
+        slot = tl.sum(tl.where(rows == b, slots_all, 0), axis=0)
+        valid = (slot >= 0) & (slot != null_slot)
+        sbase = ssm_ptr + tl.where(valid, slot, 0).to(tl.int64) * ss16 * 16 + h * (DV * DK)
+        if not INTERP:  # the next task's state starts moving into L2
+            tn = t + G
+            bn_ = tn // HV
+            sn = tl.sum(tl.where(rows == bn_, slots_all, 0), axis=0)
+            okn = (tn < n_tasks) & (sn >= 0) & (sn != null_slot)
+            stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + (tn - bn_ * HV) * (DV * DK)
+            _prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
+        smask = valid & (vh[:, None] < VH) & (kq[None, :] < DK)
+        if PRELOAD:
+            S = tl.load(sbase + soff, mask=smask & (t != first), other=0.0).to(tl.float32)
+            S = tl.where(t == first, S_first, S)
+        else:
+            S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
+        row = b * WROW
+        woff = tl.where(
+            wi < DK,
+            gk * DK + wi,
+            tl.where(
+                wi < 2 * DK,
+                KD + gk * DK + (wi - DK),
+                tl.where(
+                    wi < 2 * DK + DV,
+                    2 * KD + h * DV + (wi - 2 * DK),
+                    tl.where(
+                        wi < 2 * DK + 2 * DV,
+                        CONV + h * DV + (wi - 2 * DK - DV),
+                        CONV + VD + h + (wi - 2 * DK - 2 * DV) * HV,
+                    ),
+                ),
+            ),
+        )
+        _wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr,
+                  RID_PROJ, INTERP)  # fmt: skip
+        mk = valid & (kq < DK)
+        mv = valid & (vh < VH)
+        # every word of the task read at once (one round trip)
+        qv = _read_f32(proj_ptr, row + gk * DK + kq, mk)
+        kv = _read_f32(proj_ptr, row + KD + gk * DK + kq, mk)
+        bg = _read_f32(proj_ptr, row + CONV + VD + h + two * HV, valid & (two < 2))
+        v0 = _read_f32(proj_ptr, row + 2 * KD + h * DV + vh, mv)
+        z0 = _read_f32(proj_ptr, row + CONV + h * DV + vh, mv)
+        if DVS > 1:
+            v1 = _read_f32(proj_ptr, row + 2 * KD + h * DV + VH + vh, mv)
+            z1 = _read_f32(proj_ptr, row + CONV + h * DV + VH + vh, mv)
+        beta = tl.sum(tl.where(two == 0, bg, 0.0), axis=0)
+        gdec = tl.sum(tl.where(two == 1, bg, 0.0), axis=0)
+        qv = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + L2NORM_EPS) * qscale
+        kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + L2NORM_EPS)
+        decay = tl.exp(gdec)
+        S, o0 = _delta_rule(S, qv, kv, v0, beta, decay)
+        tl.store(sbase + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
+        ss = tl.sum(o0 * o0, axis=0)
+        if DVS > 1:  # the second half of the rows, after the first is stored
+            S = tl.load(sbase + SL_OFF + soff, mask=smask, other=0.0).to(tl.float32)
+            S, o1 = _delta_rule(S, qv, kv, v1, beta, decay)
+            tl.store(sbase + SL_OFF + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
+            ss += tl.sum(o1 * o1, axis=0)
+        # gated RMSNorm: w * o * rsqrt(mean(o^2) + eps) * silu(z)
+        rstd = tl.rsqrt(ss / DV + eps)
+        y = gw0 * o0 * rstd * (z0 * tl.sigmoid(z0))
+        y = tl.where(valid, y, 0.0)
+        tl.store(oin_ptr + b * VD + h * DV + vh, y.to(oin_ptr.dtype.element_ty))
+        if DVS > 1:
+            y = gw1 * o1 * rstd * (z1 * tl.sigmoid(z1))
+            y = tl.where(valid, y, 0.0)
+            tl.store(oin_ptr + b * VD + h * DV + VH + vh, y.to(oin_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _attn_s1(
+    hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr, sqkv_ptr, pid,
+    G, rows, rmask, n_rows, has_res, eps, tag, H: tl.constexpr, HQ: tl.constexpr,
+    D: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr,
+    HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr,
+    WT: tl.constexpr, Q_QKV: tl.constexpr, QG: tl.constexpr, KVD: tl.constexpr,
+    PA: tl.constexpr, WA: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Attention S1: input norm, then the qkv_proj tiles; gate and v go straight to their
+    outputs, raw q and k to the ``qk`` region."""
+    KCH: tl.constexpr = H // BK
+    n_my = tl.where(pid < NT, (NT - 1 - pid) // G + 1, 0)
+    n_it = n_my * KCH
+    if PRE:
+        for pi in tl.static_range(NS - 1):
+            _prefetch_w(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, BN, HB,
+                        BK)  # fmt: skip
+    xs_base = xs_ptr + pid * (BB * H)
+    _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+                H, BB, CH)  # fmt: skip
+    kk = tl.arange(0, BK)
+    nn = tl.arange(0, BN)
+    acc = _acc_zeros(BB, BN, WT)
+    for it in tl.range(0, n_it, num_stages=NS):  # pipelined, as in the GDN kernel
+        j = it // KCH
+        kc = it - j * KCH
+        r0, nr = _tile(pid + j * G, FT, BN, HB)
+        r = tl.where(nn < nr, r0 + nn, PA)  # PA: no row (masked, no output)
+        k = kc * BK + kk
+        wt = tl.load(
+            wqkv_ptr + r[:, None] * H + k[None, :],
+            mask=r[:, None] < PA,
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+        acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT, sqkv_ptr, r, r < PA,
+                         kc * BK, Q_QKV, PA)  # fmt: skip
+        if kc == KCH - 1:
+            acc_r = _acc_rows(acc, WT)
+            p = r
+            head = p // (2 * D)
+            o = p - head * (2 * D)
+            is_q = (p < QG) & (o < D)
+            is_gate = (p < QG) & (o >= D)
+            is_k = (p >= QG) & (p < QG + KVD)
+            is_v = (p >= QG + KVD) & (p < PA)
+            m2 = rmask[:, None]
+            tl.store(
+                gate_ptr + rows[:, None] * (HQ * D) + (head * D + o - D)[None, :],
+                acc_r.to(gate_ptr.dtype.element_ty),
+                mask=m2 & is_gate[None, :],
+            )
+            tl.store(
+                v_ptr + rows[:, None] * KVD + (p - QG - KVD)[None, :],
+                acc_r.to(v_ptr.dtype.element_ty),
+                mask=m2 & is_v[None, :],
+            )
+            dest = tl.where(is_q, head * D + o, HQ * D + (p - QG))
+            _put(qk_ptr, rows[:, None] * WA + dest[None, :], acc_r,
+                 m2 & (is_q | is_k)[None, :], tag, INTERP)  # fmt: skip
+            acc = tl.zeros_like(acc)
+
+
+@triton.jit
+def _attn_s2(
+    q_ptr, k_ptr, qk_ptr, ctrl_ptr, health_ptr, pid, G, rows, eps, tag, dd, part, rm, cos, sin,
+    sgn, wq_n, wq_p, wk_n, wk_p, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    RD: tl.constexpr, BB: tl.constexpr, KVD: tl.constexpr, WA: tl.constexpr,
+    RID_QK: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Attention S2: one task per q or k head (all rows): Gemma norm, then RoPE -> q / k."""
+    for t in range(G - 1 - pid, HQ + HKV, G):  # last CTAs first: they have fewer S1 rows
+        is_k = t >= HQ
+        idx = rows[:, None] * WA + t * D + dd[None, :]
+        flat = tl.reshape(idx, (BB * D,))
+        x = _get(qk_ptr, flat, tl.reshape(rm, (BB * D,)), tag, ctrl_ptr, health_ptr, RID_QK,
+                 INTERP)  # fmt: skip
+        x = tl.reshape(x, (BB, D))
+        pidx = rows[:, None] * WA + t * D + part[None, :]
+        xp = unpack_value(tl.load(qk_ptr + pidx, mask=rm, other=0, volatile=True))
+        xp = xp.to(tl.float32, bitcast=True)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        w = tl.where(is_k, wk_n, wq_n)
+        wp = tl.where(is_k, wk_p, wq_p)
+        xn = x * rstd[:, None] * (1.0 + w[None, :])
+        xpn = xp * rstd[:, None] * (1.0 + wp[None, :])
+        out = tl.where(dd[None, :] < RD, xn * cos + sgn[None, :] * xpn * sin, xn)
+        optr = tl.where(is_k, k_ptr + (t - HQ) * D, q_ptr + t * D)
+        ostride = tl.where(is_k, KVD, HQ * D)
+        tl.store(optr + rows[:, None] * ostride + dd[None, :],
+                 out.to(q_ptr.dtype.element_ty), mask=rm)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step", "has_res", "null_slot",
+                               "cs_slot", "cs_t", "cs_c", "ss16"])  # fmt: skip
+def k1_gdn_kernel(
+    hid_ptr, res_ptr, rout_ptr, oin_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr,
+    gnw_ptr, conv_ptr, ssm_ptr, slots_ptr, scratch_ptr, xs_ptr, ctrl_ptr, health_ptr, n_rows, layer,
+    layers_per_step, has_res, null_slot, cs_slot, cs_t, cs_c, ss16, eps, qscale,
+    sq_ptr,  # fp32 scales of in_proj_qkvz / in_proj_ba (bf16 planes: any pointer, not read)
+    sba_ptr,
+    # shapes
+    H: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    KC: tl.constexpr, WROW: tl.constexpr, OFF_PROJ: tl.constexpr, RID_PROJ: tl.constexpr,
+    SSM_KV: tl.constexpr, INTERLEAVED: tl.constexpr, STATE_BYTES: tl.constexpr,
+    # tiles
+    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr,
+    NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr, PRELOAD: tl.constexpr,
+    DVS: tl.constexpr, WT: tl.constexpr, CVL: tl.constexpr, WB: tl.constexpr, Q_QKVZ: tl.constexpr,
+    Q_BA: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    tag = seq_tag(step_seq(ctrl_ptr, layer, layers_per_step))
+    proj_ptr = scratch_ptr + OFF_PROJ
+    KD: tl.constexpr = HK * DK
+    VD: tl.constexpr = HV * DV
+    CONV: tl.constexpr = 2 * KD + VD
+    PQ: tl.constexpr = 2 * KD + 2 * VD
+    PBA: tl.constexpr = 2 * HV
+    RR: tl.constexpr = HV // HK
+    LINES: tl.constexpr = DV * DK * STATE_BYTES // 128  # 128-byte lines per (slot, head)
+    EPL: tl.constexpr = 128 // STATE_BYTES
+
+    rows = tl.arange(0, BB)
+    rmask = rows < n_rows
+    n_tasks = n_rows * HV
+    # S2 tasks run from the last CTA down: the first S1 tiles go to the first CTAs, so the
+    # CTAs with one S1 tile fewer start the recurrence (width 1: 32 tasks) soonest
+    first = G - 1 - pid
+    ln = tl.arange(0, LINES)
+    VH: tl.constexpr = DV // DVS  # state rows per slice (DVS = 2: half the registers)
+    vh = tl.arange(0, VH)
+    kq = tl.arange(0, DK)
+    if SSM_KV:  # noqa: SIM108 (a constexpr branch)
+        soff = kq[None, :] * DV + vh[:, None]
+    else:
+        soff = vh[:, None] * DK + kq[None, :]
+    SL_OFF: tl.constexpr = VH if SSM_KV else VH * DK  # offset of the second slice
+
+    # S2's first task: its whole state tile starts moving into L2 now and (PRELOAD) its
+    # first slice is loaded into registers, so both hide behind S1 instead of following it.
+    b0 = first // HV
+    s0 = tl.load(slots_ptr + b0, mask=first < n_tasks, other=-1)
+    ok0 = (first < n_tasks) & (s0 >= 0) & (s0 != null_slot)
+    st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + (first - b0 * HV) * (DV * DK)
+    if (STAGES & 2) and not INTERP:
+        _prefetch_l2(ssm_ptr + st0 + ln * EPL, ok0 & (ln < LINES))
+    if PRELOAD:
+        m0 = ok0 & (vh[:, None] < VH) & (kq[None, :] < DK)
+        S_first = tl.load(ssm_ptr + st0 + soff, mask=m0, other=0.0).to(tl.float32)
+    else:
+        S_first = 0.0  # not read without PRELOAD
+    gw0 = tl.load(gnw_ptr + vh).to(tl.float32)
+    gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
+
+    if STAGES & 1:
+        _gdn_s1(
+            hid_ptr, res_ptr, rout_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr,
+            conv_ptr, slots_ptr, xs_ptr, proj_ptr, sq_ptr, sba_ptr, pid, G, rows, rmask, n_rows,
+            has_res, null_slot, cs_slot, cs_t, cs_c, eps, tag, H, HV, DK, DV, KC, WROW,
+            INTERLEAVED, BB, BN, BK, FT, HB, NT, CH, NS, PRE, WT, CVL, CONV, VD, PQ, PBA, RR,
+            Q_QKVZ, Q_BA, INTERP,
+        )  # fmt: skip
+    if STAGES & 2:
+        _gdn_s2(
+            ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows, rmask,
+            n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale, tag, HV,
+            DK, DV, WROW, RID_PROJ, PRELOAD, DVS, WB, KD, VD, CONV, RR, LINES, EPL, VH, SL_OFF,
+            INTERP,
+        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step", "has_res", "max_pos"])
+def k1_attn_kernel(
+    hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr,
+    v_ptr, gate_ptr, scratch_ptr, xs_ptr, ctrl_ptr, health_ptr, n_rows, layer, layers_per_step,
+    has_res, max_pos, eps,
+    sqkv_ptr,  # fp32 scales of qkv_proj (a bf16 plane: any pointer, not read)
+    H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
+    OFF_QK: tl.constexpr, RID_QK: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr,
+    NS: tl.constexpr, PRE: tl.constexpr, WT: tl.constexpr, Q_QKV: tl.constexpr,
+    STAGES: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    tag = seq_tag(step_seq(ctrl_ptr, layer, layers_per_step))
+    qk_ptr = scratch_ptr + OFF_QK
+    QG: tl.constexpr = 2 * HQ * D  # q + gate rows
+    KVD: tl.constexpr = HKV * D
+    PA: tl.constexpr = QG + 2 * KVD
+    WA: tl.constexpr = (HQ + HKV) * D  # words per row of the qk region
+    rows = tl.arange(0, BB)
+    rmask = rows < n_rows
+    # S2's inputs that do not depend on S1 (positions, cos/sin, norm weights) load first, so
+    # their round trips hide behind S1
+    HALF: tl.constexpr = RD // 2
+    dd = tl.arange(0, D)
+    part = tl.where(dd < HALF, dd + HALF, tl.where(dd < RD, dd - HALF, dd))
+    fi = tl.where(dd < HALF, dd, tl.where(dd < RD, dd - HALF, 0))
+    pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1).to(tl.int64)
+    rm = rmask[:, None] & (dd[None, :] < D)
+    cs = rope_ptr + pos[:, None] * RD + fi[None, :]
+    rot = rm & (dd[None, :] < RD)
+    cos = tl.load(cs, mask=rot, other=1.0)
+    sin = tl.load(cs + HALF, mask=rot, other=0.0)
+    sgn = tl.where(dd < HALF, -1.0, 1.0)
+    wq_n = tl.load(qn_ptr + dd).to(tl.float32)
+    wq_p = tl.load(qn_ptr + part).to(tl.float32)
+    wk_n = tl.load(kn_ptr + dd).to(tl.float32)
+    wk_p = tl.load(kn_ptr + part).to(tl.float32)
+
+    if STAGES & 1:
+        _attn_s1(
+            hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr,
+            sqkv_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H, HQ, D, BB, BN, BK, FT,
+            HB, NT, CH, NS, PRE, WT, Q_QKV, QG, KVD, PA, WA, INTERP,
+        )  # fmt: skip
+    if STAGES & 2:
+        _attn_s2(
+            q_ptr, k_ptr, qk_ptr, ctrl_ptr, health_ptr, pid, G, rows, eps, tag, dd, part, rm, cos,
+            sin, sgn, wq_n, wq_p, wk_n, wk_p, HQ, HKV, D, RD, BB, KVD, WA, RID_QK, INTERP,
+        )  # fmt: skip
