@@ -185,10 +185,8 @@ SWEEP = (
     # most stream one (mma.sync instead of wgmma; memory-bound either way; 50-75 KB smem)
     {"bn": 32},
     {"bn": 32, "ns": 5},
-    {"num_warps": 16, "cvl": True},
-    {"cvl": True},
+    {"num_warps": 16},
     {"dvs": 1},
-    {"wt": False, "dvs": 1},  # x as the 16-row MMA operand (the first version's)
 )
 
 

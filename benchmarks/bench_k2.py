@@ -125,9 +125,7 @@ VARIANTS = {
         "rn": 2,
     },  # two rows per norm / top-k pass (at width 16 the two take ~90 of 368 us)
     "k2 rb=4": {"rb": 4},  # four rows per top-k pass (spills ~200 B in the top-k)
-    "k2 pf3": {"pf3": True},
     "k2 bn4=32": {"bn4": 32},
-    "k2 bal3": {"bal3": True},
     "k2 no-prefetch": {"prefetch": False},
     # fp8 block-128 planes stream 128-byte K chunks per row (a chunk stays in one scale
     # column), a quarter of bf16's 512: twice the stages give half bf16's bytes in flight per

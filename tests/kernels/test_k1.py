@@ -537,5 +537,3 @@ def test_fp8_planes_refused_by_name():
     shape = K1GdnShape.from_dims(Dims.from_config(_cfg(FP8_TINY)))
     with pytest.raises(ValueError, match="in_proj_ba: the Triton kernels do not read 'mxfp4'"):
         K1GdnLaunch(shape, K1Config(grid=_grid()), formats={"in_proj_ba": "mxfp4"})
-    with pytest.raises(ValueError, match="wt=True"):
-        K1GdnLaunch(shape, K1Config(grid=_grid(), wt=False), formats=formats)

@@ -9,47 +9,10 @@ attention.attn_front`): residual add + norm -> ``qkv_proj`` -> q/k Gemma norms -
 neox RoPE -> q, k, v, gate. Writing k/v into the paged KV cache stays with the engine's
 attention call (its ``reshape_and_cache`` / backend ``forward``), which runs after K1.
 
-The device program (prologue, S1, S2 and why they cannot deadlock) is described with the
-kernels in ``k1_kernel.py``; this module declares it (:func:`k1_gdn_program`,
-:func:`k1_attn_program`, checked by ``runtime.layout.check_handoffs`` at build), tiles S1
-(:func:`s1_tiles`) and builds and launches the kernels.
-
-Tensor contract (one layer; ``B`` = rows 1..16, ``Bb`` = ``BLOCK_B`` = 16, ``G`` = grid;
-sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 2*Hv):
-
-| name            | shape                  | dtype     | layout                                  | writer            |
-|-----------------|------------------------|-----------|-----------------------------------------|-------------------|
-| hidden          | [B, H]                 | bf16      | contiguous rows                         | engine / K2       |
-| residual        | [B, H] or None         | bf16      | contiguous rows; None on layer 0        | K2                |
-| residual_out    | [B, H]                 | bf16      | hidden + residual (fp32 add, rounded)   | this launch (CTA0)|
-| input_layernorm | [H]                    | bf16      | Gemma weight (``x * (1 + w)``)          | engine (read)     |
-| in_proj_qkvz    | [2*Hk*Dk + 2*Hv*Dv, H] | bf16/fp8  | "interleaved" or "contiguous" packing   | engine (read)     |
-|                 |                        |           | (compiled in; ``gdn_row_map`` is the    |                   |
-|                 |                        |           | host mirror of where each row goes)     |                   |
-| in_proj_ba      | [2*Hv, H]              | bf16/fp8  | same packing                            | engine (read)     |
-| P + ".scale"    | per ``planes``         | fp32      | scales of an fp8 plane P (stored rows)  | engine (read)     |
-| conv1d          | [C, 1, 4] or [C, 4]    | bf16      | contiguous                              | engine (read)     |
-| A_log / dt_bias | [Hv]                   | fp32/bf16 | (dtypes fixed at build)                 | engine (read)     |
-| norm            | [Dv]                   | bf16      | plain weight of the gated norm          | engine (read)     |
-| conv_state      | any [S, ., .] view     | bf16      | vLLM [S, K-1, C] or SGLang [S, C, K-1]: | this launch (S1)  |
-|                 |                        |           | read through its strides; in place      |                   |
-| ssm_state       | [S, Hv, Dv, Dk]        | fp32/bf16 | in place; each slot contiguous, slot    | this launch (S2)  |
-|                 |                        |           | stride % 16 == 0; "kv": slot memory is  |                   |
-|                 |                        |           | [Hv, Dk, Dv]                            |                   |
-| slots           | [B]                    | int32     | < 0 or == null_slot: padding (no state  | engine            |
-|                 |                        |           | read or written, o_in row = 0)          |                   |
-| o_in            | [B, Hv*Dv]             | bf16      | out_proj's input                        | this launch (S2)  |
-| qkv_proj        | [(2*Hq + 2*Hkv)*D, H]  | bf16/fp8  | per q head [q (D), gate (D)]; k; v      | engine (read)     |
-| q_norm / k_norm | [D]                    | bf16      | Gemma weights                           | engine (read)     |
-| positions       | [B]                    | int64     | 0-based token positions                 | engine            |
-| q / gate        | [B, Hq*D]              | bf16      | normed + RoPE'd q / pre-sigmoid gate    | this launch       |
-| k / v           | [B, Hkv*D]             | bf16      | normed + RoPE'd k / v                   | this launch       |
-| rope table      | [P, rotary_dim]        | fp32      | cos (rd/2) then sin (rd/2) per position | build (host, once)|
-| scratch: proj   | [Bb, Wg] words         | int64     | tagged fp32: conv out (q, k, v channels | S1 -> S2          |
-|                 |                        |           | head-major), z, beta, g                 |                   |
-| scratch: qk     | [Bb, (Hq + Hkv)*D]     | int64     | tagged fp32 raw q, k                    | S1 -> S2 (attn)   |
-| priv xs         | [G, Bb, H]             | bf16      | this CTA's normed rows (dot operand)    | prologue, same CTA|
-| ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
+The device program (prologue, S1, S2, why no wait can deadlock) and the tensor contract are
+described with the kernels, in ``k1_kernel.py``; this module declares the program
+(:func:`k1_gdn_program`, :func:`k1_attn_program`, checked by ``runtime.layout.check_handoffs``
+at build), tiles S1 (:func:`s1_tiles`), checks the tensors and builds and launches the kernels.
 """
 
 from __future__ import annotations
@@ -193,10 +156,9 @@ class K1AttnShape:
 class K1Config:
     """Grid and tiles (one build per config; none of it changes per step).
 
-    With ``wt`` every projection is ``acc^T [bn, Bb] = W [bn, bk] @ x^T [bk, Bb]``: the
-    weight tile is the MMA's M (wgmma, 64 rows per warpgroup of 4 warps; with 8 warps the
-    two warpgroups split the batch columns), the batch rows its N. Without it, x is a 16-row
-    M operand (mma.sync) that every warp re-reads (the first version; kept for comparison).
+    Every projection is ``acc^T [bn, Bb] = W [bn, bk] @ x^T [bk, Bb]``: the weight tile is
+    the MMA's M (wgmma, 64 rows per warpgroup of 4 warps; with 8 warps the two warpgroups
+    split the batch columns), the batch rows its N, so no warp re-reads another's weights.
     The defaults are the fastest tested on H200 at the 80B-A3B shapes (docs/journal.md, K1):
     8 warps (4: 1.7x slower, 16: 8-25% slower), 3 stages (2 and 4-5 slower).
     """
@@ -209,10 +171,7 @@ class K1Config:
     ns: int = 3  # software-pipeline stages of the projection loop (async copies in flight)
     pre: bool = False  # L2-prefetch the first ns - 1 weight chunks before the input norm
     preload: bool = True  # GDN: load the first S2 task's state (first slice) before S1
-    wt: bool = True  # weight tile as the MMA's M operand (see above)
     dvs: int = 2  # GDN: the [Dv, Dk] state tile in dvs row slices (1 or 2; registers / 2)
-    cvl: bool = False  # GDN: conv inputs L2-prefetched at a tile's first chunk, loaded at its
-    # last (else loaded at the first, where the load waits); helps 16 warps, not 8
 
 
 def k1_gdn_program(shape: K1GdnShape) -> Program:
@@ -403,8 +362,6 @@ class _K1LaunchBase:
                 format_code(self.formats, plane)
             except ValueError as e:
                 bad.append(str(e))
-        if self._quantized() and not self.config.wt:
-            bad.append("fp8 planes are read with wt=True only (the scales are per weight row)")
         return bad
 
     def _q(self, plane: str) -> int:
@@ -421,7 +378,7 @@ class _K1LaunchBase:
 
     def _config_label(self) -> str:
         c = self.config
-        return f"grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk} ns{c.ns} {'wt' if c.wt else 'xm'}"
+        return f"grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk} ns{c.ns}"
 
     def workspace(self, device: Any) -> K1Workspace:
         return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden, device)
@@ -449,7 +406,6 @@ class _K1LaunchBase:
             CH=min(c.ch, _next_pow2(s.hidden)),
             NS=c.ns,
             PRE=_pre(c, s.hidden) and not self._quantized(),  # the prefetch assumes bf16
-            WT=c.wt,
             STAGES=self.stages,
             INTERP=_interp(),
             num_warps=c.num_warps,
@@ -609,7 +565,6 @@ class K1GdnLaunch(_K1LaunchBase):
             STATE_BYTES=4 if self.state_dtype == "float32" else 2,
             PRELOAD=c.preload and self.stages == STAGES_ALL and not self._split(),
             DVS=c.dvs,
-            CVL=c.cvl,
             WB=_next_pow2(2 * s.dk + 2 * s.dv + 2),
             Q_QKVZ=self._q("in_proj_qkvz"),
             Q_BA=self._q("in_proj_ba"),
@@ -665,31 +620,15 @@ class K1GdnLaunch(_K1LaunchBase):
         else:
             cs_t, cs_c = cs[2], cs[1]  # SGLang: [S, C, K-1]
         return (
-            hidden,
-            hidden if residual is None else residual,
-            residual_out,
-            o_in,
-            weights["input_layernorm"],
-            weights["in_proj_qkvz"],
-            weights["in_proj_ba"],
-            weights["conv1d"],
-            weights["A_log"],
-            weights["dt_bias"],
-            weights["norm"],
-            conv_state,
-            ssm_state,
-            slots,
+            hidden, hidden if residual is None else residual, residual_out, o_in,
+            *(weights[n] for n in ("input_layernorm", "in_proj_qkvz", "in_proj_ba", "conv1d",
+                                   "A_log", "dt_bias", "norm")),
+            conv_state, ssm_state, slots,
             *_step_args(residual, ws, ctrl, health, n_rows, layer, layers_per_step),
-            -1 if null_slot is None else int(null_slot),
-            cs[0],
-            cs_t,
-            cs_c,
-            ssm_state.stride(0) // 16,
-            float(self.shape.eps),
-            float(self.shape.dk) ** -0.5,
-            self._scale_arg(weights, "in_proj_qkvz"),
-            self._scale_arg(weights, "in_proj_ba"),
-        )
+            -1 if null_slot is None else int(null_slot), cs[0], cs_t, cs_c,
+            ssm_state.stride(0) // 16, float(self.shape.eps), float(self.shape.dk) ** -0.5,
+            self._scale_arg(weights, "in_proj_qkvz"), self._scale_arg(weights, "in_proj_ba"),
+        )  # fmt: skip
 
     def _warmup_args(self, dev, one, ws, ctrl, health) -> tuple:
         import torch
@@ -783,24 +722,12 @@ class K1AttnLaunch(_K1LaunchBase):
     def _args(self, hidden, residual, weights, positions, q, k, v, gate, residual_out, ws,
               ctrl, health, n_rows, layer, layers_per_step):  # fmt: skip
         return (
-            hidden,
-            hidden if residual is None else residual,
-            residual_out,
-            weights["input_layernorm"],
-            weights["qkv_proj"],
-            weights["q_norm"],
-            weights["k_norm"],
-            self.rope,
-            positions,
-            q,
-            k,
-            v,
-            gate,
+            hidden, hidden if residual is None else residual, residual_out,
+            *(weights[n] for n in ("input_layernorm", "qkv_proj", "q_norm", "k_norm")),
+            self.rope, positions, q, k, v, gate,
             *_step_args(residual, ws, ctrl, health, n_rows, layer, layers_per_step),
-            self.max_positions,
-            float(self.shape.eps),
-            self._scale_arg(weights, "qkv_proj"),
-        )
+            self.max_positions, float(self.shape.eps), self._scale_arg(weights, "qkv_proj"),
+        )  # fmt: skip
 
     def build(self, device: Any = "cuda") -> None:
         """The cos/sin table to ``device``, then compile, load and residency-check (GPU)."""

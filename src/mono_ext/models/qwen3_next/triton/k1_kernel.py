@@ -11,7 +11,7 @@ by ``runtime.layout.check_handoffs`` at build):
   of the grid, then the rest in smaller tiles so that no CTA streams much more than its
   share (``k1.s1_tiles``); GDN: ``in_proj_ba`` first (every S2 task needs beta and g). One
   flattened loop over (tile, K chunk); each chunk is ``acc^T = W x^T`` with the weight tile
-  as wgmma's M operand (``K1Config.wt``); weights streamed with ``evict_first``. Epilogue
+  as wgmma's M operand; weights streamed with ``evict_first``. Epilogue
   per tile: GDN: the conv update for the conv channels in the tile (read K-1 cached
   values, write the shifted window back, SiLU), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention:
   gate and v go straight to their outputs. Everything a later stage needs goes into one
@@ -37,6 +37,43 @@ A CTA finishes all of its S1 tiles before its first S2 wait and S1 never waits, 
 every CTA resident (checked at build) no wait can deadlock. Waits are bounded
 (``primitives.wait_tagged``). Reduction orders depend only on the build, never on the
 width, so a row's result does not depend on the other rows and replays are bit-identical.
+
+Tensor contract (one layer; ``B`` = rows 1..16, ``Bb`` = ``BLOCK_B`` = 16, ``G`` = grid;
+sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 2*Hv):
+
+| name            | shape                  | dtype     | layout                                  | writer            |
+|-----------------|------------------------|-----------|-----------------------------------------|-------------------|
+| hidden          | [B, H]                 | bf16      | contiguous rows                         | engine / K2       |
+| residual        | [B, H] or None         | bf16      | contiguous rows; None on layer 0        | K2                |
+| residual_out    | [B, H]                 | bf16      | hidden + residual (fp32 add, rounded)   | this launch (CTA0)|
+| input_layernorm | [H]                    | bf16      | Gemma weight (``x * (1 + w)``)          | engine (read)     |
+| in_proj_qkvz    | [2*Hk*Dk + 2*Hv*Dv, H] | bf16/fp8  | "interleaved" or "contiguous" packing   | engine (read)     |
+|                 |                        |           | (compiled in; ``gdn_row_map`` is the    |                   |
+|                 |                        |           | host mirror of where each row goes)     |                   |
+| in_proj_ba      | [2*Hv, H]              | bf16/fp8  | same packing                            | engine (read)     |
+| P + ".scale"    | per ``planes``         | fp32      | scales of an fp8 plane P (stored rows)  | engine (read)     |
+| conv1d          | [C, 1, 4] or [C, 4]    | bf16      | contiguous                              | engine (read)     |
+| A_log / dt_bias | [Hv]                   | fp32/bf16 | (dtypes fixed at build)                 | engine (read)     |
+| norm            | [Dv]                   | bf16      | plain weight of the gated norm          | engine (read)     |
+| conv_state      | any [S, ., .] view     | bf16      | vLLM [S, K-1, C] or SGLang [S, C, K-1]: | this launch (S1)  |
+|                 |                        |           | read through its strides; in place      |                   |
+| ssm_state       | [S, Hv, Dv, Dk]        | fp32/bf16 | in place; each slot contiguous, slot    | this launch (S2)  |
+|                 |                        |           | stride % 16 == 0; "kv": slot memory is  |                   |
+|                 |                        |           | [Hv, Dk, Dv]                            |                   |
+| slots           | [B]                    | int32     | < 0 or == null_slot: padding (no state  | engine            |
+|                 |                        |           | read or written, o_in row = 0)          |                   |
+| o_in            | [B, Hv*Dv]             | bf16      | out_proj's input                        | this launch (S2)  |
+| qkv_proj        | [(2*Hq + 2*Hkv)*D, H]  | bf16/fp8  | per q head [q (D), gate (D)]; k; v      | engine (read)     |
+| q_norm / k_norm | [D]                    | bf16      | Gemma weights                           | engine (read)     |
+| positions       | [B]                    | int64     | 0-based token positions                 | engine            |
+| q / gate        | [B, Hq*D]              | bf16      | normed + RoPE'd q / pre-sigmoid gate    | this launch       |
+| k / v           | [B, Hkv*D]             | bf16      | normed + RoPE'd k / v                   | this launch       |
+| rope table      | [P, rotary_dim]        | fp32      | cos (rd/2) then sin (rd/2) per position | build (host, once)|
+| scratch: proj   | [Bb, Wg] words         | int64     | tagged fp32: conv out (q, k, v channels | S1 -> S2          |
+|                 |                        |           | head-major), z, beta, g                 |                   |
+| scratch: qk     | [Bb, (Hq + Hkv)*D]     | int64     | tagged fp32 raw q, k                    | S1 -> S2 (attn)   |
+| priv xs         | [G, Bb, H]             | bf16      | this CTA's normed rows (dot operand)    | prologue, same CTA|
+| ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
 """
 
 from __future__ import annotations
@@ -115,41 +152,13 @@ def _tile(t, FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr):
 
 
 @triton.jit
-def _acc_zeros(BB: tl.constexpr, BN: tl.constexpr, WT: tl.constexpr):
-    """A projection tile's fp32 accumulator: [BN, BB] with ``WT`` (acc^T = W x^T: weight rows
-    as the MMA's M), else [BB, BN] (acc = x W^T: x is a 16-row M operand every warp re-reads)."""
-    if WT:  # noqa: SIM108 (a constexpr branch)
-        acc = tl.zeros([BN, BB], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BB, BN], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _dot_chunk(acc, wt, xs_base, rows, rmask, k, H: tl.constexpr, WT: tl.constexpr, sp, wrows,
-               wlive, k0, Q: tl.constexpr, N: tl.constexpr):  # fmt: skip
-    """One K chunk of a tile: the weight chunk ``wt`` [BN, BK] (plane format ``Q``, its scales
-    at ``sp``, stored rows ``wrows``, chunk at column ``k0``) times this CTA's normed rows."""
-    if WT:
-        xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :],
-                     other=0.0)  # fmt: skip
-        acc = qdot(wt, xt, acc, sp, wrows, wlive, k0, Q, N, H)  # Q = 0: tl.dot(wt, xt, acc)
-    else:
-        tl.static_assert(Q == 0, "fp8 planes are read with wt (refused at build)")
-        xa = tl.load(xs_base + rows[:, None] * H + k[None, :], mask=rmask[:, None],
-                     other=0.0)  # fmt: skip
-        acc = tl.dot(xa, tl.trans(wt), acc)
-    return acc
-
-
-@triton.jit
-def _acc_rows(acc, WT: tl.constexpr):
-    """A finished tile's accumulator as [BB, BN] (batch rows x projection rows)."""
-    if WT:  # noqa: SIM108 (a constexpr branch)
-        acc_r = tl.trans(acc)
-    else:
-        acc_r = acc
-    return acc_r
+def _dot_chunk(acc, wt, xs_base, rows, rmask, k, H: tl.constexpr, sp, wrows, wlive, k0,
+               Q: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    """One K chunk of a tile, ``acc^T += W x^T``: the weight chunk ``wt`` [BN, BK] is the MMA's
+    M operand (wgmma), this CTA's normed rows its N; ``Q`` is the plane's format, its scales
+    at ``sp``, stored rows ``wrows``, chunk at column ``k0``."""
+    xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :], other=0.0)
+    return qdot(wt, xt, acc, sp, wrows, wlive, k0, Q, N, H)  # Q = 0: tl.dot(wt, xt, acc)
 
 
 @triton.jit
@@ -158,7 +167,7 @@ def _dot_mixed(acc, wq, wa, is_ba, xs_base, rows, rmask, k, k0, sq_ptr, sba_ptr,
                Q_BA: tl.constexpr):  # fmt: skip
     """A GDN chunk when in_proj_qkvz and in_proj_ba differ in format (the usual FP8 checkpoint:
     fp8 qkvz, bf16 ba): the tile's plane (``is_ba``) was loaded into ``wa`` or ``wq`` (the
-    other fully masked); ``planes.qdot_either`` (wt only, checked at build)."""
+    other fully masked); ``planes.qdot_either``."""
     xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :], other=0.0)
     return qdot_either(acc, wq, wa, is_ba, xt, sq_ptr, sba_ptr, wrows, live, k0, Q_QKVZ, Q_BA,
                        PQ, H, PBA, H)  # fmt: skip
@@ -280,26 +289,6 @@ def _conv_inputs(
 
 
 @triton.jit
-def _prefetch_conv_inputs(
-    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t,
-    cs_c, CONV: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, KC: tl.constexpr,
-):  # fmt: skip
-    """L2-prefetch what :func:`_conv_inputs` will read (no registers, nothing waits)."""
-    is_conv = (dest >= 0) & (dest < CONV)
-    is_a = dest >= CONV + VD + HV
-    ch = tl.where(is_conv, dest, 0)
-    ha = tl.where(is_a, dest - (CONV + VD + HV), 0)
-    cm = rvalid[:, None] & is_conv[None, :]
-    cbase = conv_ptr + slot64[:, None] * cs_slot + ch[None, :] * cs_c
-    _prefetch_l2(cbase, cm)
-    _prefetch_l2(cbase + cs_t, cm)
-    _prefetch_l2(cbase + 2 * cs_t, cm)
-    _prefetch_l2(convw_ptr + ch * KC, is_conv)
-    _prefetch_l2(alog_ptr + ha, is_a)
-    _prefetch_l2(dtb_ptr + ha, is_a)
-
-
-@triton.jit
 def _gdn_epilogue(
     acc, dest, s0, s1, s2, w0, w1, w2, w3, alog, dtb, rows, rmask, rvalid, slot64, proj_ptr,
     conv_ptr, cs_slot, cs_t, cs_c, tag,
@@ -350,7 +339,7 @@ def _gdn_s1(
     DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, WROW: tl.constexpr,
     INTERLEAVED: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr,
-    PRE: tl.constexpr, WT: tl.constexpr, CVL: tl.constexpr, CONV: tl.constexpr,
+    PRE: tl.constexpr, CONV: tl.constexpr,
     VD: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, RR: tl.constexpr,
     Q_QKVZ: tl.constexpr, Q_BA: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
@@ -377,7 +366,7 @@ def _gdn_s1(
 
     kk = tl.arange(0, BK)
     nn = tl.arange(0, BN)
-    acc = _acc_zeros(BB, BN, WT)
+    acc = tl.zeros([BN, BB], dtype=tl.float32)  # acc^T: weight rows x batch rows
     # a tile's epilogue inputs, loaded at its first chunk: their latency hides behind the
     # tile's other chunks instead of stalling the pipeline at the tile's end
     c0 = tl.zeros([BB, BN], dtype=tl.float32)
@@ -420,39 +409,22 @@ def _gdn_s1(
         p = tl.where(is_ba, PQ + rs, rs - NA)
         dest = tl.where(live, _payload_word(p, PQ, PBA, HV, DK, DV, RR, INTERLEAVED), -1)
         if kc == 0:
-            if CVL:  # start moving them into L2; loaded at the tile's last chunk
-                if not INTERP:
-                    _prefetch_conv_inputs(
-                        dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr,
-                        cs_slot, cs_t, cs_c, CONV, VD, HV, KC,
-                    )  # fmt: skip
-            else:
-                c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
-                    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
-                    cs_t, cs_c, CONV, VD, HV, KC,
-                )  # fmt: skip
+            c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
+                dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t,
+                cs_c, CONV, VD, HV, KC,
+            )  # fmt: skip
         if Q_QKVZ == Q_BA:
             # scale_index reads only K: PQ stands for either plane's N
             sp = tl.where(is_ba, sba_ptr, sq_ptr)
-            acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT, sp, r_in, live,
-                             kc * BK, Q_QKVZ, PQ)  # fmt: skip
+            acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, sp, r_in, live, kc * BK,
+                             Q_QKVZ, PQ)  # fmt: skip
         else:
             acc = _dot_mixed(acc, wt, wa, is_ba, xs_base, rows, rmask, k, kc * BK, sq_ptr,
                              sba_ptr, r_in, live, H, PQ, PBA, Q_QKVZ, Q_BA)  # fmt: skip
         if kc == KCH - 1:
-            acc_r = _acc_rows(acc, WT)
-            if CVL:
-                e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb = _conv_inputs(
-                    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
-                    cs_t, cs_c, CONV, VD, HV, KC,
-                )  # fmt: skip
-            else:
-                e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb = (
-                    c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb,
-                )  # fmt: skip
             _gdn_epilogue(
-                acc_r, dest, e0, e1, e2, ew0, ew1, ew2, ew3, ealog, edtb, rows, rmask, rvalid,
-                slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag,
+                tl.trans(acc), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask,
+                rvalid, slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag,
                 CONV, VD, HV, WROW, INTERP,
             )  # fmt: skip
             acc = tl.zeros_like(acc)
@@ -555,7 +527,7 @@ def _attn_s1(
     G, rows, rmask, n_rows, has_res, eps, tag, H: tl.constexpr, HQ: tl.constexpr,
     D: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr,
     HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr,
-    WT: tl.constexpr, Q_QKV: tl.constexpr, QG: tl.constexpr, KVD: tl.constexpr,
+    Q_QKV: tl.constexpr, QG: tl.constexpr, KVD: tl.constexpr,
     PA: tl.constexpr, WA: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """Attention S1: input norm, then the qkv_proj tiles; gate and v go straight to their
@@ -572,7 +544,7 @@ def _attn_s1(
                 H, BB, CH)  # fmt: skip
     kk = tl.arange(0, BK)
     nn = tl.arange(0, BN)
-    acc = _acc_zeros(BB, BN, WT)
+    acc = tl.zeros([BN, BB], dtype=tl.float32)  # acc^T: weight rows x batch rows
     for it in tl.range(0, n_it, num_stages=NS):  # pipelined, as in the GDN kernel
         j = it // KCH
         kc = it - j * KCH
@@ -585,10 +557,10 @@ def _attn_s1(
             other=0.0,
             eviction_policy="evict_first",
         )
-        acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, WT, sqkv_ptr, r, r < PA,
+        acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, sqkv_ptr, r, r < PA,
                          kc * BK, Q_QKV, PA)  # fmt: skip
         if kc == KCH - 1:
-            acc_r = _acc_rows(acc, WT)
+            acc_r = tl.trans(acc)
             p = r
             head = p // (2 * D)
             o = p - head * (2 * D)
@@ -658,7 +630,7 @@ def k1_gdn_kernel(
     # tiles
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr,
     NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr, PRELOAD: tl.constexpr,
-    DVS: tl.constexpr, WT: tl.constexpr, CVL: tl.constexpr, WB: tl.constexpr, Q_QKVZ: tl.constexpr,
+    DVS: tl.constexpr, WB: tl.constexpr, Q_QKVZ: tl.constexpr,
     Q_BA: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -711,7 +683,7 @@ def k1_gdn_kernel(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr,
             conv_ptr, slots_ptr, xs_ptr, proj_ptr, sq_ptr, sba_ptr, pid, G, rows, rmask, n_rows,
             has_res, null_slot, cs_slot, cs_t, cs_c, eps, tag, H, HV, DK, DV, KC, WROW,
-            INTERLEAVED, BB, BN, BK, FT, HB, NT, CH, NS, PRE, WT, CVL, CONV, VD, PQ, PBA, RR,
+            INTERLEAVED, BB, BN, BK, FT, HB, NT, CH, NS, PRE, CONV, VD, PQ, PBA, RR,
             Q_QKVZ, Q_BA, INTERP,
         )  # fmt: skip
     if STAGES & 2:
@@ -732,7 +704,7 @@ def k1_attn_kernel(
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
     OFF_QK: tl.constexpr, RID_QK: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr,
-    NS: tl.constexpr, PRE: tl.constexpr, WT: tl.constexpr, Q_QKV: tl.constexpr,
+    NS: tl.constexpr, PRE: tl.constexpr, Q_QKV: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -768,7 +740,7 @@ def k1_attn_kernel(
         _attn_s1(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr,
             sqkv_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H, HQ, D, BB, BN, BK, FT,
-            HB, NT, CH, NS, PRE, WT, Q_QKV, QG, KVD, PA, WA, INTERP,
+            HB, NT, CH, NS, PRE, Q_QKV, QG, KVD, PA, WA, INTERP,
         )  # fmt: skip
     if STAGES & 2:
         _attn_s2(

@@ -131,9 +131,6 @@ class K2Config:
     ns3: int = 4  # gate_up
     ns4: int = 4  # down
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
-    bal3: bool = False  # gate_up tile height picked per step (measured slower: off)
-    task_rows: int = 4  # what one more gate_up task costs, in rows, when picking its height
-    pf3: bool = False  # CTAs with an extra gate_up task pull it into L2 first (slower: off)
 
     def splits(self, shape: K2Shape) -> int:
         """out_proj's K splits for this shape: about one S1 task per CTA."""
@@ -306,12 +303,10 @@ class K2Launch:
         )
 
     def _max_tasks3(self) -> int:
-        """gate_up tasks of the widest step: the shared expert and every routed slot, at the
-        smallest tile height ``bal3`` may pick (half the tile)."""
+        """gate_up tasks of the widest step: the shared expert and every routed slot."""
         s, c = self.shape, self.config
         bi3 = c.bn3 // 2
-        low = max(2, bi3 // 2) if c.bal3 else bi3
-        return -(-s.shared_inter // low) + s.slots * -(-s.moe_inter // low)
+        return -(-s.shared_inter // bi3) + s.slots * -(-s.moe_inter // bi3)
 
     def _run_slots(self) -> int:
         """Slots one CTA's run of down tasks can touch (power of two): a run of at most
@@ -378,9 +373,6 @@ class K2Launch:
             PIPE4=c.ns4,
             JM3=_next_pow2(-(-(self._max_tasks3()) // c.grid)),
             TRACE=c.trace,
-            BAL3=c.bal3,
-            TASK_ROWS=c.task_rows,
-            PF3=c.pf3 and not _interp(),
             Q_O=format_code(self.formats, self.w_o_name),
             Q_13=format_code(self.formats, "w13"),
             Q_2=format_code(self.formats, "w2"),

@@ -101,21 +101,9 @@ def _stamp(trace_ptr, i: tl.constexpr, TRACE: tl.constexpr):
 
 @triton.jit
 def _put_partial(
-    scratch_ptr,
-    peers_ptr,
-    off,
-    slot,
-    acc_t,
-    n_idx,
-    rows,
-    mask,
-    tag,
-    RANKS: tl.constexpr,
-    WORDS: tl.constexpr,
-    H: tl.constexpr,
-    SYS: tl.constexpr,
-    INTERP: tl.constexpr,
-):
+    scratch_ptr, peers_ptr, off, slot, acc_t, n_idx, rows, mask, tag, RANKS: tl.constexpr,
+    WORDS: tl.constexpr, H: tl.constexpr, SYS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     """Store a transposed fp32 partial ``acc_t`` [N, Bb] (columns ``n_idx`` of H) as tagged
     words into slot ``slot`` of a partials region: local at TP1, on every peer at TP > 1."""
     words = pack_tagged(_fp32_bits(acc_t), tag)
@@ -133,21 +121,10 @@ def _put_partial(
 
 @triton.jit
 def _sum_partials(
-    base_ptr,
-    slot0,
-    region_id,
-    n_rows,
-    cols,
-    tag,
-    ctrl_ptr,
-    health_ptr,
-    NSLOT: tl.constexpr,
-    WORDS: tl.constexpr,
-    H: tl.constexpr,
-    BB: tl.constexpr,
-    CB: tl.constexpr,
+    base_ptr, slot0, region_id, n_rows, cols, tag, ctrl_ptr, health_ptr, NSLOT: tl.constexpr,
+    WORDS: tl.constexpr, H: tl.constexpr, BB: tl.constexpr, CB: tl.constexpr,
     INTERP: tl.constexpr,
-):
+):  # fmt: skip
     """Wait for slots ``slot0 .. slot0 + NSLOT - 1`` of rows x ``cols``, sum them in slot
     order (fp32). One bounded wait covers every slot (one round trip per spin)."""
     flat = tl.arange(0, NSLOT * BB)
@@ -438,37 +415,18 @@ def _s3_gate_up(
     pid, G, rows, rmask, n_u, tag, H: tl.constexpr, IR: tl.constexpr, ISR: tl.constexpr,
     BB: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, PIPE3: tl.constexpr,
     JM3: tl.constexpr, UM: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr,
-    IWS: tl.constexpr, EB13: tl.constexpr, EBSG: tl.constexpr, BAL3: tl.constexpr,
-    TASK_ROWS: tl.constexpr, PF3: tl.constexpr, Q_13: tl.constexpr, Q_SGU: tl.constexpr,
-    SPE13: tl.constexpr, INTERP: tl.constexpr,
+    IWS: tl.constexpr, Q_13: tl.constexpr, Q_SGU: tl.constexpr, SPE13: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
     """S3 gate_up: (shared or routed slot, row block) tasks of gate rows + the same up rows,
     SiLU(g) * u * routing weight -> bf16 pairs in ``act`` per (slot, row)."""
-    I8: tl.constexpr = tl.pointer_type(tl.int8)  # prefetches address bytes (planes differ)
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
     NB: tl.constexpr = (IR + BI3 - 1) // BI3
     NBS: tl.constexpr = (ISR + BI3 - 1) // BI3
     KCH3: tl.constexpr = (H + BK3 - 1) // BK3
-    # tasks: shared blocks first, then (routed slot, block) of L3 gate rows (+ the same up
-    # rows) in a tile of BI3 + BI3. L3 (even, <= BI3) is picked per step so that the
-    # busiest CTA streams the fewest rows: at width 1, 11 planes of 512 rows as 176 tiles
-    # of 32 leave 44 CTAs with two tiles; 264 tiles of 22 give every CTA two smaller ones.
-    L3 = BI3
-    nbs3 = NBS
-    nb3 = NB
-    if BAL3:
-        best = 2147483647
-        for c in tl.static_range(BI3 // 4 + 1):  # heights BI3 .. BI3 / 2 (JM bounds it)
-            lc = BI3 - 2 * c
-            nbs_c = (ISR + lc - 1) // lc
-            nb_c = (IR + lc - 1) // lc
-            cost = ((nbs_c + n_u * nb_c + G - 1) // G) * (lc + TASK_ROWS)
-            take = cost < best
-            L3 = tl.where(take, lc, L3)
-            nbs3 = tl.where(take, nbs_c, nbs3)
-            nb3 = tl.where(take, nb_c, nb3)
-            best = tl.where(take, cost, best)
-    T3 = nbs3 + n_u * nb3
+    # tasks: shared blocks first, then (routed slot, block) of BI3 gate rows (+ the same up
+    # rows) in a tile of BI3 + BI3
+    T3 = NBS + n_u * NB
     n_mine3 = tl.where(pid < T3, (T3 - 1 - pid) // G + 1, 0)
     n_it3 = n_mine3 * KCH3
     kk3 = tl.arange(0, BK3)
@@ -482,42 +440,21 @@ def _s3_gate_up(
     jv = tl.arange(0, JM3)
     tv = pid + jv * G
     ex_v = tl.load(
-        meta_base + tl.minimum(tl.maximum(tv - nbs3, 0) // nb3, UM - 1),
-        mask=(tv >= nbs3) & (tv < T3),
+        meta_base + tl.minimum(tl.maximum(tv - NBS, 0) // NB, UM - 1),
+        mask=(tv >= NBS) & (tv < T3),
         other=0,
     )
-    if PF3:  # noqa: SIM102 (constexpr, then a per-CTA condition)
-        # The CTAs with one task more than the rest end the stage: their last tile goes
-        # into L2 now, so HBM streams it while they work on the first (idle SMs' share
-        # of the bandwidth serves the busy ones).
-        if n_mine3 > T3 // G:
-            tl_ = pid + (n_mine3 - 1) * G
-            sh_ = tl_ < nbs3
-            ex_ = tl.sum(tl.where(jv == n_mine3 - 1, ex_v, 0), axis=0)
-            wb_ = tl.where(sh_, sgu_ptr.to(I8),
-                           (w13_ptr + ex_.to(tl.int64) * (2 * IR * H)).to(I8))  # fmt: skip
-            eb_ = tl.where(sh_, EBSG, EB13)
-            isl_ = tl.where(sh_, ISR, IR)
-            ib_ = tl.where(sh_, tl_, (tl_ - nbs3) % nb3)
-            nrow_ = tl.minimum(L3, isl_ - ib_ * L3)
-            q = tl.arange(0, 8)  # gate block, then up block, each in 4 pieces
-            pc = (nrow_ + 3) // 4
-            r_lo = tl.minimum((q % 4) * pc, nrow_)
-            r_hi = tl.minimum(r_lo + pc, nrow_)
-            row0 = (q // 4) * isl_ + ib_ * L3 + r_lo
-            nbp = (r_hi - r_lo) * H * eb_
-            _prefetch_l2(wb_ + row0.to(tl.int64) * H * eb_, nbp, (nbp > 0) & (nbp % 16 == 0))
     # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
     for it in tl.range(0, n_it3, num_stages=PIPE3):
         j = it // KCH3
         kc = it - j * KCH3
         t = pid + j * G
-        sh = t < nbs3
+        sh = t < NBS
         ex = tl.sum(tl.where(jv == j, ex_v, 0), axis=0)
         isl = tl.where(sh, ISR, IR)
-        ib = tl.where(sh, t, (t - nbs3) % nb3)
-        gr = ib * L3 + ri
-        live3 = (ri < L3) & (gr < isl)
+        ib = tl.where(sh, t, (t - NBS) % NB)
+        gr = ib * BI3 + ri
+        live3 = (ri < BI3) & (gr < isl)
         wrow = half * isl + gr
         k3 = kc * BK3 + kk3
         km = k3 < H
@@ -540,7 +477,7 @@ def _s3_gate_up(
             acc3 = qdot_either(acc3, w_r, w_s, sh, x_t, s13_e, s_sgu_ptr, wrow, live3,
                                kc * BK3, Q_13, Q_SGU, 2 * IR, H, 2 * ISR, H)  # fmt: skip
         if kc == KCH3 - 1:
-            slot = tl.where(sh, UM, (t - nbs3) // nb3)
+            slot = tl.where(sh, UM, (t - NBS) // NB)
             wr3 = tl.load(wsc_base + slot * BB + rows)
             pr3 = tl.load(ppos_base + slot * BB + rows)
             g3, u3 = tl.split(tl.permute(tl.reshape(acc3, (2, BI3, BB)), (1, 2, 0)))
@@ -549,11 +486,11 @@ def _s3_gate_up(
             lo_b = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             hi_b = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
             cl = tl.arange(0, BI3 // 2)
-            c2 = ib * (L3 // 2) + cl
+            c2 = ib * (BI3 // 2) + cl
             # activation rows by (slot, row): the down stage reads a slot's rows at an
             # address it computes, with no lookup
             off3 = (slot * BB + rows)[None, :] * IW + c2[:, None]
-            am3 = (pr3[None, :] >= 0) & ((cl < L3 // 2) & (c2 < tl.where(sh, IWS, IWR)))[:, None]
+            am3 = (pr3[None, :] >= 0) & ((cl < BI3 // 2) & (c2 < tl.where(sh, IWS, IWR)))[:, None]
             put_words(act_ptr, off3, hi_b | lo_b, am3, tag, INTERP)
             acc3 = tl.zeros([BN3, BB], dtype=tl.float32)
 
@@ -747,8 +684,8 @@ def k2_kernel(
     JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RB: tl.constexpr, RN: tl.constexpr,
     HP: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr, NPP: tl.constexpr,
     IWPOW: tl.constexpr, STAGES: tl.constexpr, PIPE1: tl.constexpr, PIPE3: tl.constexpr,
-    PIPE4: tl.constexpr, JM3: tl.constexpr, TRACE: tl.constexpr, BAL3: tl.constexpr,
-    TASK_ROWS: tl.constexpr, PF3: tl.constexpr, Q_O: tl.constexpr, Q_13: tl.constexpr,
+    PIPE4: tl.constexpr, JM3: tl.constexpr, TRACE: tl.constexpr, Q_O: tl.constexpr,
+    Q_13: tl.constexpr,
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
@@ -770,8 +707,7 @@ def k2_kernel(
     META: tl.constexpr = UM + 1
     W_P: tl.constexpr = BB * H  # words per partials slot (p1 / p4)
     NS1: tl.constexpr = RANKS * KSPL1  # out_proj partial slots per parity
-    EB13: tl.constexpr = 1 if Q_13 else 2  # bytes per routed gate_up weight (fp8 / bf16)
-    EB2: tl.constexpr = 1 if Q_2 else 2  # bytes per routed down weight
+    EB2: tl.constexpr = 1 if Q_2 else 2  # bytes per routed down weight (fp8 / bf16)
     EBSG: tl.constexpr = 1 if Q_SGU else 2  # the shared expert's
     EBSD: tl.constexpr = 1 if Q_SD else 2
 
@@ -835,7 +771,7 @@ def k2_kernel(
         _s3_gate_up(
             w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, wsc_base, ppos_base, meta_base,
             act_ptr, pid, G, rows, rmask, n_u, tag, H, IR, ISR, BB, BN3, BK3, PIPE3, JM3, UM, IW,
-            IWR, IWS, EB13, EBSG, BAL3, TASK_ROWS, PF3, Q_13, Q_SGU, SPE13, INTERP,
+            IWR, IWS, Q_13, Q_SGU, SPE13, INTERP,
         )  # fmt: skip
     _stamp(trace_ptr, 6, TRACE)
     if STAGES & 16:
