@@ -1,0 +1,89 @@
+"""K1 (GDN, attention) and K2 (bf16) as a deployment of the 80B-A3B preset builds them,
+compiled for sm_90a on the CPU (no GPU, no driver: ``kernels.triton.offline``, the same
+builds ``tools/ptx_digest.py`` digests), with the resource facts the persistent design
+relies on: no spills, at most 255 registers, shared memory within an H200 block's 227 KB,
+one CTA per SM resident at the build's grid, the projections on wgmma, and no compile of
+its own per width (the row count is never specialised).
+
+Skips only where Triton cannot compile for sm_90a at all (a probe kernel), and under
+``TRITON_INTERPRET=1`` (the interpreter replaces compiled kernels).
+"""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    pytest.skip("offline sm_90a compiles need the compiler, not the interpreter",
+                allow_module_level=True)  # fmt: skip
+
+import triton.language as tl  # noqa: E402
+
+from mono_ext.kernels.triton.offline import (  # noqa: E402
+    SHARED_PER_BLOCK,
+    compile_offline,
+    ptx_digest,
+    resources,
+)
+from mono_ext.models.qwen3_next.triton.offline import (  # noqa: E402
+    DEFAULT_BUILDS,
+    GRID,
+    offline_build,
+)
+from mono_ext.runtime.build_cache import (  # noqa: E402
+    DeviceLimits,
+    KernelResources,
+    check_residency,
+)
+
+WIDTHS = (1, 16)
+
+
+@triton.jit
+def _probe(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(build, width) -> (build, compiled kernel), each compiled once for the module."""
+    try:
+        compile_offline(_probe, (torch.zeros(16), 16), {"BLOCK": 16})
+    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton
+        pytest.skip(f"Triton cannot compile for sm_90a here: {e!r}")
+    out = {}
+    for name in DEFAULT_BUILDS:
+        for w in WIDTHS:
+            b = offline_build(name, w)
+            out[name, w] = (b, b.compile())
+    return out
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", DEFAULT_BUILDS)
+def test_resources(compiled, name, width):
+    b, c = compiled[name, width]
+    r = resources(c)
+    assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
+    assert r.regs <= 255, f"{b.label}: {r.regs} registers"
+    assert 0 < r.shared <= SHARED_PER_BLOCK, f"{b.label}: {r.shared} B shared"
+    assert r.num_warps == b.constexprs["num_warps"]
+    res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
+    # the build's own residency check, against an H200's 132 SMs
+    assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", DEFAULT_BUILDS)
+def test_projections_on_wgmma(compiled, name, width):
+    b, c = compiled[name, width]
+    assert "wgmma.mma_async" in c.asm["ptx"], f"{b.label}: no wgmma in the PTX"
+
+
+@pytest.mark.parametrize("name", DEFAULT_BUILDS)
+def test_one_compile_for_every_width(compiled, name):
+    digests = {ptx_digest(compiled[name, w][1]) for w in WIDTHS}
+    assert len(digests) == 1, f"{name}: widths {WIDTHS} compile to different code"
