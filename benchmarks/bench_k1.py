@@ -407,6 +407,7 @@ def vllm_gdn_rows(md, width, layers, slots, hid, res, k1_ref, copies, reps, nbyt
     ``k1_ref`` = (o_in, new recurrent state of layer 0's first slot), then timed."""
     out = []
     planes = [{k: v for k, v in w.items() if k != "conv1d_t"} for w, _, _ in layers]
+    start = (layers[0][1].clone(), layers[0][2].clone())  # each mode's timing moves the states
     for mode in VLLM_MODES:
         try:
             arm, front = _vllm_front(planes, [], mode)
@@ -414,7 +415,7 @@ def vllm_gdn_rows(md, width, layers, slots, hid, res, k1_ref, copies, reps, nbyt
                 raise RuntimeError("vLLM keeps the conv state channel-major here; K1's rows "
                                    "use time-major (VLLM_SSM_CONV_STATE_LAYOUT unset)")  # fmt: skip
             states = [(conv, ssm) for _, conv, ssm in layers]
-            check = [(states[0][0].clone(), states[0][1].clone())] + states[1:]
+            check = [(start[0].clone(), start[1].clone())] + states[1:]
             with front.gdn_step(check, slots):
                 o, _ = front.gdn_front(0, hid, res)
             torch.cuda.synchronize()
