@@ -211,6 +211,25 @@ def _front(out_proj, norm, o_in: torch.Tensor, residual: torch.Tensor):
     return norm(out, residual)
 
 
+@contextlib.contextmanager
+def worker_context(cfg, attn_metadata: Any = None) -> Iterator[None]:
+    """What a vLLM worker has in place around a forward: the config, the IR op priority and
+    torch wrapping, a forward context (with ``attn_metadata``, the step's per-layer metadata)."""
+    from vllm import ir
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with contextlib.ExitStack() as st:
+        st.enter_context(set_current_vllm_config(cfg))
+        st.enter_context(cfg.kernel_config.ir_op_priority.set_priority())
+        # Unwrapped IR ops: eager, the worker's setting for mode NONE (ir_enable_torch_wrap
+        # False); compiled, Dynamo inlines the native implementation, as vLLM's own lowering
+        # pass does inside its Inductor pipeline.
+        st.enter_context(ir.enable_torch_wrap(False))
+        st.enter_context(set_forward_context(attn_metadata, cfg))
+        yield
+
+
 class VllmTail:
     """vLLM 0.26's modules for the K2 work of ``len(planes)`` layers (see the module docstring).
 
@@ -316,23 +335,9 @@ class VllmTail:
                 raise ValueError(f"{pname} was not bound (on {p.device})")
         layer.to(self.device)  # buffers, if any (the parameters are there already: no copies)
 
-    @contextlib.contextmanager
-    def context(self) -> Iterator[None]:
-        """What a vLLM worker has in place around a forward: the config, the IR op priority and
-        torch wrapping, a forward context."""
-        from vllm import ir
-        from vllm.config import set_current_vllm_config
-        from vllm.forward_context import set_forward_context
-
-        with contextlib.ExitStack() as st:
-            st.enter_context(set_current_vllm_config(self.cfg))
-            st.enter_context(self.cfg.kernel_config.ir_op_priority.set_priority())
-            # Unwrapped IR ops: eager, the worker's setting for mode NONE (ir_enable_torch_wrap
-            # False); compiled, Dynamo inlines the native implementation, as vLLM's own lowering
-            # pass does inside its Inductor pipeline.
-            st.enter_context(ir.enable_torch_wrap(False))
-            st.enter_context(set_forward_context(None, self.cfg))
-            yield
+    def context(self) -> contextlib.AbstractContextManager:
+        """What a vLLM worker has in place around a forward (:func:`worker_context`)."""
+        return worker_context(self.cfg)
 
     def __call__(
         self, r: int, o_in: torch.Tensor, residual: torch.Tensor

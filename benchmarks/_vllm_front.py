@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _vllm_chain import MODES, engine_config, write_model_dir
+from _vllm_chain import MODES, engine_config, worker_context, write_model_dir
 
 from mono_ext.engines.vllm.local import ensure_vllm_distributed
 
@@ -304,15 +304,5 @@ class VllmFront:
 
     # ------------------------------------------------------------------ shared
 
-    @contextlib.contextmanager
-    def _context(self, attn_metadata: Any) -> Iterator[None]:
-        from vllm import ir
-        from vllm.config import set_current_vllm_config
-        from vllm.forward_context import set_forward_context
-
-        with contextlib.ExitStack() as st:
-            st.enter_context(set_current_vllm_config(self.cfg))
-            st.enter_context(self.cfg.kernel_config.ir_op_priority.set_priority())
-            st.enter_context(ir.enable_torch_wrap(False))
-            st.enter_context(set_forward_context(attn_metadata, self.cfg))
-            yield
+    def _context(self, attn_metadata: Any) -> contextlib.AbstractContextManager:
+        return worker_context(self.cfg, attn_metadata)

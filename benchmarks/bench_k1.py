@@ -432,17 +432,20 @@ def vllm_gdn_rows(md, width, layers, slots, hid, res, k1_ref, copies, reps, nbyt
                     for i in range(copies):
                         front.gdn_front(i, hid, res)
 
-            g = _graph(body)
-            us = statistics.median(_events_ms(g.replay, reps)) * 1e3 / copies
+            out.append(_timed_row("gdn", width, arm, body, copies, reps, nbytes, bw_copy))
         except Exception as e:  # report and go on: K1's numbers and the other arm still stand
             print(f"  vllm {mode} w{width}: not timed ({type(e).__name__}: {e})", flush=True)
-            continue
-        out.append({"kind": "gdn", "width": width, "arm": arm, "median_us": round(us, 2),
-                    "bytes": nbytes, "pct_hbm": round(100 * nbytes / us / 1e3 / bw_copy, 1)})  # fmt: skip
-        print(f"  {arm:<14} gdn w{width:<2} {us:8.2f} us", flush=True)
-        del g, front
+        front = None
         torch.cuda.empty_cache()
     return out
+
+
+def _timed_row(kind, width, arm, body, copies, reps, nbytes, bw_copy) -> dict:
+    """``body`` (``copies`` layers) captured in one graph, timed per layer, as a results row."""
+    us = statistics.median(_events_ms(_graph(body).replay, reps)) * 1e3 / copies
+    print(f"  {arm:<14} {kind} w{width:<2} {us:8.2f} us", flush=True)
+    return {"kind": kind, "width": width, "arm": arm, "median_us": round(us, 2),
+            "bytes": nbytes, "pct_hbm": round(100 * nbytes / us / 1e3 / bw_copy, 1)}  # fmt: skip
 
 
 def vllm_attn_rows(md, width, ws_list, hid, res, pos, k1_ref, copies, reps, nbytes, bw_copy):
@@ -468,15 +471,10 @@ def vllm_attn_rows(md, width, ws_list, hid, res, pos, k1_ref, copies, reps, nbyt
                     for i in range(copies):
                         front.attn_front(i, hid, res, pos, caches[i], slot_mapping)
 
-            g = _graph(body)
-            us = statistics.median(_events_ms(g.replay, reps)) * 1e3 / copies
+            out.append(_timed_row("attn", width, arm, body, copies, reps, nbytes, bw_copy))
         except Exception as e:
             print(f"  vllm {mode} attn w{width}: not timed ({type(e).__name__}: {e})", flush=True)
-            continue
-        out.append({"kind": "attn", "width": width, "arm": arm, "median_us": round(us, 2),
-                    "bytes": nbytes, "pct_hbm": round(100 * nbytes / us / 1e3 / bw_copy, 1)})  # fmt: skip
-        print(f"  {arm:<14} attn w{width:<2} {us:8.2f} us", flush=True)
-        del g, front
+        front = None
         torch.cuda.empty_cache()
     return out
 

@@ -21,8 +21,8 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 import triton.language as tl  # noqa: E402
 
+from mono_ext.kernels.triton.limits import SHARED_PER_BLOCK  # noqa: E402
 from mono_ext.kernels.triton.offline import (  # noqa: E402
-    SHARED_PER_BLOCK,
     compile_offline,
     ptx_digest,
     resources,

@@ -10,15 +10,14 @@ which faults on the device.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import tempfile
-
 import pytest
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 ring = pytest.importorskip("mono_ext.kernels.triton.ring", reason="this Triton has no Gluon")
+
+from mono_ext.kernels.triton.limits import SHARED_PER_BLOCK  # noqa: E402
+from mono_ext.kernels.triton.offline import resources  # noqa: E402
 
 K = 2048
 CONFIGS = [
@@ -61,18 +60,6 @@ def _compile_sm90(config: ring.RingConfig, cols: int):
         pytest.skip(f"cannot compile for sm_90a here: {exc}")
 
 
-def _local_bytes(cubin: bytes) -> int:
-    """Per-thread local memory (spills) from cuobjdump's resource usage."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run(
-            [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    return int(usage.split("LOCAL:")[1].split()[0])
-
-
 @pytest.mark.parametrize(
     "config", CONFIGS, ids=lambda c: f"R{c.tile_rows}bk{c.k_chunk}ns{c.stages}"
 )
@@ -87,11 +74,12 @@ def test_ring_compiles_for_sm90a_with_the_stream_instructions(config, cols):
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group" in ptx
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx
     assert "setmaxnreg" in ptx  # the loader warp gives its registers to the consumer
-    assert _local_bytes(kernel.asm["cubin"]) == 0
-    smem = kernel.metadata.shared
+    res = resources(kernel)
+    assert res.stack == 0 and res.spill_stores == res.spill_loads == 0
+    smem = res.shared
     want = config.smem_bytes(K, cols)
     assert want <= smem <= want + 1024, (smem, want)  # ring + x^T, then alignment and barriers
-    assert smem <= ring.SMEM_PER_BLOCK
+    assert smem <= SHARED_PER_BLOCK
 
 
 def test_ring_refuses_a_plane_it_cannot_tile():

@@ -6,5 +6,7 @@ BLOCK_B = 16
 PER_STEP_ARGS = ("n_rows", "layer", "layers_per_step")
 # Plane format -> the ``Q`` constexpr the kernels branch on (``planes``: layouts, the reader).
 FORMAT_CODES = {"bf16": 0, "fp8_block128": 1, "fp8_channel": 2, "fp8_tensor": 3}
+# The H200's (sm_90) largest opt-in shared memory per block.
+SHARED_PER_BLOCK = 227 * 1024
 # What the Triton K1/K2 read (the builder's ``plane_formats``).
 READ_FORMATS = frozenset(FORMAT_CODES)

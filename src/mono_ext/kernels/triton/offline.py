@@ -23,9 +23,6 @@ from typing import Any
 
 __all__ = ["OfflineResources", "compile_offline", "normalised_ptx", "ptx_digest", "resources"]
 
-#: the H200's (sm_90) largest opt-in shared memory per block
-SHARED_PER_BLOCK = 227 * 1024
-
 
 def compile_offline(kernel: Any, args: tuple, constexprs: dict, arch: int = 90) -> Any:
     """``kernel`` (a ``triton.JITFunction``) compiled for ``arch`` with the specialisation a

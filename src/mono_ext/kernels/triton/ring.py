@@ -40,10 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["COLS", "RingConfig", "RingGemv", "ring_gemv_kernel", "SMEM_PER_BLOCK"]
+from mono_ext.kernels.triton.limits import SHARED_PER_BLOCK
 
-#: Dynamic shared memory one sm_90 block may use.
-SMEM_PER_BLOCK = 227 * 1024
+__all__ = ["COLS", "RingConfig", "RingGemv", "ring_gemv_kernel"]
+
 #: Columns of x^T: the wgmma N of every chunk. Narrower x^T tiles (8 columns, a 16-byte TMA
 #: box) fault on the H200 with this layout, so a batch is padded to 16 rows.
 COLS = 16
@@ -192,8 +192,10 @@ class RingGemv:
                 f"ring GEMV needs N % {c.tile_rows} == 0, K % {c.k_chunk} == 0, xt [K, {COLS}], "
                 f"y [N, {COLS}]; got w {tuple(w.shape)}, xt {tuple(xt.shape)}, y {tuple(y.shape)}"
             )
-        if c.smem_bytes(k, cols) > SMEM_PER_BLOCK:
-            raise ValueError(f"ring needs {c.smem_bytes(k, cols)} B of SMEM, over {SMEM_PER_BLOCK}")
+        if c.smem_bytes(k, cols) > SHARED_PER_BLOCK:
+            raise ValueError(
+                f"ring needs {c.smem_bytes(k, cols)} B of SMEM, over {SHARED_PER_BLOCK}"
+            )
         w_layout = gl.NVMMASharedLayout.get_default_for([c.tile_rows, c.k_chunk], gl.bfloat16)
         x_layout = gl.NVMMASharedLayout.get_default_for([c.k_chunk, cols], gl.bfloat16)
         self._w_desc = TensorDescriptor.from_tensor(w, [c.tile_rows, c.k_chunk], w_layout)
