@@ -1,4 +1,4 @@
-"""Issue 8: vLLM 0.26 end to end, flag off vs ``--monokernel-backend triton``, on the H200.
+"""vLLM 0.26 end to end, flag off vs ``--monokernel-backend triton``, on the H200.
 
 A Qwen3-Next-80B-A3B-shaped model (the ``qwen3-next-80b-a3b`` preset of
 ``mono_ext.models.qwen3_next.configs``, ``num_hidden_layers`` and ``layer_types`` cut to 16 and
