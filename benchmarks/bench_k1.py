@@ -187,6 +187,9 @@ SWEEP = (
     {"bn": 32, "ns": 5},
     {"num_warps": 16},
     {"dvs": 1},
+    # programmatic dependent launch: each of the graph's launches starts launching the next
+    # (the boundary gap between consecutive layers' launches)
+    {"pdl": True},
 )
 
 

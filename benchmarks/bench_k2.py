@@ -131,6 +131,8 @@ VARIANTS = {
     # column), a quarter of bf16's 512: twice the stages give half bf16's bytes in flight per
     # CTA (sm_90 offline: 120 KB shared, 234 registers, no spills)
     "k2 ns=8": {"ns1": 8, "ns3": 8, "ns4": 8},
+    # programmatic dependent launch between the rotations' launches (boundary gaps)
+    "k2 pdl": {"pdl": True},
 }
 PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (all)
     "S1 out_proj+residual": 3,

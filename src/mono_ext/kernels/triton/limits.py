@@ -10,3 +10,10 @@ FORMAT_CODES = {"bf16": 0, "fp8_block128": 1, "fp8_channel": 2, "fp8_tensor": 3}
 SHARED_PER_BLOCK = 227 * 1024
 # What the Triton K1/K2 read (the builder's ``plane_formats``).
 READ_FORMATS = frozenset(FORMAT_CODES)
+
+
+def pdl_options(on: bool) -> dict:
+    """A persistent kernel's ``PDL`` constexpr (``primitives.pdl_prologue``) and Triton's
+    ``launch_pdl`` option, both or neither, so a build without PDL compiles exactly as one that
+    never heard of it."""
+    return {"PDL": True, "launch_pdl": True} if on else {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mono_ext.runtime import health as _h
 
@@ -38,6 +39,7 @@ __all__ = [
     "mailbox_put",
     "pack_bf16x2",
     "pack_tagged",
+    "pdl_prologue",
     "put_words",
     "seq_tag",
     "step_seq",
@@ -64,6 +66,16 @@ def global_timer_ns():
     return tl.inline_asm_elementwise(
         "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
     )
+
+
+@triton.jit
+def pdl_prologue():
+    """Programmatic dependent launch, first thing in a persistent kernel: wait for the launch
+    before this one (its outputs are this one's inputs, and its hand-off words must not be
+    overwritten while it runs), then let the launch after this one begin launching. Nothing is
+    read or written before the wait, so what overlaps is the next kernel's launch latency."""
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 @triton.jit

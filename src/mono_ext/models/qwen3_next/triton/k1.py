@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
+from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, pdl_options
 from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reasons
 from mono_ext.models.qwen3_next.triton.k1_kernel import (
     S1,
@@ -172,6 +172,7 @@ class K1Config:
     pre: bool = False  # L2-prefetch the first ns - 1 weight chunks before the input norm
     preload: bool = True  # GDN: load the first S2 task's state (first slice) before S1
     dvs: int = 2  # GDN: the [Dv, Dk] state tile in dvs row slices (1 or 2; registers / 2)
+    pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
 
 
 def k1_gdn_program(shape: K1GdnShape) -> Program:
@@ -410,6 +411,7 @@ class _K1LaunchBase:
             INTERP=_interp(),
             num_warps=c.num_warps,
             num_stages=1,  # only the projection loop is pipelined (its own num_stages)
+            **pdl_options(c.pdl),
         )
 
     def _check(self, hidden, residual, residual_out, weights, rows: dict, params: dict,

@@ -83,6 +83,7 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_either
 from mono_ext.kernels.triton.primitives import (
+    pdl_prologue,
     put_words,
     seq_tag,
     step_seq,
@@ -631,8 +632,10 @@ def k1_gdn_kernel(
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr,
     NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr, PRELOAD: tl.constexpr,
     DVS: tl.constexpr, WB: tl.constexpr, Q_QKVZ: tl.constexpr,
-    Q_BA: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
+    Q_BA: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if PDL:
+        pdl_prologue()
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     tag = seq_tag(step_seq(ctrl_ptr, layer, layers_per_step))
@@ -705,8 +708,10 @@ def k1_attn_kernel(
     OFF_QK: tl.constexpr, RID_QK: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr,
     NS: tl.constexpr, PRE: tl.constexpr, Q_QKV: tl.constexpr,
-    STAGES: tl.constexpr, INTERP: tl.constexpr,
+    STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if PDL:
+        pdl_prologue()
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     tag = seq_tag(step_seq(ctrl_ptr, layer, layers_per_step))

@@ -65,7 +65,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS
+from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, pdl_options
 from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reasons, scale_numel
 from mono_ext.models.qwen3_next.shapes import TailShape
 from mono_ext.models.qwen3_next.triton.k2_kernel import STAGE_ORDER, STAGES_ALL, k2_kernel
@@ -131,6 +131,7 @@ class K2Config:
     ns3: int = 4  # gate_up
     ns4: int = 4  # down
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
+    pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
 
     def splits(self, shape: K2Shape) -> int:
         """out_proj's K splits for this shape: about one S1 task per CTA."""
@@ -385,6 +386,7 @@ class K2Launch:
             INTERP=_interp(),
             num_warps=c.num_warps,
             num_stages=1,
+            **pdl_options(c.pdl),
         )
 
     # -- build / launch ------------------------------------------------------------------

@@ -19,6 +19,7 @@ from mono_ext.kernels.triton.planes import qdot, qdot_either, scale_index
 from mono_ext.kernels.triton.primitives import (
     global_timer_ns,
     pack_tagged,
+    pdl_prologue,
     put_words,
     seq_tag,
     step_seq,
@@ -688,7 +689,10 @@ def k2_kernel(
     Q_13: tl.constexpr,
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if PDL:
+        pdl_prologue()
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     seq = step_seq(ctrl_ptr, layer, layers_per_step)
