@@ -104,7 +104,6 @@ import argparse
 import contextlib
 import csv
 import datetime
-import fnmatch
 import json
 import math
 import os
@@ -121,6 +120,23 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))  # _e2e_math, _provenance: loaded by path in the unit test
+from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/unit/test_e2e_bench_math.py)
+    accuracy_rows,
+    compare_runs,
+    delta_tpot,
+    dims_vocab,
+    expected_distinct,
+    fit_line,
+    floor_per_layer,
+    kinds_for,
+    layer_bytes,
+    merge,
+    model_bytes,
+    select,
+    tpot_rows,
+)
+
 JSON_NAME, CSV_NAME, PNG_NAME = "e2e_vllm.json", "e2e_vllm.csv", "e2e_vllm.png"
 ORDER = ("off", "on", "on", "off")
 # ENGINES.md stock table (H200, 80B-A3B shapes): per-layer us by batch, intercept ~1 ms.
@@ -128,104 +144,8 @@ _STOCK_SLOPE_US = {1: 79, 2: 118, 4: 152, 8: 238, 16: 333}
 
 
 # ----------------------------------------------------------------------------------------
-# pure parts (no vLLM, no torch): tests/unit/test_e2e_bench_math.py
+# pure parts (no vLLM, no torch; the shared math is in _e2e_math.py): tests/unit
 # ----------------------------------------------------------------------------------------
-def delta_tpot(t_n1: float, t_n2: float, n1: int, n2: int) -> float:
-    """Seconds per decode step from two generate times: (T(N2) - T(N1)) / (N2 - N1)."""
-    if n2 <= n1:
-        raise ValueError(f"need N2 > N1, got {n1}, {n2}")
-    return (t_n2 - t_n1) / (n2 - n1)
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of ys over xs (exact through two points)."""
-    if len(xs) != len(ys) or len(set(xs)) < 2:
-        raise ValueError("need at least two distinct x values")
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    return slope, my - slope * mx
-
-
-def expected_distinct(experts: int, top_k: int, rows: int) -> float:
-    """Expected distinct experts picked by ``rows`` rows of ``top_k`` distinct picks each,
-    rows independent and uniform: E * (1 - (1 - k/E)**B)."""
-    if experts <= 0 or top_k <= 0 or rows <= 0:
-        return 0.0
-    return experts * (1.0 - (1.0 - top_k / experts) ** rows)
-
-
-def layer_bytes(
-    dims: Any, kind: str, rows: int, ctx: float, wbytes: int = 2, state_bytes: int = 2
-) -> dict[str, float]:
-    """Bytes one decoder layer of ``kind`` must move for one decode step of ``rows`` rows
-    (TP 1), by component. ``ctx``: mean context length (KV positions read per row)."""
-    h = dims.hidden
-    dense_params = 0
-    for name, shape in dims.planes(kind).items():
-        if name in ("w13", "w2"):
-            continue
-        dense_params += math.prod(shape)
-    expert_params = 3 * dims.moe_inter * h  # gate + up + down of one routed expert
-    out = {
-        "dense_weights": dense_params * wbytes,
-        "experts": expected_distinct(dims.experts, dims.top_k, rows) * expert_params * wbytes,
-        "gdn_state": 0.0,
-        "kv": 0.0,
-    }
-    if kind == "linear_attention":
-        ssm = dims.hv * dims.dv * dims.dk * state_bytes
-        conv = (dims.conv_k - 1) * dims.conv_dim_r * wbytes
-        out["gdn_state"] = 2.0 * rows * (ssm + conv)  # read + write
-    elif kind == "full_attention":
-        per_pos = 2 * dims.hkv * dims.head_dim * wbytes  # K and V
-        out["kv"] = rows * (ctx * per_pos + per_pos)  # read the context, write the new token
-    else:
-        raise ValueError(f"unknown layer kind {kind!r}")
-    out["total"] = sum(out.values())
-    return out
-
-
-def kinds_for(n_layers: int, interval: int = 4) -> list[str]:
-    """Layer kinds of a cut model: every ``interval``-th layer (1-based) full attention."""
-    return [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-    ]
-
-
-def model_bytes(dims: Any, n_layers: int, rows: int, ctx: float, **kw: Any) -> float:
-    """Bytes of ``n_layers`` layers of ``dims`` (kinds as in the cut config)."""
-    return sum(layer_bytes(dims, k, rows, ctx, **kw)["total"] for k in kinds_for(n_layers))
-
-
-def floor_per_layer(
-    dims: Any, layers: list[int], rows: int, ctx: float, bw: float, **kw: Any
-) -> dict[str, float]:
-    """Floor per layer (seconds) over the layers the slope adds (lo -> hi layer count), the
-    bytes per layer behind it, and the 48-layer (``dims.num_layers``) step floor with the
-    lm_head read once."""
-    lo, hi = min(layers), max(layers)
-    if hi == lo:
-        per_layer = model_bytes(dims, hi, rows, ctx, **kw) / hi
-    else:
-        per_layer = (
-            model_bytes(dims, hi, rows, ctx, **kw) - model_bytes(dims, lo, rows, ctx, **kw)
-        ) / (hi - lo)
-    wbytes = kw.get("wbytes", 2)
-    lm_head = dims_vocab(dims) * dims.hidden * wbytes
-    full = model_bytes(dims, dims.num_layers, rows, ctx, **kw) + lm_head
-    return {
-        "bytes_per_layer": per_layer,
-        "s_per_layer": per_layer / bw,
-        "lm_head_bytes": lm_head,
-        "s_full_model": full / bw,
-    }
-
-
-def dims_vocab(dims: Any) -> int:
-    return int(getattr(dims, "vocab", 0) or 0)
-
-
 def build_plan(
     layers: list[int],
     order: list[str],
@@ -253,64 +173,6 @@ def build_plan(
             for arm in server_order:
                 plan.append({"id": f"server/L{n}/{arm}", "kind": "server", "layers": n, "arm": arm})
     return plan
-
-
-def select(plan: list[dict], only: list[str] | None, done: set[str], redo: bool) -> list[dict]:
-    """Plan entries matching any ``only`` glob (all without), minus those already done."""
-    out = []
-    for e in plan:
-        if only and not any(fnmatch.fnmatch(e["id"], p) for p in only):
-            continue
-        if e["id"] in done and not redo:
-            continue
-        out.append(e)
-    return out
-
-
-def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """Results of several calls: ``runs`` merge by id (the newer run of an id wins), ``meta``
-    keeps every call's entry in ``calls``."""
-    out = {"runs": dict(old.get("runs", {})), "meta": dict(old.get("meta", {}))}
-    out["runs"].update(new.get("runs", {}))
-    calls = list(old.get("meta", {}).get("calls", []))
-    for c in new.get("meta", {}).get("calls", []):
-        if c not in calls:
-            calls.append(c)
-    out["meta"].update({k: v for k, v in new.get("meta", {}).items() if k != "calls"})
-    out["meta"]["calls"] = calls
-    return out
-
-
-def compare_runs(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """Greedy agreement and KL of one batch's accuracy pass against a reference pass.
-
-    ``ref``/``run``: {"tokens": [[ids] per row], "logprobs": [[{tok: lp}] per row]}.
-    Position 0 of each row is the prefill's token; decode positions are 1.."""
-    from mono_ext.core.numerics import topk_kl
-
-    agree, full_rows, kls, margins = [], 0, [], []
-    for r, (a, b) in enumerate(zip(ref["tokens"], run["tokens"], strict=True)):
-        n = min(len(a), len(b))
-        first = next((i for i in range(n) if a[i] != b[i]), None)
-        matched = n if first is None else first
-        agree.append(matched / max(n, 1))  # over the tokens both runs produced
-        full_rows += first is None
-        last = n - 1 if first is None else first  # same context up to and incl. `first`
-        lps_a, lps_b = ref["logprobs"][r], run["logprobs"][r]
-        for i in range(1, min(last + 1, len(lps_a), len(lps_b))):
-            kls.append(topk_kl(lps_a[i], lps_b[i])[0])
-        if first is not None and first < len(lps_a):
-            top = sorted(lps_a[first].values(), reverse=True)
-            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
-    return {
-        "agreement": sum(agree) / len(agree) if agree else float("nan"),
-        "rows_identical": full_rows,
-        "rows": len(agree),
-        "kl_mean": sum(kls) / len(kls) if kls else float("nan"),
-        "kl_max": max(kls) if kls else float("nan"),
-        "kl_positions": len(kls),
-        "divergence_margins": margins,
-    }
 
 
 def tpot_from_chunks(times: list[float], counts: list[int]) -> float | None:
@@ -908,55 +770,9 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         for b, row in r["batches"].items():
             if "tpot_s" in row:
                 tp.setdefault((e["arm"], e["layers"], int(b)), []).append(row["tpot_s"])
-    rows = []
-    arms = sorted({k[0] for k in tp}, key=lambda s: (s != "off", s))
-    batches = sorted({k[2] for k in tp})
-    for arm in arms:
-        for b in batches:
-            pts = sorted(
-                (n, statistics.median(v)) for (a_, n, b_), v in tp.items() if a_ == arm and b_ == b
-            )
-            row: dict[str, Any] = {"arm": arm, "batch": b}
-            for n, v in pts:
-                row[f"tpot_L{n}_ms"] = v * 1e3
-            layers = [n for n, _ in pts]
-            if len(set(layers)) >= 2:
-                slope, icpt = fit_line([float(n) for n in layers], [v for _, v in pts])
-                row.update(
-                    per_layer_us=slope * 1e6,
-                    intercept_ms=icpt * 1e3,
-                    tpot_L48_ms=(icpt + dims.num_layers * slope) * 1e3,
-                )
-                if bw:
-                    ctx = a.prompt_len + (a.n1 + a.n2) / 2
-                    fl = floor_per_layer(dims, layers, b, ctx, bw, state_bytes=state_bytes)
-                    row.update(
-                        floor_per_layer_us=fl["s_per_layer"] * 1e6,
-                        floor_bytes_per_layer_MB=fl["bytes_per_layer"] / 1e6,
-                        floor_fraction=fl["s_per_layer"] / slope if slope > 0 else None,
-                        floor_L48_ms=fl["s_full_model"] * 1e3,
-                    )
-            rows.append(row)
+    rows = tpot_rows(tp, dims, bw=bw, ctx=a.prompt_len + (a.n1 + a.n2) / 2, state_bytes=state_bytes)
     # accuracy: every run vs the first off run of its layer count
-    acc = []
-    for r_id, r in sorted(runs.items()):
-        e = r["entry"]
-        if e["kind"] != "offline":  # check runs: own weights and own verdict
-            continue
-        ref = runs.get(f"L{e['layers']}/off/0")
-        if ref is None or r_id == f"L{e['layers']}/off/0":
-            continue
-        for b, row in r["batches"].items():
-            if b in ref["batches"]:
-                c = compare_runs(ref["batches"][b], row)
-                c.update(run=r_id, vs=f"L{e['layers']}/off/0", batch=int(b))
-                acc.append(c)
-        same = [k for k in runs if k.startswith(f"L{e['layers']}/on/") and k != r_id]
-        if e.get("arm") == "on" and e["kind"] == "offline" and same and same[0] < r_id:
-            for b, row in r["batches"].items():
-                c = compare_runs(runs[same[0]]["batches"][b], row)
-                c.update(run=r_id, vs=same[0], batch=int(b))
-                acc.append(c)
+    acc = accuracy_rows(runs)
     checks = {
         k: {
             "state": r["report"].get("state"),
