@@ -17,6 +17,12 @@
 #                      each run's raw result lands in $OUT/sglang_runs/, the engine logs in $OUT;
 #                      finished engine runs are kept in /tmp/sgl_runs (by source digest), so a
 #                      call cut at 600 s continues where it stopped when repeated.
+#   bench [ARGS]       benchmarks/e2e_sglang.py (flag off vs --monokernel-backend triton, 80B-A3B
+#                      shapes; e.g. --quick, --model q35) into /tmp/e2e_sgl with a 540 s call
+#                      budget; /tmp/e2e_sgl is copied to $OUT after every call. Repeat the same
+#                      command until it exits 0 (3: entries left for the next call).
+#   failstop           tests/e2e/test_sglang_gpu_failstop.py (waits cut to 1 ns mid-decode;
+#                      overlap scheduler, decode graphs), log to $OUT/sglang_failstop.log.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=.gpu_bundle_sglang S=/tmp/sgl_stage SITE=/tmp/sgl_site
@@ -70,5 +76,28 @@ test)
     rc=$?
   [ -z "${OUT:-}" ] || cp -r /tmp/pytest-of-*/pytest-current/sglang-gpu*/*.log "$OUT"/ 2>/dev/null || true
   exit "$rc" ;;
-*) echo "usage: $0 prepare|stage|install|test [pytest args]" >&2; exit 2 ;;
+bench)
+  shift
+  [ -f $SITE/.ok ] || { echo "run install first (machine not warm?)" >&2; exit 1; }
+  export PYTHONPATH=$PWD/src:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_AUTOTUNING=1
+  nvidia-smi --query-gpu=name,memory.used --format=csv
+  rc=0
+  python3 benchmarks/e2e_sglang.py --out /tmp/e2e_sgl --call-budget-s 540 "$@" || rc=$?
+  [ -z "${OUT:-}" ] || cp -r /tmp/e2e_sgl "$OUT"/
+  exit "$rc" ;;
+failstop)
+  shift
+  [ -f $SITE/.ok ] || { echo "run install first (machine not warm?)" >&2; exit 1; }
+  export PYTHONPATH=$PWD/src:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_AUTOTUNING=1
+  L=${OUT:-/tmp}/sglang_failstop.log
+  nvidia-smi --query-gpu=name,memory.used --format=csv | tee "$L"
+  rc=0
+  python3 -m pytest -s -q -p no:cacheprovider tests/e2e/test_sglang_gpu_failstop.py "$@" 2>&1 |
+    tee -a "$L" || rc=$?
+  [ -z "${OUT:-}" ] || cp -r /tmp/pytest-of-*/pytest-current/sglang-fault*/*.{log,json} "$OUT"/ \
+    2>/dev/null || true
+  exit "$rc" ;;
+*) echo "usage: $0 prepare|stage|install|test [pytest args]|bench [args]|failstop" >&2; exit 2 ;;
 esac
