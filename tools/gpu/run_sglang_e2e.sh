@@ -1,6 +1,6 @@
 #!/bin/bash
 # SGLang 0.5.17 + mono_ext (--monokernel-backend triton) end to end on the H200:
-# tests/e2e/test_sglang_gpu.py.
+# tests/engines/sglang/test_sglang_gpu.py.
 #
 # Here (CPU box, network):   bash tools/gpu/run_sglang_e2e.sh prepare
 #   runs ../shared/engines/build_sglang_gpu_bundle.sh (PART=48M) into .gpu_bundle_sglang/build
@@ -21,7 +21,7 @@
 #                      shapes; e.g. --quick, --model q35) into /tmp/e2e_sgl with a 540 s call
 #                      budget; /tmp/e2e_sgl is copied to $OUT after every call. Repeat the same
 #                      command until it exits 0 (3: entries left for the next call).
-#   failstop           tests/e2e/test_sglang_gpu_failstop.py (waits cut to 1 ns mid-decode;
+#   failstop           tests/engines/sglang/test_sglang_gpu_failstop.py (waits cut to 1 ns mid-decode;
 #                      overlap scheduler, decode graphs), log to $OUT/sglang_failstop.log.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -72,7 +72,7 @@ test)
   L=${OUT:-/tmp}/sglang_gpu.log
   nvidia-smi --query-gpu=name,memory.used --format=csv | tee "$L"
   rc=0
-  python3 -m pytest -s -q -p no:cacheprovider tests/e2e/test_sglang_gpu.py "$@" 2>&1 | tee -a "$L" ||
+  python3 -m pytest -s -q -p no:cacheprovider tests/engines/sglang/test_sglang_gpu.py "$@" 2>&1 | tee -a "$L" ||
     rc=$?
   [ -z "${OUT:-}" ] || cp -r /tmp/pytest-of-*/pytest-current/sglang-gpu*/*.log "$OUT"/ 2>/dev/null || true
   exit "$rc" ;;
@@ -94,7 +94,7 @@ failstop)
   L=${OUT:-/tmp}/sglang_failstop.log
   nvidia-smi --query-gpu=name,memory.used --format=csv | tee "$L"
   rc=0
-  python3 -m pytest -s -q -p no:cacheprovider tests/e2e/test_sglang_gpu_failstop.py "$@" 2>&1 |
+  python3 -m pytest -s -q -p no:cacheprovider tests/engines/sglang/test_sglang_gpu_failstop.py "$@" 2>&1 |
     tee -a "$L" || rc=$?
   [ -z "${OUT:-}" ] || cp -r /tmp/pytest-of-*/pytest-current/sglang-fault*/*.{log,json} "$OUT"/ \
     2>/dev/null || true

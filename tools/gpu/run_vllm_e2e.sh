@@ -1,5 +1,5 @@
 #!/bin/bash
-# vLLM 0.26 + mono_ext (triton backend) end to end on the H200: tests/e2e/test_vllm_gpu.py.
+# vLLM 0.26 + mono_ext (triton backend) end to end on the H200: tests/engines/vllm/test_vllm_gpu.py.
 #
 # Here (CPU box, network):   bash tools/gpu/run_vllm_e2e.sh prepare
 #   builds ../shared/engines/build_vllm_gpu_bundle.sh's payload into .gpu_bundle/build (once),
@@ -49,7 +49,7 @@ test)
   L=${OUT:-/tmp}/vllm_gpu.log
   nvidia-smi --query-gpu=name,memory.used --format=csv | tee "$L"
   rc=0
-  python3 -m pytest -s -q -p no:cacheprovider tests/e2e/test_vllm_gpu.py "$@" 2>&1 | tee -a "$L" ||
+  python3 -m pytest -s -q -p no:cacheprovider tests/engines/vllm/test_vllm_gpu.py "$@" 2>&1 | tee -a "$L" ||
     rc=$?
   [ -z "${OUT:-}" ] || cp -r /tmp/pytest-of-*/pytest-current/vllm-e2e*/*.log "$OUT"/ 2>/dev/null || true
   exit "$rc" ;;

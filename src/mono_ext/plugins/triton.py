@@ -2,7 +2,7 @@
 
 Its target is :data:`mono_ext.models.qwen3_next.triton.backend.build` (K1/K2 behind the launch interface;
 a whole-model decode step through it is checked on the H200 by
-``tests/kernels/test_triton_backend.py``). The probe says usable where triton imports and an
+``tests/models/qwen3_next/triton/test_triton_backend.py``). The probe says usable where triton imports and an
 sm_90 device is visible; what a deployment needs beyond that is the builder's ``refusals``.
 """
 

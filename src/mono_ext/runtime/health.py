@@ -12,7 +12,7 @@ Two small device blocks per rank, written by the runtime and read by every kerne
 
 The health block layout below MUST MATCH the device code in
 ``mono_ext/kernels/triton/primitives.py`` (which imports these constants) and the
-ctypes mirror :class:`HealthBlockC`; ``tests/unit/test_runtime_health.py`` checks
+ctypes mirror :class:`HealthBlockC`; ``tests/runtime/test_runtime_health.py`` checks
 sizes and offsets. This module imports neither torch nor triton.
 """
 

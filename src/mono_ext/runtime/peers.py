@@ -172,7 +172,7 @@ class _IpcDriver:
     integers; ``bind``/``synchronize`` go through torch (``torch.cuda`` is HIP in a ROCm build
     of torch).
 
-    Tests substitute an object with the same methods (``tests/unit/test_peers_hip.py``).
+    Tests substitute an object with the same methods (``tests/runtime/test_peers_hip.py``).
     """
 
     api = ""
@@ -288,7 +288,7 @@ class _CudaDriver(_IpcDriver):
 class _HipDriver(_IpcDriver):
     """The HIP runtime (ROCm). **Never run here**: no ROCm and no AMD GPU where it was
     written; only its ctypes marshalling was exercised, against a stand-in library
-    (``tests/unit/test_peers_hip.py``). hipMalloc'd memory is a whole allocation at offset 0,
+    (``tests/runtime/test_peers_hip.py``). hipMalloc'd memory is a whole allocation at offset 0,
     which hipIpcGetMemHandle needs, as cuMemAlloc's is for CUDA."""
 
     api = "HIP"
@@ -418,7 +418,7 @@ class HipIpcPeers(IpcPeers):
     **Never run on an AMD GPU**: none was available where it was written. What ran is the
     exchange (allocate, zero, export, all-gather, open every peer's handle, rank-ordered
     table, close order) over a real two-process gloo group with a recording stand-in driver,
-    and the ctypes calls against a stand-in ``libamdhip64`` (``tests/unit/test_peers_hip.py``).
+    and the ctypes calls against a stand-in ``libamdhip64`` (``tests/runtime/test_peers_hip.py``).
     Whether ``torch.as_tensor`` takes :meth:`buffer`'s ``__cuda_array_interface__`` on ROCm is
     also unverified.
     """

@@ -14,5 +14,5 @@ and backend built on it live in its wing (``models/qwen3_next/flydsl/``).
 
 Everything here compiles on a CPU machine; nothing here has run on an MI355X (no such device
 was available where it was written): numerics on gfx950 are unverified until the Buildkite
-MI355 step runs ``tests/kernels`` and ``tests/e2e`` there.
+MI355 step runs its device tests there (``.buildkite/gpu_step.sh``).
 """

@@ -12,5 +12,5 @@ MI355X (gfx950) in FlyDSL, on the generic device code and toolchain of ``kernels
 |                 | what ran), refusals, what is built / written / missing           |              |
 
 Nothing here has run on an MI355X: numerics on gfx950 are unverified until the Buildkite MI355
-step runs ``tests/kernels`` and ``tests/e2e`` there.
+step runs its device tests there (``.buildkite/gpu_step.sh``).
 """

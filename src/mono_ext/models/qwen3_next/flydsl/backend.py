@@ -46,7 +46,7 @@ differ).
 kernel's parameters, packed as for the device, bound and traced by FlyDSL under
 ``COMPILE_ONLY`` against the build's artifact) instead of running; FailStop reads a
 :class:`~mono_ext.runtime.failstop.ScriptedHealthSource`. For tests
-(``tests/flydsl/test_backend_binding.py``); it serves nothing.
+(``tests/models/qwen3_next/flydsl/test_backend_binding.py``); it serves nothing.
 
 No flydsl import at module import: refusals and the probe work on any machine.
 """

@@ -3,7 +3,7 @@
 A deployment routes, by default, only the widths listed here for its engine and device
 (``core.backends.served_widths``); every other width, engine and device runs the engine's own
 forward unless ``MONO_EXT_SERVE_UNMEASURED=1``. Each entry names the committed result it comes
-from, and ``tests/unit/test_measured_widths.py`` checks it against that file: a width is listed
+from, and ``tests/models/qwen3_next/triton/test_measured_widths.py`` checks it against that file: a width is listed
 exactly when its TPOT with mono_ext was below stock's at every layer count of the run.
 """
 

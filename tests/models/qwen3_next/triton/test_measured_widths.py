@@ -1,0 +1,77 @@
+"""The Triton backend's served widths come from committed results, and say so.
+
+``models/qwen3_next/triton/measured.py`` lists, per engine and device, the widths served by default; here
+each entry is recomputed from the result file it names: a width is served exactly when the
+run measured it and its TPOT with mono_ext was below stock's at every layer count.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mono_ext.core.backends import served_widths
+from mono_ext.models.qwen3_next.triton.backend import TritonBuilder
+from mono_ext.models.qwen3_next.triton.measured import FASTER, measured_faster
+
+REPO = Path(__file__).resolve().parents[4]
+SPEC = tuple(range(1, 17))
+
+
+def _faster_in(result: Path) -> tuple[str, frozenset[int]]:
+    data = json.loads(result.read_text())
+    rows = {(r["arm"], r["batch"]): r for r in data["summary"]["tpot"]}
+    layers = sorted(
+        int(k.removeprefix("tpot_L").removesuffix("_ms"))
+        for k in next(iter(rows.values()))
+        if k.startswith("tpot_L") and k != "tpot_L48_ms"
+    )
+    assert len(layers) >= 2, layers
+    faster = set()
+    for arm, batch in rows:
+        if arm != "on":
+            continue
+        on, off = rows["on", batch], rows["off", batch]
+        if all(on[f"tpot_L{n}_ms"] < off[f"tpot_L{n}_ms"] for n in layers):
+            faster.add(batch)
+    return data["meta"]["device"], frozenset(faster)
+
+
+@pytest.mark.parametrize("entry", sorted(FASTER))
+def test_each_entry_is_what_its_result_file_shows(entry):
+    widths, source = FASTER[entry]
+    path = REPO / source.split(" ")[0]
+    device, faster = _faster_in(path)
+    assert device == entry[1]
+    assert widths == faster, f"{path}: faster at {sorted(faster)}, listed {sorted(widths)}"
+
+
+def test_vllm_on_an_h200_serves_width_1_and_nothing_else_by_default():
+    widths, why = served_widths(
+        SPEC, TritonBuilder(), "triton", False, engine="vllm", device="NVIDIA H200"
+    )
+    assert widths == (1,) and why is None
+
+
+@pytest.mark.parametrize(
+    "engine,device", [("sglang", "NVIDIA H200"), ("vllm", "NVIDIA H100 80GB HBM3"), ("vllm", None)]
+)
+def test_an_unmeasured_engine_or_device_serves_nothing_and_says_where_to_look(engine, device):
+    widths, why = served_widths(
+        SPEC, TritonBuilder(), "triton", False, engine=engine, device=device
+    )
+    assert widths == ()
+    assert "serves no width" in why and "MONO_EXT_SERVE_UNMEASURED=1" in why
+    assert str(device or "this machine") in why
+    assert served_widths(SPEC, TritonBuilder(), "triton", True, engine=engine, device=device) == (
+        SPEC,
+        None,
+    )
+
+
+def test_measured_faster_names_its_source():
+    widths, source = measured_faster("vllm", "NVIDIA H200")
+    assert widths and source.startswith("docs/results/e2e_vllm.json")
+    assert measured_faster("vllm", "NVIDIA A100-SXM4-80GB") == (frozenset(), None)
