@@ -8,7 +8,7 @@
 #     torchvision wheels want CUDA libtorch; the stand-in raises when anything is called;
 #   - mono_ext (editable) with its test dependencies;
 #   - SGLang 0.5.23 (no dependencies) in VENV/overlays/sglang-0.5.23, which
-#     tests/engines/sglang/test_sglang_v0523.py puts first on PYTHONPATH in a child process to test
+#     tests/engines/sglang/test_sglang_native_api.py puts first on PYTHONPATH in a child process to test
 #     registration through 0.5.23's kernel-plugin API against the real package.
 # SGLang's own MoE/GDN/attention forwards do not run on CPU; model construction, weight
 # loading, the memory pools and dispatch do, which is what the tests use.

@@ -37,7 +37,7 @@ from tests.engines._support.sglang_common import load_with_tensors as _load  # n
 from tests.engines._support.sglang_common import pools as _pools  # noqa: E402
 from tests.engines._support.sglang_common import serving as _serving  # noqa: E402
 
-if has_native_api():  # the 0.5.17 adapter's hooks (SGLang with the kernel-plugin API: v0523)
+if has_native_api():  # the 0.5.17 adapter's hooks; SGLang with the kernel-plugin API has native_api
     pytest.skip("SGLang with the kernel-plugin API", allow_module_level=True)
 
 

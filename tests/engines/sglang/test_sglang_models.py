@@ -37,7 +37,7 @@ from mono_ext.engines.sglang import has_native_api  # noqa: E402
 
 if has_native_api():
     pytest.skip(
-        "SGLang with the kernel-plugin API: see test_sglang_v0523.py", allow_module_level=True
+        "SGLang with the kernel-plugin API: see test_sglang_native_api.py", allow_module_level=True
     )
 
 

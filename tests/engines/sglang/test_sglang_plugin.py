@@ -35,7 +35,7 @@ from mono_ext.engines.sglang import flags, has_native_api  # noqa: E402
 
 if has_native_api():
     pytest.skip(
-        "SGLang with the kernel-plugin API: see test_sglang_v0523.py", allow_module_level=True
+        "SGLang with the kernel-plugin API: see test_sglang_native_api.py", allow_module_level=True
     )
 
 from mono_ext.engines.sglang import plugin  # noqa: E402
@@ -161,7 +161,7 @@ def _mono_lines(text):
 def test_entry_point_is_declared_for_sglang():
     eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert eps["mono_ext"] == "mono_ext.engines.sglang.plugin:register"
-    assert eps["nvidia_megakernel"] == "mono_ext.engines.sglang.v0523:register"
+    assert eps["nvidia_megakernel"] == "mono_ext.engines.sglang.native_api:register"
 
 
 def test_help_lists_both_flags(runs):

@@ -5,7 +5,7 @@ Modules (one concern each; none contains math):
 ============  ================================================================================
 flags         ``--monokernel`` / ``--monokernel-backend`` (SGLang 0.5.17), carried to workers
 plugin        the ``sglang.srt.plugins`` entry point for 0.5.17: HookRegistry hooks
-v0523         the ``nvidia_megakernel`` entry point: SGLang 0.5.23's kernel-plugin API
+native_api    the ``nvidia_megakernel`` entry point: SGLang 0.5.23's kernel-plugin API
 hooks         the run-time hooks both register: FailStop after ``ModelRunner.forward``, report
 views         core views (config, model, caches, step) from SGLang objects
 binding       weights, GDN states and step slots bound in place

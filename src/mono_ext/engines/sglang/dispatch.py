@@ -29,7 +29,7 @@ the graph's padded batch size (``decode_cuda_graph_runner.bs``) in the plans rec
 released where SGLang awaits the batch's results (:mod:`.release`): a failed device wait raises
 :class:`~mono_ext.runtime.failstop.FailStopError` there, before any of the step's tokens reach a
 request. On SGLang 0.5.23 SGLang's own dispatch calls the spec's ``plan`` and ``forward``
-instead of :meth:`Router.__call__` (:mod:`.v0523`); they feed the same router.
+instead of :meth:`Router.__call__` (:mod:`.native_api`); they feed the same router.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The run-time hooks both ways SGLang reaches mono_ext register (``HookRegistry``).
 
-:mod:`.plugin` (0.5.17, ``--monokernel``) and :mod:`.v0523` (0.5.23's kernel-plugin API)
+:mod:`.plugin` (0.5.17, ``--monokernel``) and :mod:`.native_api` (0.5.23's kernel-plugin API)
 install the dispatching forward differently, but on both every decode step comes back to
 Python in ``ModelRunner.forward`` before SGLang samples it (a decode-graph replay too:
 ``ModelRunner._forward_raw`` returns ``decode_cuda_graph_runner.execute``'s logits in a

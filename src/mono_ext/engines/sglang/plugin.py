@@ -2,7 +2,7 @@
 
 SGLang calls :func:`register` through ``load_plugins()`` in the launcher, in ``Engine`` and in
 every scheduler / TP worker process. On an SGLang with the native kernel-plugin API (0.5.23:
-``sglang.kernels.plugin_kernels``) this entry point does nothing and :mod:`.v0523` registers
+``sglang.kernels.plugin_kernels``) this entry point does nothing and :mod:`.native_api` registers
 through that API instead. Otherwise (0.5.17) it registers these hooks (``HookRegistry``):
 
 ======================================================  ======  ===============================
@@ -34,7 +34,7 @@ managers.scheduler.Scheduler.handle_rpc_request         around  answers ``Engine
                                                                 ...)`` (:mod:`.report`)
 ======================================================  ======  ===============================
 
-The last two (:mod:`.hooks`) are the ones :mod:`.v0523` registers on 0.5.23 as well.
+The last two (:mod:`.hooks`) are the ones :mod:`.native_api` registers on 0.5.23 as well.
 
 With the flag off every hook returns at once and the model keeps SGLang's own forward.
 """

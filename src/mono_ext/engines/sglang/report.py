@@ -3,7 +3,7 @@
 ``Engine.collective_rpc("mono_ext_report", path=DIR)`` makes every scheduler process write
 ``DIR/mono_ext_report.tp<rank>.json`` (:func:`runner_report` of its model runner): SGLang's
 RPC calls a scheduler method by name, and the around-hook of :mod:`.hooks` (registered by
-:mod:`.plugin` on 0.5.17, by :mod:`.v0523` on 0.5.23) puts this one on the scheduler the
+:mod:`.plugin` on 0.5.17, by :mod:`.native_api` on 0.5.23) puts this one on the scheduler the
 first time it is asked for. ``collective_rpc`` returns nothing, hence the files.
 
 Nothing here imports SGLang or torch.

@@ -2,7 +2,7 @@
 :mod:`mono_ext.serve.lifecycle` over SGLang's objects.
 
 Shared by both ways SGLang reaches mono_ext (the 0.5.17 hooks in :mod:`.plugin` and the
-0.5.23 kernel-plugin API in :mod:`.v0523`). What each stage reads here:
+0.5.23 kernel-plugin API in :mod:`.native_api`). What each stage reads here:
 
 =========  ================================  ===========================================
 stage      when                              SGLang's objects, as views

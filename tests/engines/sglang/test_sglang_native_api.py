@@ -54,7 +54,7 @@ OVERLAY = Path(sys.prefix) / "overlays" / "sglang-0.5.23"
 if not has_native_api():
 
     @pytest.mark.skipif(not OVERLAY.is_dir(), reason=f"no SGLang 0.5.23 overlay at {OVERLAY}")
-    def test_v0523_suite_in_the_overlay():
+    def test_native_api_suite_in_the_overlay():
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(OVERLAY), os.environ.get("PYTHONPATH", "")]),
@@ -78,7 +78,7 @@ else:
     from sglang.srt.kernel_plugins.nvidia import binding as nvb  # noqa: E402
     from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 
-    from mono_ext.engines.sglang import hooks, v0523  # noqa: E402
+    from mono_ext.engines.sglang import hooks, native_api  # noqa: E402
     from mono_ext.engines.sglang.dispatch import ROUTED_ATTR  # noqa: E402
     from mono_ext.engines.sglang.serving import SERVING_ATTR  # noqa: E402
     from mono_ext.models.qwen3_next.spec import LIMITS, Qwen3NextSpec  # noqa: E402
@@ -104,26 +104,26 @@ else:
         load_plugins()
 
     def test_entry_point_is_the_one_the_api_requires():
-        assert nv.ENTRY_POINT == v0523.ENTRY_POINT == "nvidia_megakernel"
-        assert nv.MEGAKERNEL_API_VERSION == v0523.API_VERSION
+        assert nv.ENTRY_POINT == native_api.ENTRY_POINT == "nvidia_megakernel"
+        assert nv.MEGAKERNEL_API_VERSION == native_api.API_VERSION
         assert nvb.plugin_reasons() == []  # SGLang finds our entry point installed
 
     def test_load_plugins_registers_our_spec_for_each_architecture():
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        assert set(v0523.ARCHITECTURES) <= set(nv.registered_architectures())
+        assert set(native_api.ARCHITECTURES) <= set(nv.registered_architectures())
         spec, why = nv.find_spec(architectures=[ARCH], isa="sm_90")
         assert why == "" and isinstance(spec, nv.MegakernelSpec)
-        assert spec is v0523.MEGAKERNEL_SPEC
+        assert spec is native_api.MEGAKERNEL_SPEC
         none, why = nv.find_spec(architectures=[ARCH], isa="sm_100")
         assert none is None and "supports ['sm_90'], not sm_100" in why
         # 0.5.17's --monokernel hooks are not installed on this SGLang
         assert not any("ModelRunner.load_model" in t for t in HookRegistry._hooks)
-        v0523.register()  # re-entrant
+        native_api.register()  # re-entrant
         assert nv.find_spec(architectures=[ARCH], isa="sm_90")[0] is spec
 
     def test_spec_maps_our_model_spec():
-        s = v0523.MEGAKERNEL_SPEC
+        s = native_api.MEGAKERNEL_SPEC
         assert s.name == "mono_ext.qwen3_next" and s.api_version == 1
         assert s.requires.isas == frozenset({"sm_90"})
         assert s.requires.tp_sizes == frozenset(LIMITS["tp_sizes"])
@@ -135,7 +135,7 @@ else:
         assert s.max_rows == max(Qwen3NextSpec.widths) == 16
 
     def test_amd_mono_spec_validates_against_the_amd_contract():
-        s = v0523.mono_spec("flydsl")
+        s = native_api.mono_spec("flydsl")
         assert isinstance(s, amd.MonoSpec) and s.api_version == amd.MONOKERNEL_API_VERSION
         assert s.widths("gfx950") == tuple(range(1, 17))
         assert s.devices["gfx950"].tp_sizes == tuple(LIMITS["tp_sizes"])
@@ -180,7 +180,7 @@ else:
         refused for it; the reasons it cannot run here still apply."""
         sa = server_args(ckpt)
         hf = ModelConfig.from_server_args(sa).hf_config
-        spec = v0523.megakernel_spec("triton")
+        spec = native_api.megakernel_spec("triton")
         assert spec.config_disable_reasons(sa, hf) == [
             "kernel backend 'triton': kernel backend 'triton' cannot run here: no CUDA device "
             "is visible"
@@ -214,10 +214,10 @@ else:
         """Our spec (reference backend: the fp32 CPU one) checked and built for the model, and
         the model's forward replaced by 0.5.23's own ``_Dispatch``, as ``install_megakernel``
         does; undone afterwards."""
-        spec = v0523.megakernel_spec("reference")
+        spec = native_api.megakernel_spec("reference")
         # what torch reports outside graph capture (CPU-only torch raises instead)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        monkeypatch.setattr(v0523, "MEGAKERNEL_SPEC", spec, raising=False)
+        monkeypatch.setattr(native_api, "MEGAKERNEL_SPEC", spec, raising=False)
         m, hf = model.model, model.mc.hf_config
         assert spec.model_disable_reasons(m, hf) == []
         ctx = nv.BuildContext(
@@ -265,14 +265,14 @@ else:
         assert hooks.applied(hooks.FORWARD_TARGET, hooks.after_forward)
         assert hooks.applied(hooks.RPC_TARGET, hooks.around_handle_rpc_request)
         assert hasattr(ModelRunner.forward, "__wrapped__")  # HookRegistry's wrapper
-        assert v0523.failstop_reasons() == []
+        assert native_api.failstop_reasons() == []
 
     def test_model_stage_refuses_where_the_hook_is_not_applied(model, monkeypatch):
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched) - {FWD})
         try:
-            reasons = v0523.megakernel_spec("reference").model_disable_reasons(
+            reasons = native_api.megakernel_spec("reference").model_disable_reasons(
                 model.model, model.mc.hf_config
             )
         finally:
@@ -419,7 +419,7 @@ else:
         process_result()
         assert router.replayed == {2: 1} and (shared["steps"], shared["releases"]) == (2, 1)
 
-    def test_the_report_rpc_on_0523(model, deployed, monkeypatch, tmp_path):
+    def test_the_report_rpc_on_the_native_api(model, deployed, monkeypatch, tmp_path):
         from sglang.srt.managers import scheduler as sched_mod
         from sglang.srt.managers.io_struct import RpcReqInput
 
