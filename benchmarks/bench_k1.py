@@ -134,7 +134,7 @@ def gdn_bytes(md: ModelDims, width: int, state_bytes: int = 4) -> int:
 
 
 def torch_chain_gdn(md: ModelDims, hid, res, w, conv, ssm, slots, o_in, r_out):
-    """The GDN front's math as plain torch ops (interleaved packing, vLLM conv layout)."""
+    """The GDN front's math as plain torch ops (interleaved packing, time_chan conv state)."""
     eps = md.rms_norm_eps
     s = hid.float() + res.float()
     r_out.copy_(s)

@@ -135,7 +135,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         for reason in refusal.reasons:
             print(f"  - {reason}")
         return EXIT_REFUSED
-    layouts = {"conv_layout": args.engine if args.engine != "none" else "vllm"}
+    # the conv-state order each engine's view gives (SGLang keeps channels first)
+    layouts = {"conv_layout": "chan_time" if args.engine == "sglang" else "time_chan"}
     widths = spec.widths
     backend = reg.backends.get(args.backend)
     source = None

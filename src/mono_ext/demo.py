@@ -80,7 +80,7 @@ def run_demo(preset: str = "qwen3-next-tiny", steps: int = 8, batch: int = 3, se
     for i, kind in enumerate(kinds):
         lc = cache.layers[i]
         if kind == "linear_attention":
-            c, s = gdn_state_from_hf(lc.conv_states[0], lc.recurrent_states[0], dims, "vllm")
+            c, s = gdn_state_from_hf(lc.conv_states[0], lc.recurrent_states[0], dims, "time_chan")
             conv[i] = torch.zeros(batch + 1, *c.shape[1:])
             ssm[i] = torch.zeros(batch + 1, *s.shape[1:])
             conv[i][slots], ssm[i][slots] = c, s
@@ -115,7 +115,7 @@ def run_demo(preset: str = "qwen3-next-tiny", steps: int = 8, batch: int = 3, se
                     ssm_state=ssm.get(i),
                     k_cache=kcache.get(i),
                     v_cache=vcache.get(i),
-                    conv_layout="vllm",
+                    conv_layout="time_chan",
                     packing=packing,
                     null_slot=0,
                 )

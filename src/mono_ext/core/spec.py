@@ -26,8 +26,8 @@ DEFAULT_WIDTHS: tuple[int, ...] = tuple(range(1, 17))
 class BuildKey:
     """Everything a compiled K1/K2 pair depends on, besides kernel sources.
 
-    ``layouts`` holds engine layout tags (conv-state layout, qkvz packing, ...),
-    sorted so equal deployments give equal keys. ``formats`` holds the matrix planes whose
+    ``layouts`` holds the layout tags of the engine's tensors (conv-state order, qkvz
+    packing, ...), sorted so equal deployments give equal keys. ``formats`` holds the matrix planes whose
     format (``core.views.PLANE_FORMATS``) is not bf16, as sorted (plane, format) pairs: a
     build that reads fp8 or mxfp4 planes is a different build from the bf16 one, and an
     all-bf16 build has none (so its digest does not depend on formats at all).

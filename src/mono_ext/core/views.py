@@ -204,7 +204,7 @@ class ModelView:
 class CacheTensorView:
     shape: tuple[int, ...]
     dtype: str
-    layout: str  # e.g. "vllm" conv (slots, K-1, C) or "sglang" conv (slots, C, K-1)
+    layout: str  # memory order, e.g. conv "time_chan" (slots, K-1, C); see launches.LAYOUT_KEYS
     contiguous: bool = True
 
 

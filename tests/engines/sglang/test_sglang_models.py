@@ -145,12 +145,12 @@ def test_caches_are_the_mamba_pool_tensors(qn):
         state = rp.mamba2_layer_cache(i)
         for got, want in ((conv, state.conv[0]), (sv.caches.ssm[i], state.temporal)):
             assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
-        assert tuple(conv.shape[1:]) == (sv.dims.conv_dim_r, sv.dims.conv_k - 1)  # sglang layout
+        assert tuple(conv.shape[1:]) == (sv.dims.conv_dim_r, sv.dims.conv_k - 1)  # chan_time layout
     for i, k in sv.caches.kv.items():
         assert k.data_ptr() == kvp.get_key_buffer(i).data_ptr()
     assert sv.caches.num_slots == SLOTS
     assert sv.spec.deployment.layouts == {
-        "conv_layout": "sglang",
+        "conv_layout": "chan_time",
         "ssm_layout": "vk",
         "qkvz_packing": "interleaved",
     }
@@ -461,7 +461,7 @@ def test_routed_steps_match_the_oracle_and_spare_padded_rows(which, slot_source,
                 ssm_state=ssm0.get(i),
                 k_cache=kc.get(i),
                 v_cache=vc.get(i),
-                conv_layout="sglang",
+                conv_layout="chan_time",
                 packing="contiguous" if which == "q35" else "interleaved",
             )
             hidden, residual = tail.hidden_out, tail.residual_out

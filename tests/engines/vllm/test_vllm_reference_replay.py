@@ -160,7 +160,7 @@ def test_gdn_layer_decode_matches_vllm_cpu(tmp_path, name, monkeypatch):
         assert bool((s > 0).all())  # slot 0 is vLLM's null block
         f = gdn_front(
             step["h"], step["r"], w["input_layernorm"], w, dims, conv, ssm, step["slots"],
-            conv_layout="vllm", packing=packing, null_slot=0, ssm_layout="kv",
+            conv_layout="time_chan", packing=packing, null_slot=0, ssm_layout="kv",
         )  # fmt: skip
         t = layer_tail(f.o_in, f.residual_out, w, dims, kind="gdn")
         assert rel_l2(conv[s].float(), step["conv_after"][s].float()) < BF16_TOL

@@ -25,25 +25,23 @@ def ideal_model_view(dims, packing=None):
     return ModelView(tuple(layers), tp_size=dims.tp)
 
 
-def ideal_cache_view(dims, slots=9, conv_layout="vllm", ssm_dtype="float32"):
+def ideal_cache_view(dims, slots=9, conv_layout="time_chan", ssm_dtype="float32"):
     layers = []
     for i, kind in enumerate(dims.kinds):
         if kind == "linear_attention":
             conv_tail = (
                 (dims.conv_k - 1, dims.conv_dim_r)
-                if conv_layout == "vllm"
+                if conv_layout == "time_chan"
                 else (dims.conv_dim_r, dims.conv_k - 1)
             )
             t = {
                 "conv_state": CacheTensorView((slots, *conv_tail), "bfloat16", conv_layout),
-                "ssm_state": CacheTensorView(
-                    (slots, dims.hv_r, dims.dv, dims.dk), ssm_dtype, "vllm"
-                ),
+                "ssm_state": CacheTensorView((slots, dims.hv_r, dims.dv, dims.dk), ssm_dtype, "vk"),
             }
         else:
             t = {
                 "kv_cache": CacheTensorView(
-                    (2, 64, 16, dims.hkv_r, dims.head_dim), "bfloat16", "vllm"
+                    (2, 64, 16, dims.hkv_r, dims.head_dim), "bfloat16", "kv_block_tok_head"
                 )
             }
         layers.append(LayerCacheView(i, kind, t))

@@ -118,7 +118,7 @@ def _setup(world: int = 1, persistent: bool = True, lagging: bool = False):
             dtype="bfloat16",
             tp_size=1,
             widths=(1, 2),
-            layouts={"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"},
+            layouts={"conv_layout": "time_chan", "ssm_layout": "vk", "qkvz_packing": "interleaved"},
         )
     )
     builder = load_target("mono_ext.models.qwen3_next.reference.backend:build")

@@ -133,7 +133,7 @@ def _driver(eng: FakeEngine, widths=(1, 2, 3, 4), stock=None):
             dtype="bfloat16",
             tp_size=1,
             widths=tuple(widths),
-            layouts={"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": eng.packing},
+            layouts={"conv_layout": "time_chan", "ssm_layout": "vk", "qkvz_packing": eng.packing},
         )
     )
     builder = load_target("mono_ext.models.qwen3_next.reference.backend:build")

@@ -229,14 +229,14 @@ def test_a_backend_that_reads_the_format_is_accepted_and_keys_carry_formats(view
 
 
 def test_bf16_build_keys_keep_their_digests():
-    key = BuildKey("qwen3_next", "triton", 4, "bfloat16", 1, (("conv_layout", "vllm"),))
+    key = BuildKey("qwen3_next", "triton", 4, "bfloat16", 1, (("conv_layout", "time_chan"),))
     fields = {
         "spec": "qwen3_next",
         "backend": "triton",
         "width": 4,
         "dtype": "bfloat16",
         "tp_size": 1,
-        "layouts": [["conv_layout", "vllm"]],
+        "layouts": [["conv_layout", "time_chan"]],
     }
     want = hashlib.sha256((json.dumps(fields, sort_keys=True) + "src").encode()).hexdigest()
     assert key.formats == () and key.digest("src") == want

@@ -25,7 +25,7 @@ def test_real_and_tiny_configs_pass_every_stage(preset, tp, views):
     assert spec.accept_config(ConfigView(get_preset(preset), tp_size=tp)).reasons == ()
     d = spec.dims
     assert spec.refuse_model(ideal_model(d)).reasons == ()
-    for layout in ("vllm", "sglang"):
+    for layout in ("time_chan", "chan_time"):
         for ssm in ("float32", "bfloat16"):
             assert (
                 spec.refuse_caches(ideal_caches(d, conv_layout=layout, ssm_dtype=ssm)).reasons == ()
@@ -147,7 +147,9 @@ def test_cache_stage_lists_every_bad_tensor(views):
     cv = ideal_caches(spec.dims)
     l0 = cv.layers[0]
     t = dict(l0.tensors)
-    t["conv_state"] = dataclasses.replace(t["conv_state"], layout="sglang")  # shape is vllm's
+    t["conv_state"] = dataclasses.replace(
+        t["conv_state"], layout="chan_time"
+    )  # shape is time_chan's
     t["ssm_state"] = dataclasses.replace(t["ssm_state"], dtype="float16")
     l3 = cv.layers[3]
     kv = dataclasses.replace(l3.tensors["kv_cache"], dtype="float8_e4m3fn")
@@ -159,7 +161,7 @@ def test_cache_stage_lists_every_bad_tensor(views):
     reasons = spec.refuse_caches(dataclasses.replace(cv, layers=layers)).reasons
     for needle in [
         "layer 0: conv_state",
-        "sglang layout",
+        "chan_time layout",
         "ssm_state dtype float16",
         "layer 3: kv_cache is float8_e4m3fn",
     ]:
@@ -175,7 +177,7 @@ def _deployed(widths=tuple(range(1, 17))):
             dtype="bfloat16",
             tp_size=1,
             widths=widths,
-            layouts={"conv_layout": "vllm", "ssm_dtype": "float32"},
+            layouts={"conv_layout": "time_chan", "ssm_dtype": "float32"},
         )
     )
     return spec
@@ -185,7 +187,7 @@ def _deployed(widths=tuple(range(1, 17))):
 def test_plan_routes_pure_decode_of_each_width(rows):
     step = _deployed().plan(StepView("decode", rows))
     assert step is not None and step.width == rows and step.key.width == rows
-    assert step.key.layouts == (("conv_layout", "vllm"), ("ssm_dtype", "float32"))
+    assert step.key.layouts == (("conv_layout", "time_chan"), ("ssm_dtype", "float32"))
 
 
 @pytest.mark.parametrize(

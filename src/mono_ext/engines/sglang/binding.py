@@ -36,7 +36,7 @@ shared_expert_gate         L.mlp.shared_expert_gate.weight
 
 GDN states come from SGLang's ``MambaPool`` through the request pool:
 ``req_to_token_pool.mamba2_layer_cache(layer_id)`` gives ``conv[0]`` ``[slots + 1, C, K-1]``
-(conv layout "sglang") and ``temporal`` ``[slots + 1, Hv, Dv, Dk]`` (ssm layout "vk").
+(conv layout "chan_time") and ``temporal`` ``[slots + 1, Hv, Dv, Dk]`` (ssm layout "vk").
 A step's slot per row is the tensor SGLang's own GDN kernels read,
 ``linear_attn_backend.forward_metadata.mamba_cache_indices`` (``get_mamba_indices`` of the
 step's requests, padded rows set to -1, already translated for unified pools; under CUDA

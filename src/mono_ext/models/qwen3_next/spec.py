@@ -26,6 +26,7 @@ from ...core.views import (
     PlaneView,
 )
 from .dims import Dims
+from .launches import KV_LAYOUTS, LAYOUT_KEYS
 
 __all__ = ["Qwen3NextSpec", "LIMITS", "MXFP4_UPCAST"]
 
@@ -38,11 +39,9 @@ LIMITS: dict[str, Any] = {
     "conv_kernel": 4,
     "dtypes": ("bfloat16",),
     "state_dtypes": ("float32", "bfloat16"),
-    "conv_layouts": ("vllm", "sglang"),
-    # "vllm_packed": vLLM 0.26's caches, CPU_ATTN and the CUDA backends (FLASH_ATTN,
-    # TRITON_ATTN) alike: (blocks, Hkv, block, 2*D), k then v in the content dim.
-    # "vllm": the unpacked (2, blocks, block, Hkv, D) of earlier vLLMs.
-    "kv_layouts": ("vllm", "sglang", "vllm_packed"),
+    # memory orders named in launches.LAYOUT_KEYS's table
+    "conv_layouts": LAYOUT_KEYS["conv_layout"],
+    "kv_layouts": KV_LAYOUTS,
     "hidden_multiple": 16,
 }
 
@@ -473,7 +472,7 @@ class Qwen3NextSpec(ModelSpec):
                 else:
                     tail = (
                         (d.conv_k - 1, d.conv_dim_r)
-                        if conv.layout == "vllm"
+                        if conv.layout == "time_chan"
                         else (d.conv_dim_r, d.conv_k - 1)
                     )
                     if tuple(conv.shape[1:]) != tail:
@@ -504,7 +503,7 @@ class Qwen3NextSpec(ModelSpec):
                     reasons.append(f"{where}: kv_cache layout {kv.layout!r} is unknown")
                 if kv.dtype != "bfloat16":
                     reasons.append(f"{where}: kv_cache is {kv.dtype} (fp8 KV is not written yet)")
-                last = 2 * d.head_dim if kv.layout == "vllm_packed" else d.head_dim
+                last = 2 * d.head_dim if kv.layout == "block_head_tok_kv" else d.head_dim
                 if not kv.shape or kv.shape[-1] != last:
                     reasons.append(f"{where}: kv_cache {tuple(kv.shape)} does not end in head_dim")
             else:

@@ -114,7 +114,7 @@ def test_gdn_refusals():
 
 
 def test_gdn_host_and_state_checks():
-    b = K1GdnBuild(SMALL_GDN, 2, conv_layout="sglang", ssm_layout="kv")
+    b = K1GdnBuild(SMALL_GDN, 2, conv_layout="chan_time", ssm_layout="kv")
     s = SMALL_GDN
     bf = dict(dtype=torch.bfloat16)
     weights = {n: torch.zeros(shp, **bf) for n, shp in b.weight_shapes().items()}
@@ -132,12 +132,12 @@ def test_gdn_host_and_state_checks():
     t["slots"] = torch.zeros(2, dtype=torch.int64)
     reasons = b.check(**t, weights=weights)
     assert "slots must be int32 [2]" in reasons and any("A_log must be" in r for r in reasons)
-    conv = torch.zeros(5, s.conv_dim, s.conv_kernel - 1, **bf)  # SGLang [S, C, K-1]
+    conv = torch.zeros(5, s.conv_dim, s.conv_kernel - 1, **bf)  # chan_time [S, C, K-1]
     ssm = torch.zeros(5, s.hv, s.dv, s.dk)
     tab = b.state_table(conv, ssm)
     assert tab == [conv.data_ptr(), conv.stride(0), ssm.data_ptr(), ssm.stride(0)]
     with pytest.raises(ValueError, match="conv_state slots must be contiguous"):
-        b.state_table(conv.transpose(1, 2), ssm)  # the vLLM layout for an sglang build
+        b.state_table(conv.transpose(1, 2), ssm)  # a time_chan state for a chan_time build
     with pytest.raises(ValueError, match="ssm_state is torch.bfloat16"):
         b.state_table(conv, ssm.to(torch.bfloat16))
 
@@ -146,7 +146,7 @@ def test_gdn_host_and_state_checks():
     "layouts",
     [
         {},
-        dict(packing="contiguous", conv_layout="sglang", ssm_layout="kv", state_dtype="bfloat16",
+        dict(packing="contiguous", conv_layout="chan_time", ssm_layout="kv", state_dtype="bfloat16",
              dt_bias_dtype="float32"),
     ],
 )  # fmt: skip

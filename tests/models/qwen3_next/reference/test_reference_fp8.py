@@ -131,7 +131,7 @@ def test_reference_k2_reads_fp8_planes_through_their_scales():
         fp8[n], fp8[n + ".scale"] = _block_quantize(w[n])
         values[n] = dequantize(fp8[n], fp8[n + ".scale"], "fp8_block128")
     ctx = BuildContext(text_config=TINY_FP8)
-    layouts = (("conv_layout", "vllm"), ("qkvz_packing", "interleaved"), ("ssm_layout", "vk"))
+    layouts = (("conv_layout", "time_chan"), ("qkvz_packing", "interleaved"), ("ssm_layout", "vk"))
 
     def k2(weights, formats):
         key = BuildKey("qwen3_next", "reference", 3, "bfloat16", 1, layouts, formats)

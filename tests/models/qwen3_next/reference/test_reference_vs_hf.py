@@ -132,7 +132,7 @@ def _run_case(name: str, *, conv_layout: str, packing: str | None, seed: int, st
     layers = model.model.layers
     bsz, t0 = 3, 5
     n_slots = bsz + 4
-    null_slot = 0 if conv_layout == "vllm" else None
+    null_slot = 0 if conv_layout == "time_chan" else None
     g = torch.Generator().manual_seed(seed + 2)
     slots = torch.randperm(n_slots - 1, generator=g)[:bsz] + 1  # slot 0 stays the null slot
 
@@ -214,19 +214,19 @@ def _run_case(name: str, *, conv_layout: str, packing: str | None, seed: int, st
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_decode_steps_match_hf(name):
-    _run_case(name, conv_layout="vllm", packing=None, seed=11)
+    _run_case(name, conv_layout="time_chan", packing=None, seed=11)
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-tiny", "qwen3.5-moe-tiny-b"])
-def test_other_packing_and_sglang_conv_layout_match_hf(name):
+def test_other_packing_and_chan_time_conv_layout_match_hf(name):
     # Qwen3-Next weights repacked contiguous, Qwen3.5 weights interleaved: the packing is a
-    # pure layout choice, and the SGLang conv layout (slot, C, K-1) with -1 padding works.
+    # pure layout choice, and the chan_time conv layout (slot, C, K-1) with -1 padding works.
     other = "contiguous" if name.startswith("qwen3-next") else "interleaved"
-    _run_case(name, conv_layout="sglang", packing=other, seed=5)
+    _run_case(name, conv_layout="chan_time", packing=other, seed=5)
 
 
 def test_dense_mlp_layers_match_hf():
-    _run_case("qwen3-next-tiny-dense-mlp", conv_layout="vllm", packing=None, seed=3, steps=1)
+    _run_case("qwen3-next-tiny-dense-mlp", conv_layout="time_chan", packing=None, seed=3, steps=1)
 
 
 def test_moe_block_alone_matches_hf():
@@ -317,7 +317,7 @@ def test_conv_layouts_and_packings_agree_exactly():
     a_conv, a_ssm = conv.clone(), ssm.clone()
     a = decoder_layer_step(
         h, res, w, dims, kind="gdn", slots=slots, conv_state=a_conv, ssm_state=a_ssm,
-        conv_layout="vllm", packing="contiguous", null_slot=0,
+        conv_layout="time_chan", packing="contiguous", null_slot=0,
     )  # fmt: skip
     w2 = dict(w)
     w2["in_proj_qkvz"] = repack_qkvz(w["in_proj_qkvz"], dims, "contiguous", "interleaved")
@@ -325,7 +325,7 @@ def test_conv_layouts_and_packings_agree_exactly():
     b_conv, b_ssm = conv.transpose(1, 2).contiguous(), ssm.clone()
     b = decoder_layer_step(
         h, res, w2, dims, kind="gdn", slots=slots, conv_state=b_conv, ssm_state=b_ssm,
-        conv_layout="sglang", packing="interleaved",
+        conv_layout="chan_time", packing="interleaved",
     )  # fmt: skip
     assert torch.equal(a.layer_output, b.layer_output)
     assert torch.equal(a_conv, b_conv.transpose(1, 2))

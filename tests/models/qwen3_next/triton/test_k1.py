@@ -171,7 +171,7 @@ def gdn_weights(md: ModelDims, packing, gen):
 
 def gdn_states(md: ModelDims, conv_layout, state_dtype, gen):
     k1 = md.conv_kernel - 1
-    shp = (SLOTS, k1, md.conv_dim) if conv_layout == "vllm" else (SLOTS, md.conv_dim, k1)
+    shp = (SLOTS, k1, md.conv_dim) if conv_layout == "time_chan" else (SLOTS, md.conv_dim, k1)
     conv = randn(gen, *shp).to(torch.bfloat16)
     ssm = randn(gen, SLOTS, md.num_v_heads, md.head_v_dim, md.head_k_dim) * 0.5
     return conv, ssm.to(getattr(torch, state_dtype))
@@ -220,12 +220,12 @@ CASES = [
     (p, pk, cl, sd, "vk")
     for p in PRESETS
     for pk in ("interleaved", "contiguous")
-    for cl in ("vllm", "sglang")
+    for cl in ("time_chan", "chan_time")
     for sd in ("float32", "bfloat16")
     if INTERP or p == REAL or sd == "bfloat16"
-] + [(TINY, "interleaved", "vllm", "float32", "kv")]
+] + [(TINY, "interleaved", "time_chan", "float32", "kv")]
 if INTERP:
-    CASES.append((TINY_B, "contiguous", "vllm", "float32", "vk"))
+    CASES.append((TINY_B, "contiguous", "time_chan", "float32", "vk"))
 ATTN_PRESETS = PRESETS + [TINY_B] if INTERP else PRESETS
 
 
@@ -241,7 +241,7 @@ def test_gdn_front_matches_reference(preset, packing, conv_layout, state_dtype, 
 def check_gdn_steps(k1, md, w, w_ref, packing, conv_layout, state_dtype, ssm_layout, gen,
                     widths):  # fmt: skip
     """K1 with weights ``w`` against the reference with ``w_ref``, one step per width."""
-    null_slot = 0 if conv_layout == "vllm" else None  # vLLM pads with 0, SGLang with -1
+    null_slot = 0 if conv_layout == "time_chan" else None  # vLLM pads with 0, SGLang with -1
     st, ws = rank_state(), k1.workspace(DEV)
     n_jit = jit_cache_size(k1_gdn_kernel)
     for width in widths:
@@ -299,7 +299,7 @@ def test_gdn_switching_k1_reference_k1(preset):
     k1 = gdn_build(preset, "float32")
     gen = new_gen(7)
     w = gdn_weights(md, "interleaved", gen)
-    conv, ssm = gdn_states(md, "vllm", "float32", gen)
+    conv, ssm = gdn_states(md, "time_chan", "float32", gen)
     width, steps = 5, 6
     slots = step_slots(width, 0, gen)
     inputs = [step_inputs(md, width, gen) for _ in range(steps)]
@@ -311,7 +311,9 @@ def test_gdn_switching_k1_reference_k1(preset):
             if mode == "K":
                 o, _ = run_k1_gdn(k1, st, ws, hid, res, w, c, s, slots, 0)
             else:
-                o = run_ref_gdn(md, hid, res, w, c, s, slots, "interleaved", "vllm", 0, "vk").o_in
+                o = run_ref_gdn(
+                    md, hid, res, w, c, s, slots, "interleaved", "time_chan", 0, "vk"
+                ).o_in
         runs[name] = (o.float(), c, s)
     assert_healthy(st)
     ok = _valid(slots, 0)
@@ -329,7 +331,7 @@ def test_gdn_graph_replay_bit_identical(preset):
     k1 = gdn_build(preset, "float32")
     gen = new_gen(11)
     w = gdn_weights(md, "interleaved", gen)
-    conv0, ssm0 = gdn_states(md, "vllm", "float32", gen)
+    conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
     width = 4
     slots = step_slots(width, 0, gen)
     hid, res = step_inputs(md, width, gen)
@@ -424,7 +426,7 @@ def test_launches_adapter_matches_direct_launch():
     adapter = K1Launches(gdn, attn, gdn.workspace(DEV), attn.workspace(DEV), st.ctrl, st.health,
                          layers_per_step=2, null_slot=0)  # fmt: skip
     w = {**gdn_weights(md, "interleaved", gen)}
-    conv, ssm = gdn_states(md, "vllm", "bfloat16", gen)
+    conv, ssm = gdn_states(md, "time_chan", "bfloat16", gen)
     conv_r, ssm_r = conv.clone(), ssm.clone()
     slots = step_slots(3, 0, gen)
     hid, res = step_inputs(md, 3, gen)
@@ -433,7 +435,7 @@ def test_launches_adapter_matches_direct_launch():
     st.bump_epoch()
     adapter.k1_gdn(BoundLayer(0, "linear_attention", w, conv, ssm), hid, res, slots,
                    o_in=o_in, residual_out=r_out)  # fmt: skip
-    ref = run_ref_gdn(md, hid, res, w, conv_r, ssm_r, slots, "interleaved", "vllm", 0, "vk")
+    ref = run_ref_gdn(md, hid, res, w, conv_r, ssm_r, slots, "interleaved", "time_chan", 0, "vk")
     ok = _valid(slots, 0)
     assert_close("out", o_in[ok].float(), ref.o_in[ok])
     aw = attn_weights(md, gen)
@@ -478,7 +480,7 @@ def test_gdn_front_fp8_planes_match_reference(formats):
     k1 = gdn_build(FP8_TINY, "float32", formats=formats)
     gen = new_gen(sum(map(ord, str(formats))))
     w, w_ref = quantize_planes(gdn_weights(md, "interleaved", gen), formats, gen)
-    check_gdn_steps(k1, md, w, w_ref, "interleaved", "vllm", "float32", "vk", gen, FP8_WIDTHS)
+    check_gdn_steps(k1, md, w, w_ref, "interleaved", "time_chan", "float32", "vk", gen, FP8_WIDTHS)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_block128", "fp8_channel", "fp8_tensor"])
@@ -499,7 +501,7 @@ def test_fp8_planes_refused_by_name():
     gen = new_gen(5)
     w_bf16 = gdn_weights(md, "interleaved", gen)
     w, _ = quantize_planes(w_bf16, formats, gen)
-    conv, ssm = gdn_states(md, "vllm", "float32", gen)
+    conv, ssm = gdn_states(md, "time_chan", "float32", gen)
     slots = step_slots(2, 0, gen)
     hid, res = step_inputs(md, 2, gen)
     st, ws = rank_state(), k1.workspace(DEV)

@@ -55,7 +55,7 @@ NUM = Qwen3NextSpec.NUMERICS
 WIDTHS = (1, 3, 8, 16)
 STEPS = int(os.environ.get("MONO_EXT_TEST_STEPS", "3"))
 SLOTS, T_MAX, NULL = 40, 64, 0  # state slots per GDN layer / KV rows per request; vLLM's null
-LAYOUTS = {"conv_layout": "vllm", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
+LAYOUTS = {"conv_layout": "time_chan", "ssm_layout": "vk", "qkvz_packing": "interleaved"}
 EXTRA = {"ssm_dtype": "float32"}
 
 

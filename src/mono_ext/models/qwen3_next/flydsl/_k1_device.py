@@ -257,7 +257,7 @@ def k1_gdn_launch(b):
     NT = -(-NROWS // (16 * WAVES))
     WG = s.payload_words
     INTERLEAVED = b.packing == "interleaved"
-    VLLM_CONV = b.conv_layout == "vllm"
+    TIME_CHAN = b.conv_layout == "time_chan"
     VK = b.ssm_layout == "vk"
     SSM32 = b.state_dtype == "float32"
     DT32 = b.dt_bias_dtype == "float32"
@@ -322,7 +322,7 @@ def k1_gdn_launch(b):
 
     def conv_addr(cs, slot, ss, t, ch):
         """Byte address of conv-state tap t (oldest first) of channel ch in a slot."""
-        if VLLM_CONV:
+        if TIME_CHAN:
             return cs + (fx.Int64(slot) * ss + fx.Int64(t * C + ch)) * 2
         return cs + (fx.Int64(slot) * ss + fx.Int64(ch * (KC - 1) + t)) * 2
 

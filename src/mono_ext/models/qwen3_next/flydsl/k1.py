@@ -2,8 +2,8 @@
 numerics are unverified until the Buildkite MI355 step runs it).
 
 Both fronts exist (the Triton K1's contracts). GDN front (:func:`mono_ext.models.qwen3_next.reference.gdn.
-gdn_front`), build-time layouts ``packing`` (interleaved / contiguous), ``conv_layout`` (vLLM
-[S, K-1, C] / SGLang [S, C, K-1]), ``ssm_layout`` (vk / kv), ``state_dtype``, ``dt_bias_dtype``;
+gdn_front`), build-time layouts ``packing`` (interleaved / contiguous), ``conv_layout`` (time_chan
+[S, K-1, C] / chan_time [S, C, K-1]), ``ssm_layout`` (vk / kv), ``state_dtype``, ``dt_bias_dtype``;
 tables ``wtab`` (``GDN_WEIGHT_ENTRIES``), ``rtab`` (scratch, xs, -, ctrl, health) and ``stab``
 (conv state, its slot stride, ssm state, its slot stride; elements); ``slots`` int32 [W] (< 0
 or == ``null_slot``: padding, no state read back or written, o_in row 0). Program: prologue
@@ -297,12 +297,12 @@ def k1_gdn_program(shape: K1GdnShape, width: int) -> Program:
 
 @dataclass
 class K1GdnBuild:
-    """One GDN-front build key; the engine layouts are compiled in."""
+    """One GDN-front build key; the layouts are compiled in."""
 
     shape: K1GdnShape
     width: int
     packing: str = "interleaved"
-    conv_layout: str = "vllm"
+    conv_layout: str = "time_chan"
     ssm_layout: str = "vk"
     state_dtype: str = "float32"
     dt_bias_dtype: str = "bfloat16"
@@ -311,7 +311,8 @@ class K1GdnBuild:
     def __post_init__(self) -> None:
         bad = self.shape.refusals()
         for name, allowed in (("packing", ("interleaved", "contiguous")),
-                              ("conv_layout", ("vllm", "sglang")), ("ssm_layout", ("vk", "kv")),
+                              ("conv_layout", ("time_chan", "chan_time")),
+                              ("ssm_layout", ("vk", "kv")),
                               ("state_dtype", ("float32", "bfloat16")),
                               ("dt_bias_dtype", ("float32", "bfloat16"))):  # fmt: skip
             if getattr(self, name) not in allowed:
@@ -390,7 +391,7 @@ class K1GdnBuild:
             bad.append("conv_state must be [slots, ., .]")
         else:
             want = (s.conv_kernel - 1, s.conv_dim)
-            if self.conv_layout == "sglang":
+            if self.conv_layout == "chan_time":
                 want = want[::-1]
             inner = conv_state.stride()[1:]
             if tuple(conv_state.shape[1:]) != want or inner != (want[1], 1):

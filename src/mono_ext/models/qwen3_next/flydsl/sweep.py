@@ -4,10 +4,11 @@ of docs/journal.md's "FlyDSL gfx950 (compile-only)" entry.
     python -m mono_ext.models.qwen3_next.flydsl.sweep [--jobs N] [--all]
 
 What is swept: the runtime launches (mailbox hand-off, one-shot all-reduce at TP 1/2/4/8) and
-K2 (GDN and attention layers) and K1 (attention front; GDN front with vLLM's layouts:
-interleaved packing, [S, K-1, C] conv state, vk fp32 state), Qwen3-Next-80B-A3B sizes at
-TP 1, at widths 1, 2, 4, 8, 16, or at every width 1..16 with ``--all`` (what CI's flydsl stage
-runs). The other GDN layout combinations compile in ``tests/models/qwen3_next/flydsl/test_flydsl_k1.py``.
+K2 (GDN and attention layers) and K1 (attention front; GDN front with the default layouts:
+interleaved packing, time_chan [S, K-1, C] conv state, vk fp32 state), Qwen3-Next-80B-A3B
+sizes at TP 1, at widths 1, 2, 4, 8, 16, or at every width 1..16 with ``--all`` (what CI's
+flydsl stage runs). The other GDN layout combinations compile in
+``tests/models/qwen3_next/flydsl/test_flydsl_k1.py``.
 Keys compile in parallel processes (each one a fresh LLVM); nothing is cached across runs.
 Exit status 1 when any launch fails to compile or breaks a limit.
 """

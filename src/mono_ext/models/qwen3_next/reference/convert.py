@@ -155,12 +155,16 @@ def layer_weights_from_hf(
 
 
 def conv_state_to_layout(state_cd: torch.Tensor, conv_layout: str) -> torch.Tensor:
-    """[n, conv_dim, K-1] -> the engine layout (vLLM: [n, K-1, conv_dim]; SGLang: as is)."""
-    return state_cd.transpose(-1, -2) if conv_layout == "vllm" else state_cd
+    """[n, conv_dim, K-1] -> ``conv_layout`` ("time_chan": [n, K-1, conv_dim]; "chan_time": as
+    is)."""
+    return state_cd.transpose(-1, -2) if conv_layout == "time_chan" else state_cd
 
 
 def gdn_state_from_hf(
-    conv_hf: torch.Tensor, recurrent_hf: torch.Tensor, dims: ModelDims, conv_layout: str = "vllm"
+    conv_hf: torch.Tensor,
+    recurrent_hf: torch.Tensor,
+    dims: ModelDims,
+    conv_layout: str = "time_chan",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HF cache tensors -> engine layouts.
 

