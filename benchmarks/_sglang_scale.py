@@ -7,10 +7,11 @@ model from the offline ``Engine`` other than its RPCs, but it does import and ca
 factories of ``ServerArgs.forward_hooks`` in each scheduler, right after CUDA-graph capture
 and before the first request (``register_forward_hooks(model, specs)`` in
 ``model_runner_components/cuda_graph_setup.py``). :func:`factory` is such a factory: it finds
-that call's ``model`` argument one frame up, scales the model there (graphs keep their
-pointers; mono_ext reads the engine's tensors in place), writes what it did to
-``config["record"]`` and returns a no-op hook. It raises where the frame holds no model, so
-a changed SGLang fails the run instead of measuring unscaled weights.
+that call's ``model`` argument one frame up, scales the model there
+(``_e2e_runner.scale_floating``: graphs keep their pointers; mono_ext reads the engine's
+tensors in place), writes what it did to ``config["record"]`` and returns a no-op hook. It
+raises where the frame holds no model, so a changed SGLang fails the run instead of measuring
+unscaled weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from __future__ import annotations
 import json
 import sys
 from typing import Any
+
+# the schedulers find this folder on PYTHONPATH (e2e_sglang.entry_pythonpath)
+from _e2e_runner import scale_floating
 
 
 def factory(config: dict[str, Any]):
@@ -31,14 +35,7 @@ def factory(config: dict[str, Any]):
             "forward_hooks no longer pass it"
         )
     scale = float(config["scale"])
-    n = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.mul_(scale)
-                n += 1
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    n = scale_floating(model, scale)
     if config.get("record"):
         with open(config["record"], "w") as f:
             json.dump({"scaled": n, "scale": scale, "model": type(model).__name__}, f)

@@ -19,7 +19,8 @@ What one command does (every engine in its own subprocess, its scheduler in anot
 starts it, so GPU memory is freed between them; results merge into ``DIR/e2e_sglang.json``
 (``e2e_sglang_q35.json`` for ``--model q35``) after each one, so a later call with the same
 ``--out`` runs only what is missing; ``--call-budget-s`` stops before an entry that would not
-fit the device's 10-minute call, but always runs the first entry of a call):
+fit the device's 10-minute call, but always runs the first entry of a call; that driver is
+``_e2e_runner.py``, shared with ``e2e_vllm.py``):
 
 1. ``bw``: device-to-device copy bandwidth (read + write bytes / time), versions, device.
 2. per layer count, arms interleaved ``off, on, on, off`` (``--order``). The ``on`` arm passes
@@ -87,12 +88,8 @@ went cold between calls, carry the last JSON back (an ignored path) and pass it 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
+import functools
 import json
-import os
-import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,24 +98,16 @@ from typing import Any
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 CPU_STANDINS = HERE.parent / "_sglang_cpu"
-sys.path.insert(0, str(HERE.parent))
-from _e2e_math import (  # noqa: E402
-    accuracy_rows,
-    delta_tpot,
-    kinds_for,
-    merge,
-    select,
-    tpot_rows,
-)
+sys.path.insert(0, str(HERE.parent))  # _e2e_math, _e2e_runner: loaded by path in the unit test
+import _e2e_runner as runner  # noqa: E402
+from _e2e_math import accuracy_rows, tpot_rows  # noqa: E402
+from _e2e_runner import cut_config, make_prompts, preset_dims  # noqa: E402, F401
 
-ORDER = ("off", "on", "on", "off")
 GRAPH_BS = [1, 2, 4, 8, 16]
 MODELS = {  # --model: (H200 preset, CPU smoke preset)
     "next": ("qwen3-next-80b-a3b", "qwen3-next-tiny"),
     "q35": ("qwen3.5-35b-a3b", "qwen3.5-moe-tiny"),
 }
-# vLLM's stock per-layer us on the H200 (ENGINES.md), for the plan's time estimates only
-_SLOPE_US = {1: 79, 2: 118, 4: 152, 8: 238, 16: 333}
 
 
 def names(model: str) -> tuple[str, str, str]:
@@ -132,14 +121,7 @@ def names(model: str) -> tuple[str, str, str]:
 def build_plan(layers: list[int], order: list[str]) -> list[dict[str, Any]]:
     """``bw``, then per layer count the arms in ``order`` (repeat k of an arm is its k-th
     occurrence): ids ``L<n>/<arm>/<k>``, as e2e_vllm's offline entries."""
-    plan: list[dict[str, Any]] = [{"id": "bw", "kind": "bw"}]
-    for n in layers:
-        seen: dict[str, int] = {}
-        for arm in order:
-            rep = seen.get(arm, 0)
-            seen[arm] = rep + 1
-            plan.append({"id": f"L{n}/{arm}/{rep}", "kind": "offline", "layers": n, "arm": arm})
-    return plan
+    return [{"id": "bw", "kind": "bw"}, *runner.offline_entries(layers, order)]
 
 
 def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -> float:
@@ -156,27 +138,11 @@ def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -
     warm.add(key)
     s = start
     for b in a.batches:
-        step = 1.5e-3 + n * _SLOPE_US.get(b, 333) * 1e-6
+        step = 1.5e-3 + n * runner.STOCK_SLOPE_US.get(b, 333) * 1e-6
         prefill = 0.05 + b * a.prompt_len * n * 2e-7
         gens = a.reps * ((a.n1 + a.n2) * step + 2 * prefill) + 8 * step + prefill
         s += gens + a.acc_tokens * step * 1.5 + prefill
     return s
-
-
-def cut_config(preset: str, n_layers: int, *, cpu: bool = False) -> dict[str, Any]:
-    """The preset cut to ``n_layers`` (every ``full_attention_interval``-th layer full
-    attention). ``cpu``: intermediate sizes rounded up to multiples of 32, as SGLang's CPU
-    build pads them at load (a padded plane would not match the config mono_ext reads)."""
-    from mono_ext.models.qwen3_next.configs import get_preset
-
-    cfg = get_preset(preset)
-    cfg["num_hidden_layers"] = n_layers
-    cfg["layer_types"] = kinds_for(n_layers, int(cfg.get("full_attention_interval", 4)))
-    if cpu:
-        for k in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size"):
-            if cfg.get(k):
-                cfg[k] = -(-int(cfg[k]) // 32) * 32
-    return cfg
 
 
 def write_config(root: Path, preset: str, n_layers: int, *, cpu: bool = False) -> Path:
@@ -188,15 +154,6 @@ def write_config(root: Path, preset: str, n_layers: int, *, cpu: bool = False) -
     cfg = checkpoint_config(cut_config(preset, n_layers, cpu=cpu), num_layers=n_layers)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     return path
-
-
-def make_prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
-    """Row r's prompt depends only on r (the same ids in every arm and batch)."""
-    out = []
-    for r in range(rows):
-        rng = random.Random(1000 + r)
-        out.append([rng.randrange(3, vocab - 1) for _ in range(length)])
-    return out
 
 
 def engine_kwargs(
@@ -264,7 +221,7 @@ def entry_pythonpath(a: argparse.Namespace, inherited: str) -> str:
     parts = [str(REPO / "src"), str(HERE.parent)]
     if a.cpu_smoke:
         parts.append(str(CPU_STANDINS))
-    return os.pathsep.join(parts + [p for p in inherited.split(os.pathsep) if p])
+    return runner.pythonpath(parts, inherited)
 
 
 def full_layers_of(dims: Any) -> int:
@@ -275,30 +232,16 @@ def full_layers_of(dims: Any) -> int:
 # subprocess workers (one engine each)
 # ----------------------------------------------------------------------------------------
 def worker_bw(spec: dict[str, Any]) -> dict[str, Any]:
-    import importlib.metadata as md
-
-    import e2e_vllm
-
-    out = e2e_vllm.worker_bw(spec)
-    for pkg in ("sglang", "sgl-kernel", "sglang-kernel", "flashinfer-python"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            out["versions"][pkg] = md.version(pkg)
-    return out
+    return runner.worker_bw(spec, ("sglang", "sgl-kernel", "sglang-kernel", "flashinfer-python"))
 
 
 def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.time()
     import sglang
 
-    if spec["arm"] == "on":
-        print(
-            f"[e2e] arm 'on': Engine(monokernel=True, monokernel_backend={spec['backend']!r}), "
-            "MONO_EXT_SERVE_UNMEASURED=1 (routes widths not yet measured faster than stock)",
-            flush=True,
-        )
+    runner.announce_arm(spec, f"Engine(monokernel=True, monokernel_backend={spec['backend']!r})")
     engine = sglang.Engine(**spec["engine"])
-    up = time.time() - t0
-    print(f"[e2e] engine up in {up:.1f}s ({spec['id']})", flush=True)
+    up = runner.up_since(t0, spec)
     scaled = None
     rec = spec.get("scale_record")
     if rec and Path(rec).exists():
@@ -321,19 +264,7 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
         for b in spec["batches"]:
             prompts = spec["prompts"][:b]
             gen(prompts, 8)
-            row: dict[str, Any] = {}
-            t1, t2 = [], []
-            for _ in range(spec["reps"]):
-                t1.append(gen(prompts, spec["n1"])[0])
-                t2.append(gen(prompts, spec["n2"])[0])
-            row.update(
-                t_n1=t1, t_n2=t2, tpot_s=delta_tpot(min(t1), min(t2), spec["n1"], spec["n2"])
-            )
-            print(
-                f"[e2e] {spec['id']} bs{b}: TPOT {row['tpot_s'] * 1e3:.3f} ms "
-                f"(T{spec['n1']} {min(t1):.3f}s, T{spec['n2']} {min(t2):.3f}s)",
-                flush=True,
-            )
+            row = runner.time_batch(spec, gen, prompts, b)
             _, outs = gen(prompts, spec["acc_tokens"], spec["logprobs"])
             row["tokens"] = [list(o["output_ids"]) for o in outs]
             row["logprobs"] = [
@@ -366,28 +297,18 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_worker(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    fn = {"offline": worker_offline, "bw": worker_bw}[spec["kind"]]
-    Path(out_path).write_text(json.dumps(fn(spec), default=str))
+WORKERS = {"offline": worker_offline, "bw": worker_bw}
 
 
 # ----------------------------------------------------------------------------------------
 # orchestration
 # ----------------------------------------------------------------------------------------
-def preset_dims(preset: str) -> Any:
-    import e2e_vllm
-
-    return e2e_vllm.preset_dims(preset)
-
-
 def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[dict, dict]:
     """(spec for the worker, extra environment) of one plan entry."""
-    spec: dict[str, Any] = {"id": e["id"], "kind": e["kind"], "arm": e.get("arm", "on")}
+    spec = runner.entry_spec(e, a)
     if e["kind"] == "bw":
-        spec.update(bytes=(64 if a.cpu_smoke else 4096) * 2**20, reps=5)
         return spec, {}
-    stem = work / e["id"].replace("/", "_")
+    stem = runner.entry_stem(work, e)
     model_dir = write_config(work / "configs", a.preset, e["layers"], cpu=a.cpu_smoke)
     record = stem.with_suffix(".scaled.json")
     record.unlink(missing_ok=True)
@@ -409,34 +330,11 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
 
 def run_entry(e: dict[str, Any], a: argparse.Namespace, work: Path) -> dict[str, Any]:
     spec, env_extra = entry_spec(e, a, work)
-    stem = work / e["id"].replace("/", "_")
-    spec_path, out_path = stem.with_suffix(".spec.json"), stem.with_suffix(".out.json")
-    spec_path.write_text(json.dumps(spec))
-    out_path.unlink(missing_ok=True)
-    env = {**os.environ, **env_extra}
-    env["PYTHONPATH"] = entry_pythonpath(a, env.get("PYTHONPATH", ""))
-    if e.get("arm", "on") == "off":
-        # only the Engine argument turns mono_ext on; nothing inherited may
-        env.pop("MONO_EXT_SERVE_UNMEASURED", None)
-        env.pop("MONO_EXT_SGLANG_MONOKERNEL", None)
-    print(f"\n== {e['id']} ({e['kind']}) ==", flush=True)
-    t = time.time()
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(HERE), "--worker", str(spec_path), str(out_path)],
-            env=env,
-            timeout=a.entry_timeout_s,
-            start_new_session=True,
-        )
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        rc = 124
-    wall = time.time() - t
-    if rc != 0 or not out_path.exists():
-        return {"ok": False, "rc": rc, "wall_s": wall, "entry": e}
-    res = json.loads(out_path.read_text())
-    res.update(ok=True, wall_s=wall, entry=e)
-    if e["kind"] == "offline":
+    # the off arm: only the Engine argument turns mono_ext on; nothing inherited may
+    unset = ("MONO_EXT_SERVE_UNMEASURED", "MONO_EXT_SGLANG_MONOKERNEL")
+    env = runner.entry_env(env_extra, e, functools.partial(entry_pythonpath, a), unset)
+    res = runner.spawn_entry(HERE, e, spec, env, work, a.entry_timeout_s, own_session=True)
+    if res["ok"] and e["kind"] == "offline":
         res["engine"] = spec["engine"]
         res["env"] = env_extra
     return res
@@ -446,30 +344,16 @@ def run_entry(e: dict[str, Any], a: argparse.Namespace, work: Path) -> dict[str,
 # summary
 # ----------------------------------------------------------------------------------------
 def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
-    runs = {k: v for k, v in data.get("runs", {}).items() if v.get("ok")}
+    runs = runner.ok_runs(data)
     dims = preset_dims(a.preset)
-    bw_run = runs.get("bw")
-    bw = bw_run["copy_bw_Bps"] if bw_run else None
-    ssm_dtype = next(
-        (
-            (r.get("report") or {}).get("build_extra", {}).get("ssm_dtype")
-            for r in runs.values()
-            if (r.get("report") or {}).get("build_extra", {}).get("ssm_dtype")
-        ),
-        None,
+    bw = runner.copy_bw(runs)
+    ssm_dtype = runner.first_found(
+        runs, lambda r: (r.get("report") or {}).get("build_extra", {}).get("ssm_dtype")
     )
     # SGLang's MambaPool keeps the recurrent state in fp32 unless told otherwise
     state_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(ssm_dtype or "float32", 4)
-    tp: dict[tuple[str, int, int], list[float]] = {}
-    for r in runs.values():
-        e = r["entry"]
-        if e["kind"] != "offline":
-            continue
-        for b, row in r["batches"].items():
-            if "tpot_s" in row:
-                tp.setdefault((e["arm"], e["layers"], int(b)), []).append(row["tpot_s"])
     ctx = a.prompt_len + (a.n1 + a.n2) / 2
-    rows = tpot_rows(tp, dims, bw=bw, ctx=ctx, state_bytes=state_bytes)
+    rows = tpot_rows(runner.offline_tpot(runs), dims, bw=bw, ctx=ctx, state_bytes=state_bytes)
     if full_layers_of(dims) != 48:
         for row in rows:
             row["full_layers"] = full_layers_of(dims)
@@ -491,25 +375,20 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         for k, r in runs.items()
         if r["entry"]["kind"] == "offline" and r["entry"]["arm"] == "on"
     }
-    failed = {k: v.get("rc") for k, v in data.get("runs", {}).items() if not v.get("ok")}
     return {
         "tpot": rows,
         "accuracy": accuracy_rows(runs),
         "routed": routed,
-        "failed": failed,
-        "floor_model": {
-            "copy_bw_TBps": bw / 1e12 if bw else None,
-            "ssm_state_dtype": ssm_dtype or "float32 (assumed: SGLang's default)",
-            "distinct_experts": "E * (1 - (1 - k/E)**B)",
-            "ctx_mean": ctx,
-        },
+        "failed": runner.failed_runs(data),
+        "floor_model": runner.floor_model(
+            bw, ssm_dtype or "float32 (assumed: SGLang's default)", ctx
+        ),
     }
 
 
 def print_tables(s: dict[str, Any]) -> str:
-    import e2e_vllm
-
-    text = e2e_vllm.print_tables({**s, "server": [], "check": {}, "routed": {}})
+    """The shared tables, then SGLang's routing counts (its report's keys, not vLLM's)."""
+    text = runner.print_tables({**s, "routed": {}})
     for k, v in s["routed"].items():
         line = (
             f"routed {k}: state {v['state']} replayed_steps {v['replayed_steps']} "
@@ -520,162 +399,60 @@ def print_tables(s: dict[str, Any]) -> str:
     return text
 
 
-def write_csv(s: dict[str, Any], path: Path) -> None:
-    import e2e_vllm
-
-    e2e_vllm.write_csv({**s, "server": []}, path)
-
-
 def finish(data: dict[str, Any], a: argparse.Namespace) -> None:
-    import e2e_vllm
-
-    json_name, csv_name, png_name = names(a.model)
-    s = summarize(data, a)
-    data["summary"] = s
-    tmp = a.out / (json_name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(a.out / json_name)
-    write_csv(s, a.out / csv_name)
+    data["summary"] = summarize(data, a)
     meta = data.get("meta", {})
     title = (
         f"SGLang e2e, {a.preset}: flag off vs --monokernel-backend {a.backend}; "
         f"{meta.get('device', '?')}; {meta.get('commit', '?')}; "
         f"{', '.join(f'{k} {v}' for k, v in (meta.get('versions') or {}).items())}"
     )
-    print("\n" + "-" * 80)
-    print_tables(s)
-    print(e2e_vllm.write_plot(s, a.out / png_name, title), flush=True)
+    runner.write_results(data, a.out, names(a.model), title, print_tables)
 
 
 # ----------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="results folder (json/csv/png; resumes)")
-    p.add_argument("--quick", action="store_true", help="batches 1,4,16, order off,on, reps 2")
-    p.add_argument(
-        "--cpu-smoke", action="store_true", help="SGLang's CPU build, tiny preset, reference"
+    runner.add_head_args(
+        p,
+        "batches 1,4,16, order off,on, reps 2",
+        "SGLang's CPU build, tiny preset, reference",
     )
     p.add_argument("--model", choices=sorted(MODELS), default="next")
-    p.add_argument("--layers", type=_ints, default=None)
-    p.add_argument("--batches", type=_ints, default=None)
-    p.add_argument("--order", type=_strs, default=None, help="arm order per layer count")
-    p.add_argument("--only", type=_strs, default=None, help="plan ids/globs, e.g. 'L16/*,bw'")
-    p.add_argument("--redo", action="store_true", help="rerun entries already in the results")
-    p.add_argument("--n1", type=int, default=None)
-    p.add_argument("--n2", type=int, default=None)
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--prompt-len", type=int, default=None)
-    p.add_argument("--acc-tokens", type=int, default=None)
-    p.add_argument("--logprobs", type=int, default=10)
-    p.add_argument("--weight-scale", type=float, default=16.0)
+    runner.add_selection_args(p)
+    runner.add_decode_args(p)
     p.add_argument("--mem-fraction", type=float, default=0.88, help="SGLang mem_fraction_static")
     p.add_argument("--backend", default=None, help="mono_ext backend of the on arm (triton)")
-    p.add_argument(
-        "--call-budget-s", type=float, default=0.0, help="stop before exceeding (0: no limit)"
-    )
-    p.add_argument("--entry-timeout-s", type=float, default=None)
-    p.add_argument("--resume-from", type=Path, default=None, help="merge this results JSON first")
-    p.add_argument("--estimate", action="store_true", help="print the plan and estimates only")
+    runner.add_call_args(p, entry_timeout_s=None)
     a = p.parse_args(argv)
-    smoke, quick = a.cpu_smoke, a.quick
-
-    def d(name: str, full: Any, q: Any, s: Any) -> None:
-        if getattr(a, name) is None:
-            setattr(a, name, s if smoke else q if quick else full)
-
-    d("layers", [16, 32], [16, 32], [4, 8])
-    d("batches", [1, 2, 4, 8, 16], [1, 4, 16], [1, 2])
-    d("order", list(ORDER), ["off", "on"], ["off", "on"])
-    d("n1", 64, 64, 4)
-    d("n2", 320, 320, 12)
-    d("reps", 3, 2, 1)
-    d("prompt_len", 512, 512, 16)
-    d("acc_tokens", 64, 64, 8)
-    d("backend", "triton", "triton", "reference")
-    a.preset = MODELS[a.model][1 if smoke else 0]
-    a.max_model_len = 256 if smoke else 1024
-    if a.prompt_len + max(a.n2, a.acc_tokens) + 8 > a.max_model_len:
-        a.max_model_len = a.prompt_len + max(a.n2, a.acc_tokens) + 64
+    runner.apply_defaults(a, runner.DECODE_DEFAULTS)
+    a.preset = MODELS[a.model][1 if a.cpu_smoke else 0]
+    runner.fit_context(a, max(a.n2, a.acc_tokens))
     if a.entry_timeout_s is None:
         # a worker killed before the device's own limit still leaves the results file whole
         a.entry_timeout_s = a.call_budget_s + 40 if a.call_budget_s else 1800.0
     return a
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
-def _strs(s: str) -> list[str]:
-    return [x for x in s.split(",") if x]
+def bench(a: argparse.Namespace) -> runner.Bench:
+    where = "SGLang CPU smoke" if a.cpu_smoke else f"H200, {a.preset} shapes"
+    return runner.Bench(
+        script="benchmarks/e2e_sglang.py",
+        json_name=names(a.model)[0],
+        plan=build_plan(a.layers, a.order),
+        estimate_entry_s=estimate_entry_s,
+        run_entry=run_entry,
+        finish=finish,
+        estimate_fmt="estimated ~{min:.1f} min (" + where + ")",
+        id_width=16,
+        provenance=True,
+        first_always=True,
+        rc_incomplete=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        run_worker(argv[1], argv[2])
-        return 0
-    a = parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    work = a.out / "work"
-    work.mkdir(exist_ok=True)
-    jpath = a.out / names(a.model)[0]
-    data: dict[str, Any] = {"runs": {}, "meta": {}}
-    for src in (a.resume_from, jpath):
-        if src and src.exists():
-            data = merge(data, json.loads(src.read_text()))
-    plan = build_plan(a.layers, a.order)
-    done = {k for k, v in data["runs"].items() if v.get("ok")}
-    todo = select(plan, a.only, done, a.redo)
-    warm: set[str] = set()
-    est = [(e, estimate_entry_s(e, a, warm)) for e in todo]
-    print(f"plan ({len(plan)} entries, {len(done)} done); to run now ({len(todo)}):")
-    for e, s in est:
-        print(f"  {e['id']:<16} ~{s / 60:5.1f} min")
-    where = "SGLang CPU smoke" if a.cpu_smoke else f"H200, {a.preset} shapes"
-    print(f"estimated ~{sum(s for _, s in est) / 60:.1f} min ({where})", flush=True)
-    if a.estimate:
-        return 0
-    from _provenance import provenance
-
-    prov = provenance(data["meta"].get("device", "?"))
-    prov["command"] = " ".join(["python", "benchmarks/e2e_sglang.py", *argv])
-    call = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "commit": prov["commit"],
-        "command": prov["command"],
-    }
-    data = merge(data, {"meta": {"calls": [call]}})
-    data["meta"].update(date=prov["date"], commit=prov["commit"], command=prov["command"])
-    t_start, rc = time.time(), 0
-    for ran, (e, s) in enumerate(est):
-        left = a.call_budget_s - (time.time() - t_start)
-        if a.call_budget_s and ran and s > left:
-            print(
-                f"\n[e2e] stop: {e['id']} needs ~{s:.0f}s, {left:.0f}s left in this call; "
-                "rerun the same command to continue",
-                flush=True,
-            )
-            rc = 3
-            break
-        res = run_entry(e, a, work)
-        if not res["ok"]:
-            print(f"[e2e] {e['id']} FAILED (rc {res['rc']}); see the log above", flush=True)
-            rc = 1
-        if e["kind"] == "bw" and res.get("ok"):
-            data["meta"].update(device=res["device"], versions=res["versions"])
-        data = merge(data, {"runs": {e["id"]: res}})
-        data["meta"]["args"] = {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
-        }
-        finish(data, a)
-    if not est:
-        finish(data, a)
-    remaining = select(plan, a.only, {k for k, v in data["runs"].items() if v.get("ok")}, False)
-    print(f"\n[e2e] remaining plan entries: {[x['id'] for x in remaining] or 'none'}", flush=True)
-    if rc == 0 and remaining:
-        rc = 3
-    return rc
+    return runner.main(argv, WORKERS, parse_args, bench)
 
 
 if __name__ == "__main__":

