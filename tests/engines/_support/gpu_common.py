@@ -1,8 +1,10 @@
 """Shared by the GPU e2e tests (``test_vllm_gpu.py``, ``test_vllm_gpu_failstop.py``,
-``test_sglang_gpu.py``): kept engine runs, raw results for offline analysis, the flag-off /
-flag-on comparison of one batch, and the vLLM engine arguments.
+``test_sglang_gpu.py``, ``test_sglang_gpu_failstop.py``): kept engine runs, raw results for
+offline analysis, the flag-off / flag-on comparison of one batch, the vLLM and SGLang engine
+arguments, and the SGLang GPU tests' module-level skips.
 
-Imports neither torch nor an engine, so the test modules can skip before touching either.
+Imports neither torch nor an engine, so the test modules can skip before touching either (and
+``sglang_fault.py``, checked on CPU, can build on :data:`SGLANG_GPU_ENGINE`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from mono_ext.core.numerics import GreedyAgreement, greedy_agreement, same_context_kl
 
@@ -33,6 +37,44 @@ VLLM_GPU_LLM: dict[str, Any] = dict(
     enforce_eager=False,
     compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
 )
+
+SGLANG_GRAPH_BS = [1, 2, 4, 8, 16]
+#: ``sglang.Engine`` arguments of the SGLang 0.5.17 GPU tests: a tiny model, decode CUDA graphs
+#: of SGLANG_GRAPH_BS (prefill graphs off), SGLang's overlap scheduler (its default: not
+#: disabled), pytorch sampling, no grammar, no radix cache (every prompt prefills the same way
+#: in every run)
+SGLANG_GPU_ENGINE: dict[str, Any] = {
+    "skip_tokenizer_init": True,
+    "dtype": "bfloat16",
+    "attention_backend": "triton",  # FA3 is not in the device bundle
+    "sampling_backend": "pytorch",
+    "grammar_backend": "none",
+    "disable_radix_cache": True,
+    "mem_fraction_static": 0.3,
+    "max_running_requests": 16,
+    "context_length": 512,
+    "cuda_graph_bs_decode": SGLANG_GRAPH_BS,
+    "disable_prefill_cuda_graph": True,
+    "random_seed": 0,
+    "log_level": "info",
+}
+#: their environment: the triton backend serves no width until measured faster than stock,
+#: and routing is what these tests are about
+SGLANG_GPU_ENV = {"MONO_EXT_CHECK": "0", "MONO_EXT_SERVE_UNMEASURED": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def require_sglang_gpu() -> None:
+    """Skip the calling test module without CUDA, without SGLang's CUDA build (``sgl_kernel``)
+    or on SGLang with the kernel-plugin API (0.5.23+, tested elsewhere). Call it at import."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("sglang")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device", allow_module_level=True)
+    pytest.importorskip("sgl_kernel", reason="needs SGLang's CUDA kernels (sgl_kernel)")
+    from mono_ext.engines.sglang import has_native_api
+
+    if has_native_api():
+        pytest.skip("SGLang with the kernel-plugin API (0.5.23+)", allow_module_level=True)
 
 
 def source_digest(*files: Path) -> str:

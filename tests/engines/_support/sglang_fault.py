@@ -8,38 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tests.engines._support.gpu_common import SGLANG_GPU_ENGINE, SGLANG_GPU_ENV
+
 HEALTHY_STEPS = 12  # decode steps at width 3 (replays of the 4-row graph) before the fault
 NEW_TOKENS = 48
 STOP_S = 10.0  # deadline (now 1 ns) + agreement interval + release path, with margin
 AGREE_EVERY = 4
 PROMPTS = [[(37 * r + 11 * i + 5) % 500 + 3 for i in range(9 + 4 * r)] for r in range(3)]
-GRAPH_BS = [1, 2, 4, 8, 16]
 
-#: the tiny model with the overlap scheduler (SGLang's default: not disabled) and decode
-#: CUDA graphs, as test_sglang_gpu.py runs it
-ENGINE: dict[str, Any] = dict(
-    skip_tokenizer_init=True,
-    dtype="bfloat16",
-    attention_backend="triton",
-    sampling_backend="pytorch",
-    grammar_backend="none",
-    disable_radix_cache=True,
-    mem_fraction_static=0.3,
-    max_running_requests=16,
-    context_length=512,
-    cuda_graph_bs_decode=GRAPH_BS,
-    disable_prefill_cuda_graph=True,
-    random_seed=0,
-    log_level="info",
-    monokernel=True,
-    monokernel_backend="triton",
-)
-ENV = {
-    "MONO_EXT_CHECK": "0",
-    "MONO_EXT_SERVE_UNMEASURED": "1",  # routing is the subject here, not speed
-    "MONO_EXT_AGREE_EVERY": str(AGREE_EVERY),
-    "HF_HUB_OFFLINE": "1",
-}
+#: the tiny model with the overlap scheduler and decode CUDA graphs, as test_sglang_gpu.py
+#: runs it, with mono_ext on
+ENGINE: dict[str, Any] = dict(SGLANG_GPU_ENGINE, monokernel=True, monokernel_backend="triton")
+ENV = {**SGLANG_GPU_ENV, "MONO_EXT_AGREE_EVERY": str(AGREE_EVERY)}
 
 
 def runner_spec(model_path: str, root: Path) -> dict[str, Any]:

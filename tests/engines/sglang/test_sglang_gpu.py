@@ -53,21 +53,18 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("sglang")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("sgl_kernel", reason="needs SGLang's CUDA kernels (sgl_kernel)")
-
-from mono_ext.engines.sglang import has_native_api  # noqa: E402
-from tests.engines._support.gpu_common import (  # noqa: E402
+from tests.engines._support import gpu_common
+from tests.engines._support.gpu_common import (
+    SGLANG_GPU_ENGINE,
+    SGLANG_GPU_ENV,
+    SGLANG_GRAPH_BS,
     compare_batch,
     export_result,
     kept_runs_dir,
+    require_sglang_gpu,
 )
 
-if has_native_api():
-    pytest.skip("SGLang with the kernel-plugin API (0.5.23+)", allow_module_level=True)
+require_sglang_gpu()
 
 pytestmark = pytest.mark.gpu
 
@@ -79,29 +76,12 @@ KL_LIMIT = 0.02
 # max 1.25e-7 per position on the H200), far below a real error's margins
 TIE_NATS = 0.02
 WIDTHS = (1, 3, 8)
-GRAPH_BS = [1, 2, 4, 8, 16]
 TIMEOUT_S = 560  # one engine run (the device runs a command for at most 600 s)
 
-ENGINE = dict(
-    skip_tokenizer_init=True,
-    dtype="bfloat16",
-    attention_backend="triton",  # FA3 is not in the device bundle
-    sampling_backend="pytorch",
-    grammar_backend="none",
-    disable_radix_cache=True,
-    mem_fraction_static=0.3,
-    max_running_requests=16,
-    context_length=512,
-    cuda_graph_bs_decode=GRAPH_BS,
-    disable_prefill_cuda_graph=True,
-    random_seed=0,
-    log_level="info",
-)
 PRESETS = {
     "next": ("qwen3-next-tiny", {}),
     "q35": ("qwen3.5-moe-tiny", {"enable_multimodal": False}),
 }
-ENV = {"MONO_EXT_CHECK": "0", "MONO_EXT_SERVE_UNMEASURED": "1", "HF_HUB_OFFLINE": "1"}
 
 _RUNNER = textwrap.dedent("""
     import json, os, sys, time
@@ -152,7 +132,9 @@ class Runs:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.done: dict[tuple[str, bool], dict] = {}
-        self.keep = kept_runs_dir(Path(__file__))  # $MONO_EXT_GPU_RUNS/<digest>, or None
+        # $MONO_EXT_GPU_RUNS/<digest>, or None; gpu_common holds the engine arguments, so its
+        # source is part of what defines a run
+        self.keep = kept_runs_dir(Path(__file__), Path(gpu_common.__file__))
 
     def __call__(self, tag: str, on: bool) -> dict:
         key = (tag, on)
@@ -165,7 +147,7 @@ class Runs:
         if not (ckpt / "config.json").exists():
             make_checkpoint(ckpt, preset, seed=0)
         name = f"{tag}_{'on' if on else 'off'}"
-        engine = {**ENGINE, **extra, "model_path": str(ckpt)}
+        engine = {**SGLANG_GPU_ENGINE, **extra, "model_path": str(ckpt)}
         if on:
             engine["monokernel_backend"] = "triton"
         spec = {
@@ -182,7 +164,7 @@ class Runs:
             self.done[key] = json.loads(kept.read_text())
             export_result("sglang_runs", name, kept.read_text())
             return self.done[key]
-        env = {**os.environ, **ENV}
+        env = {**os.environ, **SGLANG_GPU_ENV}
         env.pop("MONO_EXT_SGLANG_MONOKERNEL", None)  # only the Engine argument turns it on
         proc = subprocess.run(
             [sys.executable, "-c", _RUNNER, str(spec_path), str(out_path)],
@@ -219,8 +201,9 @@ def test_triton_backend_under_decode_graphs_matches_flag_off(runs, tag):
     (r,) = on["reports"]  # TP 1: one scheduler
     print(f"  report {json.dumps(r, default=str)}")
     assert (r["state"], r["backend"], r["refusals"]) == ("on", "triton", []), r
-    assert r["widths"] and set(GRAPH_BS) <= set(r["widths"]), r["widths"]
-    assert r["captured"] == {str(bs): bs for bs in GRAPH_BS}, r["captured"]  # every graph routed
+    assert r["widths"] and set(SGLANG_GRAPH_BS) <= set(r["widths"]), r["widths"]
+    # every graph routed
+    assert r["captured"] == {str(bs): bs for bs in SGLANG_GRAPH_BS}, r["captured"]
 
     decode_steps = sum(NEW_TOKENS - 1 for _ in WIDTHS)  # a batch decodes all its rows at once
     replayed = {int(bs): n for bs, n in r["replayed"].items()}

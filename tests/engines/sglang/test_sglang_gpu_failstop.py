@@ -31,18 +31,10 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("sglang")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("sgl_kernel", reason="needs SGLang's CUDA kernels (sgl_kernel)")
+from tests.engines._support.gpu_common import export_result, require_sglang_gpu
+from tests.engines._support.sglang_fault import ENV, runner_spec, verdict
 
-from mono_ext.engines.sglang import has_native_api  # noqa: E402
-from tests.engines._support.gpu_common import export_result  # noqa: E402
-from tests.engines._support.sglang_fault import ENV, runner_spec, verdict  # noqa: E402
-
-if has_native_api():
-    pytest.skip("SGLang with the kernel-plugin API (0.5.23+)", allow_module_level=True)
+require_sglang_gpu()
 
 pytestmark = pytest.mark.gpu
 
