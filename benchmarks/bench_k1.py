@@ -180,13 +180,13 @@ def _graph(body):
 # the code default. Scored as 3 x GDN + attention (80B-A3B: 36 GDN and 12 attention layers).
 SWEEP = (
     {},
-    {"ns": 4},
+    {"pipeline_stages": 4},
     # 32-row tiles: twice the S1 tiles, so at width 1 no CTA streams two 64-row tiles while
     # most stream one (mma.sync instead of wgmma; memory-bound either way; 50-75 KB smem)
-    {"bn": 32},
-    {"bn": 32, "ns": 5},
+    {"tile_rows": 32},
+    {"tile_rows": 32, "pipeline_stages": 5},
     {"num_warps": 16},
-    {"dvs": 1},
+    {"state_row_slices": 1},
     # programmatic dependent launch: each of the graph's launches starts launching the next
     # (the boundary gap between consecutive layers' launches)
     {"pdl": True},

@@ -119,18 +119,25 @@ STOCK_COSINE = {"bf16": 0.999, "fp8_block128": 0.995, "fp8_channel": 0.995}
 # name -> K2Config overrides (grid is set from the device)
 VARIANTS = {
     "k2": {},
-    "k2 bn3=32": {"bn3": 32},  # 352 gate_up tiles at width 1: max 3 per CTA, not 2 x 2
-    "k2 rb=2 rn=2": {
-        "rb": 2,
-        "rn": 2,
-    },  # two rows per norm / top-k pass (at width 16 the two take ~90 of 368 us)
-    "k2 rb=4": {"rb": 4},  # four rows per top-k pass (spills ~200 B in the top-k)
-    "k2 bn4=32": {"bn4": 32},
+    # 352 gate_up tiles at width 1: max 3 per CTA, not 2 x 2
+    "k2 gate_up_rows=32": {"gate_up_rows": 32},
+    # two rows per norm / top-k pass (at width 16 the two take ~90 of 368 us)
+    "k2 topk_rows_per_pass=2 norm_rows_per_wait=2": {
+        "topk_rows_per_pass": 2,
+        "norm_rows_per_wait": 2,
+    },
+    # four rows per top-k pass (spills ~200 B in the top-k)
+    "k2 topk_rows_per_pass=4": {"topk_rows_per_pass": 4},
+    "k2 down_rows=32": {"down_rows": 32},
     "k2 no-prefetch": {"prefetch": False},
     # fp8 block-128 planes stream 128-byte K chunks per row (a chunk stays in one scale
     # column), a quarter of bf16's 512: twice the stages give half bf16's bytes in flight per
     # CTA (sm_90 offline: 120 KB shared, 234 registers, no spills)
-    "k2 ns=8": {"ns1": 8, "ns3": 8, "ns4": 8},
+    "k2 pipeline_stages=8": {
+        "out_proj_pipeline_stages": 8,
+        "gate_up_pipeline_stages": 8,
+        "down_pipeline_stages": 8,
+    },
     # programmatic dependent launch between the rotations' launches (boundary gaps)
     "k2 pdl": {"pdl": True},
 }
@@ -528,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     refs["torch"] = w0["out_h"][:4].float().clone()
     print(f"k2 vs {torch_arm} chain (width 4): hidden cosine {cosine(got, refs['torch']):.6f}")
     print(f"k2 build: {k2.label()} regs {k2.resources.regs_per_thread} "
-          f"smem {k2.resources.shared_bytes} kspl1 {k2.kspl1}")  # fmt: skip
+          f"smem {k2.resources.shared_bytes} out_proj_k_splits {k2.out_proj_k_splits}")  # fmt: skip
 
     for vname in args.variants.split(","):
         k = k2 if vname == "k2" else build_k2(su, sms, **dict(VARIANTS[vname]))

@@ -46,9 +46,10 @@ stream)
     --only "flat R64 bk256 ns3 w4 c,flat R32 bk256 ns4 w4 c,tma R64 bk128 ns6 w4 c,ring" ;;
 bench)
   run k2_bf16 python3 benchmarks/bench_k2.py --widths 1,2,4,8,12,16 \
-    --variants "k2,k2 bn3=32,k2 rb=2 rn=2,k2 rb=4" --trace --csv "$OUT/k2_bf16.csv"
+    --variants "k2,k2 gate_up_rows=32,k2 topk_rows_per_pass=2 norm_rows_per_wait=2,k2 topk_rows_per_pass=4" \
+    --trace --csv "$OUT/k2_bf16.csv"
   run k2_fp8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,12,16 \
-    --variants "k2,k2 ns=8" --csv "$OUT/k2_fp8.csv"
+    --variants "k2,k2 pipeline_stages=8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 *)
   echo "usage: $0 tests|fp8|host|stream|bench" >&2

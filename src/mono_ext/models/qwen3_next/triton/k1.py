@@ -156,22 +156,26 @@ class K1AttnShape:
 class K1Config:
     """Grid and tiles (one build per config; none of it changes per step).
 
-    Every projection is ``acc^T [bn, Bb] = W [bn, bk] @ x^T [bk, Bb]``: the weight tile is
-    the MMA's M (wgmma, 64 rows per warpgroup of 4 warps; with 8 warps the two warpgroups
-    split the batch columns), the batch rows its N, so no warp re-reads another's weights.
-    The defaults are the fastest tested on H200 at the 80B-A3B shapes (docs/journal.md, K1):
-    8 warps (4: 1.7x slower, 16: 8-25% slower), 3 stages (2 and 4-5 slower).
+    Every projection is ``acc^T [tile_rows, Bb] = W [tile_rows, k_chunk] @ x^T [k_chunk, Bb]``:
+    the weight tile is the MMA's M (wgmma, 64 rows per warpgroup of 4 warps; with 8 warps the
+    two warpgroups split the batch columns), the batch rows its N, so no warp re-reads
+    another's weights. The defaults are the fastest tested on H200 at the 80B-A3B shapes
+    (docs/journal.md, K1, where the knobs go by their earlier names ``bn``, ``bk``, ``ns``,
+    ``dvs``): 8 warps (4: 1.7x slower, 16: 8-25% slower), 3 pipeline stages (2 and 4-5 slower).
+    Device-side constexprs keep the short names (``BN``, ``BK``, ``CH``, ``NS``, ``PRE``, ...).
     """
 
     grid: int
     num_warps: int = 8
-    bn: int = 64  # projection rows per S1 tile (at most; a power of two dividing the rows)
-    bk: int = 256  # K chunk of a tile (at most; a power of two dividing H)
-    ch: int = 512  # norm chunk
-    ns: int = 3  # software-pipeline stages of the projection loop (async copies in flight)
-    pre: bool = False  # L2-prefetch the first ns - 1 weight chunks before the input norm
-    preload: bool = True  # GDN: load the first S2 task's state (first slice) before S1
-    dvs: int = 2  # GDN: the [Dv, Dk] state tile in dvs row slices (1 or 2; registers / 2)
+    tile_rows: int = 64  # projection rows per S1 tile (at most; a power of two dividing the rows)
+    k_chunk: int = 256  # K chunk of a tile (at most; a power of two dividing H)
+    norm_chunk: int = 512  # H columns per step of the input RMSNorm
+    pipeline_stages: int = 3  # software-pipeline stages of the projection loop (copies in flight)
+    # L2-prefetch the first pipeline_stages - 1 weight chunks before the input norm
+    prefetch_first_chunks: bool = False
+    preload_state: bool = True  # GDN: load the first S2 task's state (first slice) before S1
+    # GDN: the [Dv, Dk] state tile in this many row slices (1 or 2; 2 halves the registers)
+    state_row_slices: int = 2
     pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
 
 
@@ -259,9 +263,13 @@ def _interp() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _pre(config: K1Config, hidden: int) -> bool:
+def _prefetch(config: K1Config, hidden: int) -> bool:
     """Weight prefetch: off in the interpreter (no inline asm) and for chunks < 64 values."""
-    return config.pre and not _interp() and _pow2_divisor(hidden, config.bk) >= 64
+    return (
+        config.prefetch_first_chunks
+        and not _interp()
+        and _pow2_divisor(hidden, config.k_chunk) >= 64
+    )
 
 
 @dataclass
@@ -379,7 +387,10 @@ class _K1LaunchBase:
 
     def _config_label(self) -> str:
         c = self.config
-        return f"grid{c.grid} w{c.num_warps} bn{c.bn} bk{c.bk} ns{c.ns}"
+        return (
+            f"grid{c.grid} w{c.num_warps} tile_rows={c.tile_rows} k_chunk={c.k_chunk}"
+            f" pipeline_stages={c.pipeline_stages}"
+        )
 
     def workspace(self, device: Any) -> K1Workspace:
         return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden, device)
@@ -390,10 +401,10 @@ class _K1LaunchBase:
 
     def _constexprs(self) -> dict:
         s, c = self.shape, self.config
-        bn = _pow2_divisor(self._proj_rows(), c.bn)
+        bn = _pow2_divisor(self._proj_rows(), c.tile_rows)
         # a block-128 plane's chunks stay inside one scale column: BK divides 128 (and H, so
         # every chunk starts at a multiple of BK)
-        bk = min(c.bk, chunk_limit(self.formats, *self._PLANES) or c.bk)
+        bk = min(c.k_chunk, chunk_limit(self.formats, *self._PLANES) or c.k_chunk)
         ft, hb, nt = s1_tiles(self._s1_rows(bn), c.grid, bn)
         return dict(
             H=s.hidden,
@@ -404,9 +415,9 @@ class _K1LaunchBase:
             FT=ft,
             HB=hb,
             NT=nt,
-            CH=min(c.ch, _next_pow2(s.hidden)),
-            NS=c.ns,
-            PRE=_pre(c, s.hidden) and not self._quantized(),  # the prefetch assumes bf16
+            CH=min(c.norm_chunk, _next_pow2(s.hidden)),
+            NS=c.pipeline_stages,
+            PRE=_prefetch(c, s.hidden) and not self._quantized(),  # the prefetch assumes bf16
             STAGES=self.stages,
             INTERP=_interp(),
             num_warps=c.num_warps,
@@ -532,15 +543,17 @@ class K1GdnLaunch(_K1LaunchBase):
             bad.append(f"ssm_layout {self.ssm_layout!r} is not 'vk' or 'kv'")
         if self.shape.qkvz_rows % 16:
             bad.append(f"qkvz rows {self.shape.qkvz_rows} are not a multiple of 16")
-        if self.config.dvs not in (1, 2) or self.shape.dv // self.config.dvs < 16:
-            bad.append(f"dvs={self.config.dvs}: 1 or 2 state slices of at least 16 rows")
+        slices = self.config.state_row_slices
+        if slices not in (1, 2) or self.shape.dv // slices < 16:
+            bad.append(f"state_row_slices={slices}: 1 or 2 state slices of at least 16 rows")
         return bad
 
     def label(self) -> str:
         s = self.shape
         return (
             f"k1 gdn h{s.hidden} hk{s.hk} hv{s.hv} dk{s.dk} dv{s.dv} {self.state_dtype} "
-            f"{self.ssm_layout} {self._config_label()} dvs{self.config.dvs}"
+            f"{self.ssm_layout} {self._config_label()}"
+            f" state_row_slices={self.config.state_row_slices}"
             f"{self._formats_label()}"
         )
 
@@ -565,8 +578,8 @@ class K1GdnLaunch(_K1LaunchBase):
             SSM_KV=self.ssm_layout == "kv",
             INTERLEAVED=self.packing == "interleaved",
             STATE_BYTES=4 if self.state_dtype == "float32" else 2,
-            PRELOAD=c.preload and self.stages == STAGES_ALL and not self._split(),
-            DVS=c.dvs,
+            PRELOAD=c.preload_state and self.stages == STAGES_ALL and not self._split(),
+            DVS=c.state_row_slices,
             WB=_next_pow2(2 * s.dk + 2 * s.dv + 2),
             Q_QKVZ=self._q("in_proj_qkvz"),
             Q_BA=self._q("in_proj_ba"),

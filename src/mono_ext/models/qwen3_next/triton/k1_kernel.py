@@ -19,17 +19,18 @@ by ``runtime.layout.check_handoffs`` at build):
   ``planes.qdot`` (a chunk's MMA on the codes widened to bf16, times its scales); block-128
   planes cap the K chunk at 128 (one scale column per chunk). When in_proj_qkvz and in_proj_ba
   differ in format (an FP8 checkpoint keeps ba bf16), each chunk loads from both planes, the
-  other's fully masked. The loop is software-pipelined (``ns`` stages of async
+  other's fully masked. The loop is software-pipelined (``NS`` = ``pipeline_stages`` of async
   copies); what an epilogue reads (conv window, taps, A_log, dt_bias) is loaded at the
   tile's first chunk, because a dependent load behind a full memory pipeline costs a
   whole queue's latency (several us, measured on H200).
 - S2, over the grid: GDN: one task per (row, value head): wait for its q, k (the key
   head's), v, z, beta, g words, L2-norm q/k, decay + delta-rule update of the
   [Dv, Dk] state tile (fp32 math, stored back in the state's dtype), o = S q, gated RMSNorm;
-  one bounded wait covers every word of a task; the state tile in ``dvs`` row slices
-  (registers). Tasks run from the last CTA down (the first CTAs carry the extra S1 tiles).
-  The first task's state is L2-prefetched before S1 and its first slice loaded into
-  registers (``preload``); later ones are L2-prefetched one task ahead.
+  one bounded wait covers every word of a task; the state tile in ``DVS`` row slices
+  (``K1Config.state_row_slices``; registers). Tasks run from the last CTA down (the first
+  CTAs carry the extra S1 tiles). The first task's state is L2-prefetched before S1 and its
+  first slice loaded into registers (``K1Config.preload_state``); later ones are
+  L2-prefetched one task ahead.
   Attention: one task per q or k head (all rows): wait, Gemma norm, RoPE from a cos/sin
   table (positions, cos/sin and norm weights are loaded before S1).
 

@@ -105,43 +105,50 @@ class K2Shape(TailShape):
 class K2Config:
     """Grid and tiles (one build per config; none of it changes per step).
 
-    Every GEMV is ``W [bn, K] @ x^T [K, Bb]``: weight rows are the MMA's M (64 rows over 4
-    warps: wgmma-sized, no warp re-reads another's weights), the rows of the batch its N.
-    ``kspl1`` (None: from the grid) splits out_proj's K so that S1 has about ``grid`` tasks;
-    its partials are summed in a fixed order by the next stage.
+    Every GEMV is ``W [tile_rows, K] @ x^T [K, Bb]``: weight rows are the MMA's M (64 rows
+    over 4 warps: wgmma-sized, no warp re-reads another's weights), the rows of the batch its
+    N. ``out_proj_k_splits`` (None: from the grid) splits out_proj's K so that S1 has about
+    ``grid`` tasks; its partials are summed in a fixed order by the next stage. Device-side
+    constexprs keep the short names (in ``_constexprs``: ``BN``, ``BN3``, ``KS2``, ...).
     """
 
     grid: int
     num_warps: int = 4
-    bn: int = 64  # weight rows per MMA tile (out_proj, router)
-    bn3: int = 64  # gate_up rows per task (half gate, half up): smaller = finer balance
-    bn4: int = 64  # down: H rows per (slot, H block) task
-    bk1: int = 256  # out_proj K chunk
-    kspl1: int | None = None  # out_proj K splits (power of two)
-    ks2: int = 8  # router K splits (partial logits summed in order by every CTA)
-    bk2: int = 256
-    bk3: int = 256  # gate_up K chunk
-    bi4: int = 256  # down I chunk
-    cb: int = 16  # columns per reduce task
-    rb: int = 1  # rows per top-k wait (each covers every K split of the logits)
-    ach: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
-    rn: int = 1  # rows per norm wait (each wait covers all of H)
+    tile_rows: int = 64  # weight rows per MMA tile of out_proj and the router (16 * num_warps)
+    gate_up_rows: int = 64  # gate_up rows per task (half gate, half up): smaller = finer balance
+    down_rows: int = 64  # down: H rows per (slot, H block) task
+    out_proj_k_chunk: int = 256  # out_proj K chunk
+    out_proj_k_splits: int | None = None  # out_proj K splits (power of two)
+    router_k_splits: int = 8  # router K splits (partial logits summed in order by every CTA)
+    router_k_chunk: int = 256  # router K chunk (within a split)
+    gate_up_k_chunk: int = 256  # gate_up K chunk
+    down_i_chunk: int = 256  # down I chunk (its K)
+    reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
+    topk_rows_per_pass: int = 1  # rows per top-k pass (1: one wait covers every K split)
+    act_rows_per_wait: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
+    norm_rows_per_wait: int = 1  # rows per norm wait (each wait covers all of H)
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
-    ns1: int = 4  # weight chunks in flight (Triton pipeline stages): out_proj
-    ns3: int = 4  # gate_up
-    ns4: int = 4  # down
+    # weight chunks in flight (Triton pipeline stages) of each streamed GEMV
+    out_proj_pipeline_stages: int = 4
+    gate_up_pipeline_stages: int = 4
+    down_pipeline_stages: int = 4
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
     pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
 
     def splits(self, shape: K2Shape) -> int:
         """out_proj's K splits for this shape: about one S1 task per CTA."""
-        blocks = -(-shape.hidden // self.bn)
+        blocks = -(-shape.hidden // self.tile_rows)
         per_block = 1 << max(0, (max(1, self.grid // blocks)).bit_length() - 1)
-        kspl1 = self.kspl1 or min(per_block, max(1, _next_pow2(-(-shape.in_dim // self.bk1))))
-        for name, v in (("kspl1", kspl1), ("bn3", self.bn3), ("bn4", self.bn4)):
+        chunks = -(-shape.in_dim // self.out_proj_k_chunk)
+        splits = self.out_proj_k_splits or min(per_block, max(1, _next_pow2(chunks)))
+        for name, v in (
+            ("out_proj_k_splits", splits),
+            ("gate_up_rows", self.gate_up_rows),
+            ("down_rows", self.down_rows),
+        ):
             if v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
-        return kspl1
+        return splits
 
 
 def k2_program(shape: K2Shape, config: K2Config) -> Program:
@@ -154,12 +161,12 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
     next stage takes over ranks, in rank order).
     """
     h, bb = shape.hidden, BLOCK_B
-    kspl1 = config.splits(shape)
+    splits = config.splits(shape)
     peer = shape.tp > 1
     regions = [
-        Region("p1", kspl1 * bb * h, peer=peer),
+        Region("p1", splits * bb * h, peer=peer),
         Region("resid", bb * h),
-        Region("logits", config.ks2 * bb * shape.experts),
+        Region("logits", config.router_k_splits * bb * shape.experts),
         Region("act", (shape.slots + 1) * bb * shape.act_words),
         Region("p4l", (shape.pairs + bb) * h),
     ]
@@ -246,12 +253,14 @@ class K2Launch:
         if self.gated and self.kind != "attn":
             raise ValueError("only attention layers have an output gate (gated needs kind 'attn')")
         c = self.config
-        if c.bn != 16 * c.num_warps:
-            raise ValueError(f"bn={c.bn} must be 16 * num_warps (one M16 slab per warp)")
-        for name in ("bn3", "bn4"):
+        if c.tile_rows != 16 * c.num_warps:
+            raise ValueError(
+                f"tile_rows={c.tile_rows} must be 16 * num_warps (one M16 slab per warp)"
+            )
+        for name in ("gate_up_rows", "down_rows"):
             if not 16 <= getattr(c, name) <= 64:
                 raise ValueError(f"{name}={getattr(c, name)} must be 16, 32 or 64 (MMA rows)")
-        self.kspl1 = c.splits(self.shape)
+        self.out_proj_k_splits = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
         self._check_formats()
 
@@ -306,14 +315,14 @@ class K2Launch:
     def _max_tasks3(self) -> int:
         """gate_up tasks of the widest step: the shared expert and every routed slot."""
         s, c = self.shape, self.config
-        bi3 = c.bn3 // 2
+        bi3 = c.gate_up_rows // 2
         return -(-s.shared_inter // bi3) + s.slots * -(-s.moe_inter // bi3)
 
     def _run_slots(self) -> int:
         """Slots one CTA's run of down tasks can touch (power of two): a run of at most
-        ceil(tasks / grid) tasks, ``H / bn4`` tasks per slot, may start inside a slot."""
+        ceil(tasks / grid) tasks, ``H / down_rows`` tasks per slot, may start inside a slot."""
         s, c = self.shape, self.config
-        rb4 = -(-s.hidden // c.bn4)
+        rb4 = -(-s.hidden // c.down_rows)
         run = -(-((s.slots + 1) * rb4) // c.grid)
         return _next_pow2(-(-run // rb4) + 1)
 
@@ -321,10 +330,11 @@ class K2Launch:
         s, c, lay = self.shape, self.config, self.layout
         rid = {r.name: i for i, r in enumerate(lay.program.regions)}
         # a block-128 plane's K chunks stay inside one scale column
-        lim1 = chunk_limit(self.formats, self.w_o_name) or c.bk1
-        lim2 = chunk_limit(self.formats, "router") or c.bk2
-        lim3 = chunk_limit(self.formats, "w13", "shared_gate_up") or c.bk3
-        lim4 = chunk_limit(self.formats, "w2", "shared_down") or c.bi4
+        lim1 = chunk_limit(self.formats, self.w_o_name) or c.out_proj_k_chunk
+        lim2 = chunk_limit(self.formats, "router") or c.router_k_chunk
+        lim3 = chunk_limit(self.formats, "w13", "shared_gate_up") or c.gate_up_k_chunk
+        lim4 = chunk_limit(self.formats, "w2", "shared_down") or c.down_i_chunk
+        ks1 = self.out_proj_k_splits
         return dict(
             H=s.hidden,
             KO=s.in_dim,
@@ -349,29 +359,29 @@ class K2Launch:
             RANKS=s.tp,
             SYS=self.sys_scope,
             BB=BLOCK_B,
-            BN=c.bn,
-            BN3=c.bn3,
-            BN4=c.bn4,
-            BK1=min(c.bk1, max(16, _next_pow2(-(-s.in_dim // self.kspl1))), lim1),
-            KSPL1=self.kspl1,
-            KS2=c.ks2,
-            BK2=min(c.bk2, max(16, _next_pow2(-(-s.hidden // c.ks2))), lim2),
-            BK3=min(c.bk3, max(16, _next_pow2(s.hidden)), lim3),
-            BI4=min(c.bi4, max(32, _next_pow2(max(s.moe_inter, s.shared_inter))), lim4),
+            BN=c.tile_rows,
+            BN3=c.gate_up_rows,
+            BN4=c.down_rows,
+            BK1=min(c.out_proj_k_chunk, max(16, _next_pow2(-(-s.in_dim // ks1))), lim1),
+            KSPL1=ks1,
+            KS2=c.router_k_splits,
+            BK2=min(c.router_k_chunk, max(16, _next_pow2(-(-s.hidden // c.router_k_splits))), lim2),
+            BK3=min(c.gate_up_k_chunk, max(16, _next_pow2(s.hidden)), lim3),
+            BI4=min(c.down_i_chunk, max(32, _next_pow2(max(s.moe_inter, s.shared_inter))), lim4),
             JS=self._run_slots(),
-            ACH=min(c.ach, self._run_slots() * BLOCK_B),
-            CB=c.cb,
-            RB=c.rb,
-            RN=c.rn,
+            ACH=min(c.act_rows_per_wait, self._run_slots() * BLOCK_B),
+            CB=c.reduce_cols,
+            RB=c.topk_rows_per_pass,
+            RN=c.norm_rows_per_wait,
             HP=_next_pow2(s.hidden),
             PREFETCH=c.prefetch and not _interp(),
             GATED=self.gated,
             NPP=_next_pow2(s.pairs + BLOCK_B),
             IWPOW=_next_pow2(s.act_words),
             STAGES=self.stages,
-            PIPE1=c.ns1,
-            PIPE3=c.ns3,
-            PIPE4=c.ns4,
+            PIPE1=c.out_proj_pipeline_stages,
+            PIPE3=c.gate_up_pipeline_stages,
+            PIPE4=c.down_pipeline_stages,
             JM3=_next_pow2(-(-(self._max_tasks3()) // c.grid)),
             TRACE=c.trace,
             Q_O=format_code(self.formats, self.w_o_name),
