@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mono_ext.runtime import peers as P  # noqa: E402
+from tests._support.gloo import leave  # noqa: E402
 
 WORDS = 100  # -> 1024-byte buffers (800 rounded up to 256)
 NBYTES = 1024
@@ -83,8 +84,7 @@ def _worker(rank, init_file, out_dir):
     except P.PeerBufferError as e:
         out["mismatch"] = str(e)
     Path(out_dir, f"r{rank}.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(dist)
 
 
 def _addr(rank):

@@ -16,6 +16,7 @@ from mono_ext.runtime.failstop import (
     VirtualFailStop,
     agree_health,
 )
+from tests._support.gloo import leave
 
 
 class FakeSource:
@@ -131,11 +132,7 @@ def _gloo_worker(rank, init_file, out_dir):
         raised_at, message = step, str(e)
     with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
         json.dump({"raised_at": raised_at, "message": message, "state": fs.state}, f)
-    # Both ranks leave together: a rank tearing gloo down while its peer still talks to the
-    # file store aborted the process now and then ("terminate called without an active
-    # exception"), which has nothing to do with FailStop.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(dist)
 
 
 def test_gloo_world_of_two_raises_together():

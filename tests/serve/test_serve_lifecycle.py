@@ -21,6 +21,7 @@ from mono_ext.core.settings import Settings  # noqa: E402
 from mono_ext.core.views import ConfigView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.serve.lifecycle import Lifecycle  # noqa: E402
+from tests._support.gloo import leave  # noqa: E402
 
 STAGES = ("config", "model", "build", "caches")
 TIMEOUT_S = 120
@@ -84,7 +85,7 @@ def _rank(rank: int, raising: str, init: str, out) -> None:
                 life.active,
             )
         )
-        dist.destroy_process_group()
+        leave(dist, out)
     except Exception:
         out.put((rank, "crashed", traceback.format_exc(), False))
 

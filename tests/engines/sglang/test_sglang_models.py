@@ -694,7 +694,7 @@ def test_check_mode_on_a_routed_step_compares_with_sglangs_code(q35, broken, cap
 
 
 _TWO_RANKS = """
-import json, sys, types
+import json, os, sys, types
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -708,10 +708,10 @@ def rank(r, port, q):
     sa = types.SimpleNamespace(enable_torch_compile=(r == 1))  # only rank 1 has a reason
     refusal = sv.accept_config(get_preset("qwen3-next-tiny"), sa, dtype="bfloat16", quantization=None)
     q.put((r, refusal.message(), sv.off))
-    # leave together and tear gloo down explicitly: exiting with the group alive (or alone)
-    # can abort the process ("terminate called without an active exception")
+    # leave together, through os._exit: gloo's teardown at exit can abort the process
+    # ("terminate called without an active exception"; tests/_support/gloo.py)
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)
 
 if __name__ == "__main__":
     ctx = mp.get_context("spawn")
