@@ -42,6 +42,7 @@ from mono_ext.models.qwen3_next.triton.k2 import (  # noqa: E402
 from mono_ext.runtime.build_cache import jit_cache_size  # noqa: E402
 from mono_ext.runtime.health import decode_health  # noqa: E402
 from mono_ext.runtime.peers import VirtualPeers  # noqa: E402
+from tests.models.qwen3_next.triton.tail_weights import random_tail_weights  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEADLINE_S = float(os.environ.get("MONO_EXT_DEADLINE_S", "2"))
@@ -52,25 +53,7 @@ GRIDS = {1: 132, 2: 64, 8: 16}  # all ranks' CTAs resident together on 132 SMs
 
 def make_weights(dims: Dims, seed: int) -> dict:
     """Full (TP1) tail planes, bf16, scaled so activations and logits are O(1)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h, e, i, s = dims.hidden, dims.experts, dims.moe_inter, dims.shared_inter
-    k_in = dims.hv * dims.dv
-
-    def r(*shape, scale):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
-
-    return {
-        "out_proj": r(h, k_in, scale=k_in**-0.5),
-        "post_attention_layernorm": r(h, scale=0.1),
-        # logits with std ~3 (x has rms ~1): routing about as decisive as a trained router;
-        # with std 1 about 9% of rows are near ties (k-th and (k+1)-th within a bf16 step)
-        "router": r(e, h, scale=3 * h**-0.5),
-        "w13": r(e, 2 * i, h, scale=h**-0.5),
-        "w2": r(e, h, i, scale=i**-0.5),
-        "shared_gate_up": r(2 * s, h, scale=h**-0.5),
-        "shared_down": r(h, s, scale=s**-0.5),
-        "shared_expert_gate": r(1, h, scale=h**-0.5),
-    }
+    return random_tail_weights(dims, torch.Generator(device="cuda").manual_seed(seed))
 
 
 def ref_dims(dims: Dims) -> ModelDims:

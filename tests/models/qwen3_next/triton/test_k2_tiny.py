@@ -40,6 +40,7 @@ from mono_ext.models.qwen3_next.triton.k2 import (  # noqa: E402
 )
 from mono_ext.runtime.health import decode_health  # noqa: E402
 from mono_ext.runtime.peers import RankState  # noqa: E402
+from tests.models.qwen3_next.triton.tail_weights import random_tail_weights  # noqa: E402
 
 DEV = "cpu" if INTERP else "cuda"
 PRESETS = ["qwen3-next-tiny", "qwen3-next-tiny-b", "qwen3.5-moe-tiny"]
@@ -90,26 +91,10 @@ class TinyTail:
         self.k2.build(DEV)
         self.ws = self.k2.workspace(DEV)
         self.state = RankState.create(0, torch.device(DEV), 2.0)
-        d = self.dims
-        g = torch.Generator(device=DEV).manual_seed(seed)
-        h, e, i, s, k_in = d.hidden, d.experts, d.moe_inter, d.shared_inter, d.hv * d.dv
-
-        def r(*shape, scale):
-            return (torch.randn(*shape, generator=g, device=DEV) * scale).to(torch.bfloat16)
-
-        self.w = {
-            "out_proj": r(h, k_in, scale=k_in**-0.5),
-            "post_attention_layernorm": r(h, scale=0.1),
-            "router": r(e, h, scale=3 * h**-0.5),  # decisive routing: few near ties
-            "w13": r(e, 2 * i, h, scale=h**-0.5),
-            "w2": r(e, h, i, scale=i**-0.5),
-            "shared_gate_up": r(2 * s, h, scale=h**-0.5),
-            "shared_down": r(h, s, scale=s**-0.5),
-            "shared_expert_gate": r(1, h, scale=h**-0.5),
-        }
+        self.w = random_tail_weights(self.dims, torch.Generator(device=DEV).manual_seed(seed))
         self.w = quantized_weights(self.w, formats or {})
         self.w_ref = dequantized_weights(self.w, formats or {})
-        self.k_in = k_in
+        self.k_in = self.dims.hv * self.dims.dv
 
     def inputs(self, b: int, gen: torch.Generator):
         o = torch.randn(b, self.k_in, generator=gen, device=DEV).to(torch.bfloat16)

@@ -50,31 +50,17 @@ def test_pdl_chain_in_a_graph_equals_eager_launches():
     from mono_ext.models.qwen3_next.triton.k2 import K2Config, K2Launch, K2Shape
     from mono_ext.runtime.health import decode_health
     from mono_ext.runtime.peers import RankState
+    from tests.models.qwen3_next.triton.tail_weights import random_tail_weights
 
     dims = Dims.from_config(text_config(get_preset("qwen3-next-tiny")), tp=1)
     shape = K2Shape.from_dims(dims)
     gen = torch.Generator(device="cuda").manual_seed(3)
-    h, e, i, s, k_in = (
-        dims.hidden,
-        dims.experts,
-        dims.moe_inter,
-        dims.shared_inter,
-        dims.hv * dims.dv,
-    )
+    h, k_in = dims.hidden, dims.hv * dims.dv
+    w = random_tail_weights(dims, gen)
 
     def r(*shp, scale):
         return (torch.randn(*shp, generator=gen, device="cuda") * scale).to(torch.bfloat16)
 
-    w = {
-        "out_proj": r(h, k_in, scale=k_in**-0.5),
-        "post_attention_layernorm": r(h, scale=0.1),
-        "router": r(e, h, scale=3 * h**-0.5),
-        "w13": r(e, 2 * i, h, scale=h**-0.5),
-        "w2": r(e, h, i, scale=i**-0.5),
-        "shared_gate_up": r(2 * s, h, scale=h**-0.5),
-        "shared_down": r(h, s, scale=s**-0.5),
-        "shared_expert_gate": r(1, h, scale=h**-0.5),
-    }
     b, n = 4, 4
     o_in = r(b, k_in, scale=1.0)
     res0 = r(b, h, scale=1.0)
