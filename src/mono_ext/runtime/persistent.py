@@ -25,11 +25,20 @@ and may override :meth:`PersistentRuntime.capturing`. torch is imported only by
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["PersistentLaunches", "PersistentRuntime", "runtime_key", "wait_namer"]
+
+
+@functools.cache
+def _has_device() -> bool:
+    """Asked once per process: ``capturing`` runs on every step's host path."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class PersistentRuntime:
@@ -47,7 +56,7 @@ class PersistentRuntime:
         torch without either)."""
         import torch
 
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return _has_device() and torch.cuda.is_current_stream_capturing()
 
     def begin_step(self) -> None:
         if self.failstop.error is not None:
