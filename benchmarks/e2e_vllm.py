@@ -648,8 +648,10 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
             "refusals": r["report"].get("refusals"),
             "replayed": r["report"].get("replayed"),
             "fused": r["report"].get("fused"),
-            # mono_ext's own host time per step by hook (us per call; engine-measured)
+            # mono_ext's own host time per step by hook (us per call; engine-measured): the
+            # mean over the run, and the median over its last calls
             "host_us": r["report"].get("host_us"),
+            "host_us_median": r["report"].get("host_us_median"),
             "host_calls": r["report"].get("host_calls"),
         }
         for k, r in runs.items()

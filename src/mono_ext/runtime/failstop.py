@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from mono_ext.runtime import health as _health
+from mono_ext.runtime.device import current_stream
 from mono_ext.runtime.health import HEALTH_WORDS, HealthSummary, decode_health
 
 __all__ = [
@@ -143,6 +144,7 @@ class CudaHealthSource:
         if health.numel() != HEALTH_WORDS or health.dtype != torch.int32:
             raise ValueError(f"health block must be int32 [{HEALTH_WORDS}], got {health.shape}")
         self.health = health
+        self._device = health.device.index  # streams asked for by index (runtime.device)
         self._mirror = torch.tensor(_health.health_init_words(), dtype=torch.int32).pin_memory()
         self._words = self._mirror.numpy()  # a view: reads see each landed copy
         self._events = [torch.cuda.Event() for _ in range(depth)]
@@ -162,14 +164,18 @@ class CudaHealthSource:
             self._events[self._pending[0][1]].synchronize()
             self._landed += self._reap()
         slot = self._free.popleft()
-        self._events[slot].record()
+        self._events[slot].record(current_stream(self._device))
         self._pending.append((step, slot))
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
         if until_step is not None:
             for step, slot in self._pending:
                 if step == until_step:
-                    self._events[slot].synchronize()
+                    # At the engine's token wait the copy has landed. Query first: synchronize()
+                    # lets go of the GIL, and then waits to get it back from whichever engine
+                    # thread took it meanwhile.
+                    if not self._events[slot].query():
+                        self._events[slot].synchronize()
                     break
         steps, self._landed = self._landed + self._reap(), []
         if not steps:

@@ -25,20 +25,13 @@ and may override :meth:`PersistentRuntime.capturing`. torch is imported only by
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .device import is_capturing
+
 __all__ = ["PersistentLaunches", "PersistentRuntime", "runtime_key", "wait_namer"]
-
-
-@functools.cache
-def _has_device() -> bool:
-    """Asked once per process: ``capturing`` runs on every step's host path."""
-    import torch
-
-    return torch.cuda.is_available()
 
 
 class PersistentRuntime:
@@ -54,9 +47,7 @@ class PersistentRuntime:
     def capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA/HIP graph (never, on a build of
         torch without either)."""
-        import torch
-
-        return _has_device() and torch.cuda.is_current_stream_capturing()
+        return is_capturing()
 
     def begin_step(self) -> None:
         if self.failstop.error is not None:

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from ...core.spec import Step
+from ...runtime.device import is_capturing
+from ...runtime.host_timer import HostTimer
 from ...runtime.release import Ticket
 from . import release
 from .binding import step_slots
@@ -54,7 +56,6 @@ __all__ = [
     "install",
     "attach",
     "uninstall",
-    "is_capturing",
     "ROUTED_ATTR",
 ]
 
@@ -65,11 +66,6 @@ ROUTED_ATTR = "_mono_ext_router"
 
 # Optional inputs of the served models' forwards that a routed step cannot honour.
 _STOCK_IF_GIVEN = ("inputs_embeds", "input_embeds", "pp_proxy_tensors", "input_deepstack_embeds")
-
-
-def is_capturing() -> bool:
-    """True while a CUDA graph is being captured on the current stream (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _attn_backend(fallback: Any) -> Any:
@@ -111,6 +107,8 @@ class Router:
         self.queued = 0  # routed steps handed to the release queue
         self.released = 0  # of those, steps whose tokens FailStop let go at SGLang's await
         self.stock_decode = 0  # decode steps (eager or replayed) that ran SGLang's forward
+        # host time per hook: after_forward (every step), release (at SGLang's token await)
+        self.host = HostTimer()
         self.capturing: Callable[[], bool] = is_capturing
         # the last forward that entered the router, until after_forward takes it
         self._pending: tuple[str, Step | None] | None = None
@@ -151,9 +149,17 @@ class Router:
         doc): queues the routed step's release ticket; never waits for the device. Raises
         FailStopError where a device wait is already known to have given up."""
         driver = self.serving.driver
-        pending, self._pending = self._pending, None
         if driver is None:
+            self._pending = None
             return
+        t = self.host.start()
+        try:
+            self._after_forward(driver, forward_batch, output, graph_runner)
+        finally:
+            self.host.stop("after_forward", t)
+
+    def _after_forward(self, driver: Any, forward_batch: Any, output: Any, graph_runner: Any):
+        pending, self._pending = self._pending, None
         # SGLang's own answer: a decode step with can_run_graph replayed a decode graph (an
         # eager decode returns False), whatever a forward outside ModelRunner.forward (a
         # warmup) left pending
@@ -177,9 +183,11 @@ class Router:
             self._queue(ticket)
 
     def _queue(self, ticket: Ticket | None) -> None:
-        if ticket is not None:
-            self.queued += 1
-            release.pending().add(ticket.then(self._released))
+        if ticket is None:
+            return
+        self.queued += 1
+        timed = self.host.timed("release", ticket.then(self._released).release)
+        release.pending().add(Ticket(timed, ticket.width, ticket.what))
 
     def _released(self) -> None:
         self.released += 1

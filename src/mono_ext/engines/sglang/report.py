@@ -104,6 +104,7 @@ def runner_report(runner: Any) -> dict[str, Any]:
             queued=router.queued,
             released=router.released,
             stock_decode=router.stock_decode,
+            **router.host.report(),
             failstop=_failstop(serving.driver),
         )
     return out

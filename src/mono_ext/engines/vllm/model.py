@@ -33,7 +33,6 @@ once and the whole model runs stock from then on.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -47,7 +46,9 @@ from ...core.refusal import Refusal
 from ...core.settings import load_settings
 from ...core.spec import BuildContext, Step
 from ...core.views import SCALE_SUFFIX
-from ...models.qwen3_next.driver import DecodeDriver, StepInputs, is_capturing
+from ...models.qwen3_next.driver import DecodeDriver, StepInputs
+from ...runtime.device import is_capturing
+from ...runtime.host_timer import HostTimer
 from ...runtime.release import Ticket
 from ...serve.lifecycle import Lifecycle, device_name
 from . import flags, release, views
@@ -181,10 +182,9 @@ class Dispatch:
         self.stock: Counter[str] = Counter()
         self.queued = 0  # planned steps handed to the release queue (after_forward)
         self.released = 0  # of those, steps whose tokens FailStop let go at vLLM's await
-        # host time mono_ext spends per step, by hook (ns, calls): forward (eager steps only),
+        # host time mono_ext spends per step, by hook: forward (eager steps only),
         # after_forward (every step), release (at vLLM's token await)
-        self.host_ns: Counter[str] = Counter()
-        self.host_calls: Counter[str] = Counter()
+        self.host = HostTimer()
         self.ledger = PlanLedger()
         self.driver: DecodeDriver | None = None
         self.stock_layers: VllmStockLayers | None = None
@@ -320,15 +320,11 @@ class Dispatch:
         """The final-normed hidden states of a planned step, or None: run vLLM's forward."""
         if self.state == "off":
             return None
-        t = time.perf_counter_ns()
+        t = self.host.start()
         try:
             return self._forward(input_ids, positions, inputs_embeds)
         finally:
-            self._host("forward", t)
-
-    def _host(self, hook: str, since_ns: int) -> None:
-        self.host_ns[hook] += time.perf_counter_ns() - since_ns
-        self.host_calls[hook] += 1
+            self.host.stop("forward", t)
 
     def _forward(
         self,
@@ -397,11 +393,11 @@ class Dispatch:
         """
         if self.driver is None:
             return
-        t = time.perf_counter_ns()
+        t = self.host.start()
         try:
             self._after_forward(self.driver, hidden)
         finally:
-            self._host("after_forward", t)
+            self.host.stop("after_forward", t)
 
     def _after_forward(self, driver: DecodeDriver, hidden: torch.Tensor) -> None:
         pending, self._pending = self._pending, None
@@ -422,15 +418,12 @@ class Dispatch:
     def _queue(self, ticket: Ticket | None) -> None:
         if ticket is None:
             return
-
-        def timed() -> None:
-            t = time.perf_counter_ns()
-            ticket.release()
-            self.released += 1
-            self._host("release", t)
-
         self.queued += 1
+        timed = self.host.timed("release", ticket.then(self._released).release)
         release.pending().add(Ticket(timed, ticket.width, ticket.what))
+
+    def _released(self) -> None:
+        self.released += 1
 
     def _same_output(self, hidden: torch.Tensor) -> bool:
         last = self._last_out() if self._last_out is not None else None
@@ -449,10 +442,7 @@ class Dispatch:
             "replayed": {int(k): v for k, v in sorted(self.replayed.items())},
             "queued": self.queued,
             "released": self.released,
-            "host_us": {
-                hook: round(self.host_ns[hook] / 1e3 / n, 2) for hook, n in self.host_calls.items()
-            },
-            "host_calls": dict(self.host_calls),
+            **self.host.report(),
             "captured": {
                 str(d): (None if s is None else s.width) for d, s in self.ledger.steps.items()
             },

@@ -39,19 +39,15 @@ import torch
 
 from ...core.numerics import CheckTracker
 from ...core.spec import Step
+from ...runtime.device import is_capturing
 from ...runtime.failstop import FailStopError
 from ...runtime.release import Ticket
 from .dims import Dims
 from .launches import BoundLayer, LayerLaunches
 
-__all__ = ["Attend", "StockLayers", "StepInputs", "DecodeDriver", "StepWithheld", "is_capturing"]
+__all__ = ["Attend", "StockLayers", "StepInputs", "DecodeDriver", "StepWithheld"]
 
 log = logging.getLogger("mono_ext.decode")
-
-
-def is_capturing() -> bool:
-    """True while a CUDA graph is being captured on the current stream (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class StepWithheld(FailStopError):
