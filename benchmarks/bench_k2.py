@@ -69,8 +69,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -141,6 +143,29 @@ VARIANTS = {
     # programmatic dependent launch between the rotations' launches (boundary gaps)
     "k2 pdl": {"pdl": True},
 }
+
+
+def variant_overrides(name: str) -> dict:
+    """K2Config overrides of variant ``name``: a key of ``VARIANTS``, or ``k2`` followed by
+    ``field=value`` words (integers, ``true`` / ``false``), e.g. ``k2 num_warps=8 tile_rows=128``.
+    """
+    if name in VARIANTS:
+        return dict(VARIANTS[name])
+    head, *words = name.split() or [""]
+    fields = {f.name for f in dataclasses.fields(K2Config)} | {"ctas_per_sm"}
+    pairs = [w.partition("=") for w in words]
+    if head != "k2" or any(not sep or k not in fields or k == "grid" for k, sep, _ in pairs):
+        raise SystemExit(
+            f"bench_k2: unknown variant {name!r} (a VARIANTS key, or 'k2 field=value ...' "
+            f"with K2Config fields)"
+        )
+    out: dict = {}
+    for key, _, raw in pairs:
+        low = raw.lower()
+        out[key] = low == "true" if low in ("true", "false") else int(raw)
+    return out
+
+
 PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (all)
     "S1 out_proj+residual": 3,
     "+S2 norm+router": 7,
@@ -352,6 +377,20 @@ def build_k2(su: Setup, sms: int, stages: int = STAGES_ALL, **overrides) -> K2La
     return k2
 
 
+def check_variant(k: K2Launch, ws, su: Setup, state: RankState, want, vname: str) -> None:
+    """Variant ``k`` on rotation 0 at width 4 (output poisoned first) against the default
+    build's output: tiles change fp32 summation order only, so anything below a cosine of
+    0.99999 is a broken variant, not rounding."""
+    w0 = su.rot[0]
+    w0["out_h"][:4].fill_(float("nan"))
+    state.bump_epoch()
+    k.launch(w0["o_in"][:4], w0["residual"][:4], w0, w0["out_h"][:4], w0["out_r"][:4], ws=ws,
+             ctrl=state.ctrl, health=state.health)  # fmt: skip
+    c = cosine(w0["out_h"][:4].float(), want)
+    if not c >= 0.99999:
+        raise RuntimeError(f"variant {vname!r} disagrees with k2 (width 4): cosine {c:.6f}")
+
+
 def k2_body(k2: K2Launch, su: Setup, b: int, state: RankState, ws):
     def body():
         state.bump_epoch()
@@ -369,11 +408,11 @@ TRACE_POINTS = (
 )  # fmt: skip
 
 
-def print_trace(su: Setup, sms: int, state: RankState, vname: str, b: int) -> None:
+def print_trace(su: Setup, sms: int, state: RankState, vname: str, b: int) -> dict:
     """Run the rotation once (weights cold in L2, as timed) with a ``trace`` build and print,
     per stamp of the last launch, min / median / max over CTAs of microseconds since the
-    first CTA started."""
-    k = build_k2(su, sms, trace=True, **dict(VARIANTS[vname]))
+    first CTA started; returns the same as a record for ``--trace-json``."""
+    k = build_k2(su, sms, trace=True, **variant_overrides(vname))
     ws = k.workspace("cuda")
     body = k2_body(k, su, b, state, ws)
     for _ in range(3):
@@ -382,9 +421,13 @@ def print_trace(su: Setup, sms: int, state: RankState, vname: str, b: int) -> No
     t = ws.trace.cpu().double()
     t0 = t[:, 0].min()
     print(f"  trace {vname} width {b} (us since the first CTA started: min / median / max)")
+    points = []
     for i, name in enumerate(TRACE_POINTS):
         col = (t[:, i] - t0) / 1e3
-        print(f"    {i} {name:<13} {col.min():7.1f} {col.median():7.1f} {col.max():7.1f}")
+        lo, mid, hi = (round(float(x), 2) for x in (col.min(), col.median(), col.max()))
+        print(f"    {i} {name:<13} {lo:7.1f} {mid:7.1f} {hi:7.1f}")
+        points.append({"point": name, "min_us": lo, "median_us": mid, "max_us": hi})
+    return {"variant": vname, "width": b, "points": points}
 
 
 VLLM_ARMS = ("vllm", "vllm-compiled")
@@ -486,8 +529,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefixes", action="store_true", help="time stage prefixes too")
     ap.add_argument(
         "--trace", action="store_true",
-        help="per-CTA %%globaltimer stamps of each variant (where the time goes)",
+        help="per-CTA %%globaltimer stamps of the first variant at widths 1 and 16 (where the "
+             "time goes)",
     )  # fmt: skip
+    ap.add_argument(
+        "--trace-variants", default=None,
+        help="with --trace: trace these variants (comma-separated) instead of the first",
+    )  # fmt: skip
+    ap.add_argument("--trace-json", default=None, help="with --trace: write the traces here")
     ap.add_argument(
         "--stock", choices=("vllm", "torch", "both"), default=None,
         help="stock arms: vLLM 0.26's own ops, the torch op chain, or both (default: both where "
@@ -538,15 +587,21 @@ def main(argv: list[str] | None = None) -> int:
           f"smem {k2.resources.shared_bytes} out_proj_k_splits {k2.out_proj_k_splits}")  # fmt: skip
 
     for vname in args.variants.split(","):
-        k = k2 if vname == "k2" else build_k2(su, sms, **dict(VARIANTS[vname]))
+        k = k2 if vname == "k2" else build_k2(su, sms, **variant_overrides(vname))
         wsv = ws if k is k2 else k.workspace("cuda")
+        if k is not k2:  # a variant changes tiles and waits, never what is computed
+            check_variant(k, wsv, su, state, refs["k2"], vname)
         for b in widths:
             med, best = time_graph(k2_body(k, su, b, state, wsv))
             rows.append((b, vname, med, best))
             print(f"  {vname:<16} w{b:<2} {med:8.1f} us")
+    traces = []
     if args.trace:
-        for b in (1, 16):  # the first variant named
-            print_trace(su, sms, state, args.variants.split(",")[0], b)
+        names = (args.trace_variants or args.variants.split(",")[0]).split(",")
+        traces = [print_trace(su, sms, state, v, b) for v in names for b in (1, 16)]
+    if args.trace_json:
+        with open(args.trace_json, "w") as f:
+            json.dump({**provenance(name), "traces": traces}, f, indent=1)
     if args.prefixes:
         for pname, bits in PREFIXES.items():
             k = build_k2(su, sms, stages=bits)

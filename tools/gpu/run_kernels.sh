@@ -15,6 +15,9 @@
 #   bash tools/gpu/run_kernels.sh bench   bench_k2 bf16 + fp8 block-128 (torch stock arm; add
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install for
 #                                         the vLLM arms) and the bench_k1 sweep, ~8 min
+#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (rows per norm / top-k
+#                                         pass, 8 warps, gate_up tiles, PDL) at widths 1-16, each
+#                                         checked against the default first, ~4 min
 # Results go into docs/results/ (device, date, commit, command); docs/perf.md cites them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,7 +54,17 @@ bench)
   run k2_fp8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,12,16 \
     --variants "k2,k2 pipeline_stages=8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
+sweep)
+  W8="k2 num_warps=8 tile_rows=128 out_proj_pipeline_stages=3 gate_up_pipeline_stages=3"
+  W8="$W8 down_pipeline_stages=3"
+  run k2_sweep python3 benchmarks/bench_k2.py --widths 1,2,4,8,16 --stock torch --trace \
+    --variants "k2,k2 topk_rows_per_pass=2,k2 norm_rows_per_wait=2,$(
+      )k2 topk_rows_per_pass=2 norm_rows_per_wait=2,k2 topk_rows_per_pass=4,$(
+      )$W8,$W8 topk_rows_per_pass=4 norm_rows_per_wait=4,$(
+      )$W8 topk_rows_per_pass=8 norm_rows_per_wait=4,$(
+      )$W8 topk_rows_per_pass=4 norm_rows_per_wait=2,k2 gate_up_rows=32,k2 pdl" \
+    --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep" >&2
   exit 2 ;;
 esac
