@@ -126,7 +126,9 @@ class K2Config:
     reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
     topk_rows_per_pass: int = 1  # rows per top-k pass (1: one wait covers every K split)
     act_rows_per_wait: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
-    norm_rows_per_wait: int = 1  # rows per norm wait (each wait covers all of H)
+    # rows per norm wait (each wait covers all of H): 2 halves the serial waits and was faster
+    # at every width on the H200 (docs/results/k2_vllm.csv); 4 spills
+    norm_rows_per_wait: int = 2
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
     # weight chunks in flight (Triton pipeline stages) of each streamed GEMV
     out_proj_pipeline_stages: int = 4
