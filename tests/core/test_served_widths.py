@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 from mono_ext.core.backends import served_widths
 from mono_ext.core.settings import load_settings
+from mono_ext.models.qwen3_next.triton import measured
 from mono_ext.models.qwen3_next.triton.backend import TritonBuilder
 
 SPEC = (1, 2, 3, 4, 8, 16)
@@ -29,8 +30,9 @@ def test_no_faster_width_refuses_with_the_reason_and_the_override():
     )
 
 
-def test_triton_serves_only_measured_widths_and_everything_when_asked():
-    # models/qwen3_next/triton/measured.py: vLLM on an H200 at width 1 (docs/results/e2e_vllm.json)
+def test_triton_serves_only_measured_widths_and_everything_when_asked(monkeypatch):
+    # the mechanism, whatever models/qwen3_next/triton/measured.py lists today
+    monkeypatch.setitem(measured.FASTER, ("vllm", "NVIDIA H200"), (frozenset({1}), "a run"))
     off = load_settings({})
     on = load_settings({"MONO_EXT_SERVE_UNMEASURED": "1"})
     b = TritonBuilder()

@@ -48,11 +48,16 @@ def test_each_entry_is_what_its_result_file_shows(entry):
     assert widths == faster, f"{path}: faster at {sorted(faster)}, listed {sorted(widths)}"
 
 
-def test_vllm_on_an_h200_serves_width_1_and_nothing_else_by_default():
+def test_vllm_on_an_h200_serves_what_its_result_file_shows_and_says_why_not():
     widths, why = served_widths(
         SPEC, TritonBuilder(), "triton", False, engine="vllm", device="NVIDIA H200"
     )
-    assert widths == (1,) and why is None
+    listed = FASTER["vllm", "NVIDIA H200"][0]
+    assert widths == tuple(w for w in SPEC if w in listed)
+    if not widths:  # measured, none faster: stock runs, and the log says why
+        assert "serves no width" in why and "NVIDIA H200" in why
+    else:
+        assert why is None
 
 
 @pytest.mark.parametrize(
@@ -73,5 +78,6 @@ def test_an_unmeasured_engine_or_device_serves_nothing_and_says_where_to_look(en
 
 def test_measured_faster_names_its_source():
     widths, source = measured_faster("vllm", "NVIDIA H200")
-    assert widths and source.startswith("docs/results/e2e_vllm.json")
+    assert widths == FASTER["vllm", "NVIDIA H200"][0]
+    assert source.startswith("docs/results/e2e_vllm.json")
     assert measured_faster("vllm", "NVIDIA A100-SXM4-80GB") == (frozenset(), None)
