@@ -604,7 +604,9 @@ def main(argv: list[str] | None = None) -> int:
             wr.writerows(arms)
     for r in rows:
         r.pop("vllm_rows", None)
-    if args.csv:
+    if args.csv:  # every row (the sweep's too), each with the run's provenance
+        prov = provenance(props.name)
+        rows = [{**r, **prov} for r in rows]
         keys = sorted({k for r in rows for k in r})
         with open(args.csv, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=keys)

@@ -15,9 +15,12 @@
 #   bash tools/gpu/run_kernels.sh bench   bench_k2 bf16 + fp8 block-128 (torch stock arm; add
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install for
 #                                         the vLLM arms) and the bench_k1 sweep, ~8 min
-#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (rows per norm / top-k
-#                                         pass, 8 warps, gate_up tiles, PDL) at widths 1-16, each
-#                                         checked against the default first, ~4 min
+#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (router K splits x
+#                                         rows per top-k pass, PDL) at widths 1-16, each checked
+#                                         against the default first; writes $OUT/k2_sweep.csv and
+#                                         the stage traces $OUT/k2_trace.json, ~4 min
+#   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep at widths 1, 4, 16 (writes
+#                                         $OUT/k1_sweep.csv), ~1 min
 # Results go into docs/results/ (device, date, commit, command); docs/perf.md cites them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -55,16 +58,20 @@ bench)
     --variants "k2,k2 pipeline_stages=8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 sweep)
-  W8="k2 num_warps=8 tile_rows=128 out_proj_pipeline_stages=3 gate_up_pipeline_stages=3"
-  W8="$W8 down_pipeline_stages=3"
+  # fewer router K splits make one wait per top-k pass cover every split for several rows
+  # (router_k_splits x topk_rows_per_pass x 512 words in registers: 4 x 4 and 1 x 8 spill a
+  # little on sm_90, 2 x 4 and 1 x 4 do not)
   run k2_sweep python3 benchmarks/bench_k2.py --widths 1,2,4,8,16 --stock torch --trace \
-    --variants "k2,k2 topk_rows_per_pass=2,k2 norm_rows_per_wait=2,$(
-      )k2 topk_rows_per_pass=2 norm_rows_per_wait=2,k2 topk_rows_per_pass=4,$(
-      )$W8,$W8 topk_rows_per_pass=4 norm_rows_per_wait=4,$(
-      )$W8 topk_rows_per_pass=8 norm_rows_per_wait=4,$(
-      )$W8 topk_rows_per_pass=4 norm_rows_per_wait=2,k2 gate_up_rows=32,k2 pdl" \
+    --trace-variants "k2,k2 router_k_splits=2 topk_rows_per_pass=4" \
+    --variants "k2,k2 norm_rows_per_wait=1,k2 pdl,k2 router_k_splits=4,k2 router_k_splits=2,$(
+      )k2 router_k_splits=1,k2 router_k_splits=2 topk_rows_per_pass=2,$(
+      )k2 router_k_splits=2 topk_rows_per_pass=4,k2 router_k_splits=1 topk_rows_per_pass=4,$(
+      )k2 router_k_splits=1 topk_rows_per_pass=8,k2 router_k_splits=4 topk_rows_per_pass=4" \
     --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
+k1sweep)
+  run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --no-attn \
+    --csv "$OUT/k1_sweep.csv" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep" >&2
   exit 2 ;;
 esac

@@ -81,12 +81,14 @@ class TinyTail:
     buffers. ``formats``: planes given to K2 in fp8 (codes + scales); the reference then
     computes with the dequantized planes (``self.w_ref``)."""
 
-    def __init__(self, preset: str | dict, seed: int, formats: dict | None = None):
+    def __init__(
+        self, preset: str | dict, seed: int, formats: dict | None = None, **config: int
+    ):  # fmt: skip
         full = get_preset(preset) if isinstance(preset, str) else preset
         cfg = text_config(full)
         self.dims = Dims.from_config(cfg, tp=1)
         self.rdims = ModelDims.from_config(full)
-        self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRID),
+        self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRID, **config),
                            formats=formats or {})  # fmt: skip
         self.k2.build(DEV)
         self.ws = self.k2.workspace(DEV)
@@ -150,6 +152,33 @@ def test_k2_tiny_batch_invariance_and_non_finite_row(tiny):
     for j in (0, 2, 3):
         assert torch.equal(h[j], h16[j]) and torch.equal(r[j], r16[j]), f"row {j} beside NaN"
     assert torch.isnan(h[1]).any()
+
+
+# top-k passes over several rows: one wait covering every router K split (2 x 2, 4 x 2 rows x
+# splits), and one wait per split (2 rows x the default 8 splits)
+TOPK_PASSES = [
+    {"topk_rows_per_pass": 2, "router_k_splits": 2},
+    {"topk_rows_per_pass": 4, "router_k_splits": 2},
+    {"topk_rows_per_pass": 2},
+]
+
+
+@pytest.fixture(scope="module", params=TOPK_PASSES, ids=lambda c: "-".join(map(str, c.values())))
+def tiny_topk(request):
+    return TinyTail(PRESETS[0], seed=7, **request.param)
+
+
+def test_k2_tiny_topk_passes_over_several_rows(tiny_topk):
+    """Top-k over several rows per pass: the reference's routing, and each row's output
+    bit-identical alone and in a batch, whatever its position inside a pass."""
+    test_k2_tiny_matches_reference(tiny_topk)
+    gen = torch.Generator(device=DEV).manual_seed(24)
+    o_all, r_all = tiny_topk.inputs(BLOCK_B, gen)
+    h16, r16 = tiny_topk.run(o_all, r_all)
+    for rows in ([7], [11, 2, 5]):
+        h, r = tiny_topk.run(o_all[rows], r_all[rows])
+        for j, i in enumerate(rows):
+            assert torch.equal(h[j], h16[i]) and torch.equal(r[j], r16[i]), f"row {i} at {j}"
 
 
 @pytest.fixture(scope="module", params=sorted(FP8_CASES))

@@ -342,6 +342,18 @@ def _s3_topk(
                 INTERP,
             )  # fmt: skip
             lg = tl.reshape(tl.sum(_words_to_fp32(lwords), axis=0), (RB, EP))
+        elif KS2 * RB <= 8:
+            # every K split of the RB rows in one bounded wait: no more words than one row of
+            # 8 splits, and one round trip per pass instead of one per split. Block row
+            # ks * RB + r holds split ks of row r0 + r.
+            kr = tl.arange(0, KS2 * RB)
+            kidx = (kr // RB)[:, None] * (BB * E) + (r0 + kr % RB)[:, None] * E + offs_e[None, :]
+            km1 = (r0 + kr % RB < n_rows)[:, None] & (offs_e[None, :] < E)
+            lwords, lok = _wait2d(
+                logits_ptr + kidx, km1, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2 * RB,
+                EP, INTERP,
+            )  # fmt: skip
+            lg = tl.sum(tl.reshape(_words_to_fp32(lwords), (KS2, RB, EP)), axis=0)
         else:
             # several rows: one bounded wait per K split, summed in split order (all
             # splits land at about the same time), so an [RB, EP] block is in registers,
