@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from mono_ext.runtime.failstop import FailStop, FailStopError, ScriptedHealthSource
+from mono_ext.runtime.host_timer import HostTimer
 from mono_ext.runtime.release import ReleaseQueue, Ticket
 
 
@@ -125,3 +126,15 @@ def test_queue_and_take_from_two_threads_lose_no_ticket():
 def test_max_outstanding_must_be_positive():
     with pytest.raises(ValueError, match="max_outstanding"):
         ReleaseQueue(0)
+
+
+def test_a_timed_ticket_counts_its_release_even_when_it_raises():
+    timer = HostTimer()
+    Ticket(lambda: None, 1).timed(timer).release()
+
+    def bad() -> None:
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        Ticket(bad, 2, what="s").timed(timer).release()
+    assert timer.report()["host_calls"] == {"release": 2}

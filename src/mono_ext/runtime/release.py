@@ -49,6 +49,11 @@ class Ticket:
 
         return Ticket(release, self.width, self.what)
 
+    def timed(self, timer: Any, hook: str = "release") -> Ticket:
+        """This ticket, its release timed as ``hook`` by ``timer`` (a
+        :class:`~mono_ext.runtime.host_timer.HostTimer`)."""
+        return Ticket(timer.timed(hook, self.release), self.width, self.what)
+
 
 class ReleaseQueue:
     """Tickets of steps that ran, oldest first, until the engine awaits their tokens.

@@ -183,11 +183,9 @@ class Router:
             self._queue(ticket)
 
     def _queue(self, ticket: Ticket | None) -> None:
-        if ticket is None:
-            return
-        self.queued += 1
-        timed = self.host.timed("release", ticket.then(self._released).release)
-        release.pending().add(Ticket(timed, ticket.width, ticket.what))
+        if ticket is not None:
+            self.queued += 1
+            release.pending().add(ticket.then(self._released).timed(self.host))
 
     def _released(self) -> None:
         self.released += 1
