@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,17 @@ class BatchComparison:
             f"positions compared (same context), KL mean {self.kl_mean:.2e} max {self.kl_max:.2e}, "
             f"shared top-{self.topk} mass min {mass}"
         )
+
+
+def token_batches(widths: Sequence[int], new_tokens: int) -> list[dict]:
+    """One batch per width, row r a fixed prompt of 9 + 4r token ids, each asking for
+    ``new_tokens``. The ids stay inside both tiny vocabularies (512): an id past the embedding
+    is a device-side assert in the flag-off run, not a test of anything."""
+    out = []
+    for b in widths:
+        prompts = [[(37 * r + 11 * i + 5) % 500 + 3 for i in range(9 + 4 * r)] for r in range(b)]
+        out.append({"prompts": prompts, "max_tokens": [new_tokens] * b})
+    return out
 
 
 def compare_batch(

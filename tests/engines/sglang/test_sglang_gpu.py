@@ -62,6 +62,7 @@ from tests.engines._support.gpu_common import (
     export_result,
     kept_runs_dir,
     require_sglang_gpu,
+    token_batches,
 )
 
 require_sglang_gpu()
@@ -111,16 +112,6 @@ _RUNNER = textwrap.dedent("""
 """)
 
 
-def _batches() -> list[dict]:
-    out = []
-    for b in WIDTHS:
-        # ids inside both tiny vocabularies (512): an id past the embedding is a device-side
-        # assert in the flag-off run, not a test of anything
-        prompts = [[(37 * r + 11 * i + 5) % 500 + 3 for i in range(9 + 4 * r)] for r in range(b)]
-        out.append({"prompts": prompts, "max_tokens": [NEW_TOKENS] * b})
-    return out
-
-
 class Runs:
     """``runs(tag, on)``: one engine run (fresh processes), started on first use.
 
@@ -152,7 +143,7 @@ class Runs:
             engine["monokernel_backend"] = "triton"
         spec = {
             "engine": engine,
-            "batches": _batches(),
+            "batches": token_batches(WIDTHS, NEW_TOKENS),
             "topk": TOPK,
             "report_dir": str(self.root / f"{name}.reports"),
         }

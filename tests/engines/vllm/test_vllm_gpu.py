@@ -63,6 +63,7 @@ from tests.engines._support.gpu_common import (  # noqa: E402
     compare_batch,
     export_result,
     kept_runs_dir,
+    token_batches,
 )
 
 pytestmark = pytest.mark.gpu
@@ -80,16 +81,6 @@ WIDTHS = (1, 3, 8)
 # (models/qwen3_next/triton/measured.py); this test is about routing and tokens at every
 # width, so it opts in
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "MONO_EXT_CHECK": "0", "MONO_EXT_SERVE_UNMEASURED": "1"}
-
-
-def _batches() -> list[dict]:
-    out = []
-    for b in WIDTHS:
-        # token ids inside both tiny vocabularies (512): an id past the embedding is a
-        # device-side assert in the flag-off run, not a test of anything
-        prompts = [[(37 * r + 11 * i + 5) % 500 + 3 for i in range(9 + 4 * r)] for r in range(b)]
-        out.append({"prompts": prompts, "max_tokens": [NEW_TOKENS] * b})
-    return out
 
 
 class KeptEngines:
@@ -131,7 +122,7 @@ def gpu_engines(engines, monkeypatch_module):
     """tests/engines/vllm/conftest.py's engine runs with this file's batches, engine arguments and runs,
     kept and reused across pytest calls with ``MONO_EXT_GPU_RUNS`` (``KeptEngines``)."""
     runs = sys.modules[type(engines).__module__]  # the conftest module (not importable by name)
-    monkeypatch_module.setattr(runs, "BATCHES", _batches())
+    monkeypatch_module.setattr(runs, "BATCHES", token_batches(WIDTHS, NEW_TOKENS))
     monkeypatch_module.setattr(runs, "LLM_BASE", {})
     monkeypatch_module.setattr(runs, "LOGPROBS", TOPK)
     monkeypatch_module.setattr(runs, "TIMEOUT_S", 900)
