@@ -415,7 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     runner.add_head_args(
         p,
-        "batches 1,4,16, order off,on, reps 2",
+        "batches 1,4,16, order off,on, reps 5",
         "SGLang's CPU build, tiny preset, reference",
     )
     p.add_argument("--model", choices=sorted(MODELS), default="next")

