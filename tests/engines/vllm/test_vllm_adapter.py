@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from mono_ext.core.spec import BuildKey, Step  # noqa: E402
-from mono_ext.engines.vllm import flags, views  # noqa: E402
+from mono_ext.engines.vllm import flags, qwen3_next, views  # noqa: E402
 from mono_ext.engines.vllm.local import ensure_vllm_distributed  # noqa: E402
 from mono_ext.engines.vllm.version import version_problem  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
@@ -258,12 +258,12 @@ def _gdn_md(**counts):
 )
 def test_step_view_from_gdn_metadata(counts, rows, mode):
     fc = SimpleNamespace(attn_metadata={"model.layers.0.linear_attn": _gdn_md(**counts)})
-    assert views.step_view(fc, rows).mode == mode
+    assert qwen3_next.step_view(fc, rows).mode == mode
 
 
 def test_step_view_without_metadata_or_with_microbatches():
-    assert views.step_view(SimpleNamespace(attn_metadata=None), 2).mode == "idle"
-    assert views.step_view(SimpleNamespace(attn_metadata=[{}, {}]), 2).mode == "other"
+    assert qwen3_next.step_view(SimpleNamespace(attn_metadata=None), 2).mode == "idle"
+    assert qwen3_next.step_view(SimpleNamespace(attn_metadata=[{}, {}]), 2).mode == "other"
 
 
 def test_each_gdn_layer_reads_its_own_slot_table():
@@ -278,11 +278,11 @@ def test_each_gdn_layer_reads_its_own_slot_table():
         md[prefix].non_spec_state_indices_tensor = torch.tensor(table, dtype=torch.int32)
         layers.append(SimpleNamespace(linear_attn=SimpleNamespace(prefix=prefix)))
     text = SimpleNamespace(layers=layers)
-    got = views.step_slots(SimpleNamespace(attn_metadata=md), text, 3)
+    got = qwen3_next.step_slots(SimpleNamespace(attn_metadata=md), text, 3)
     assert {i: s.tolist() for i, s in got.items()} == {
-        0: [5, 7, views.NULL_SLOT],
-        1: [2, 9, views.NULL_SLOT],
-        3: [4, 1, views.NULL_SLOT],
+        0: [5, 7, qwen3_next.NULL_SLOT],
+        1: [2, 9, qwen3_next.NULL_SLOT],
+        3: [4, 1, qwen3_next.NULL_SLOT],
     }
 
 

@@ -22,7 +22,8 @@ from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
 
 STOCK_NEXT = "vllm.model_executor.models.qwen3_next"
 MONO = "mono_ext.engines.vllm.model"
-HEAVY = ("mono_ext.engines.vllm.model", "mono_ext.engines.vllm.views", "mono_ext.models.qwen3_next.reference",
+HEAVY = ("mono_ext.engines.vllm.model", "mono_ext.engines.vllm.views",
+         "mono_ext.engines.vllm.qwen3_next", "mono_ext.models.qwen3_next.reference",
          "mono_ext.models.qwen3_next.driver")  # fmt: skip
 
 

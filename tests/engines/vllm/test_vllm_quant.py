@@ -247,14 +247,14 @@ def _assert_on_with_scales(r: dict, fp8: dict[str, tuple[str, ...]], fmt: str) -
 def test_model_stage_binds_fp8_planes_with_their_scales(fp8_checkpoint):
     from vllm.config import set_current_vllm_config
 
-    from mono_ext.engines.vllm import views
+    from mono_ext.engines.vllm import qwen3_next
 
     cfg, model = _load_in_process(fp8_checkpoint)
     assert cfg.model_config.quantization == "fp8"
     with set_current_vllm_config(cfg):
         mono = model.mono
         assert mono.state == "model"  # the config stage deferred fp8 to the model stage
-        mv, weights, reasons, sources = views.bind_weights(
+        mv, weights, reasons, sources = qwen3_next.bind_weights(
             model.model, mono._held, mono.text_config, allow_held=True
         )
         assert reasons == []
@@ -340,7 +340,7 @@ def test_mxfp4_experts_are_bound_with_their_loaded_scales_and_refused_by_plane(m
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
 
-    from mono_ext.engines.vllm import views
+    from mono_ext.engines.vllm import qwen3_next
 
     cfg, model = _load_in_process(mxfp4_checkpoint)
     assert cfg.model_config.quantization == "mxfp4"
@@ -348,7 +348,7 @@ def test_mxfp4_experts_are_bound_with_their_loaded_scales_and_refused_by_plane(m
     with set_current_vllm_config(cfg):
         mono = model.mono
         assert mono.state == "model"
-        mv, weights, reasons, sources = views.bind_weights(
+        mv, weights, reasons, sources = qwen3_next.bind_weights(
             model.model, mono._held, mono.text_config, allow_held=True
         )
         assert reasons == []

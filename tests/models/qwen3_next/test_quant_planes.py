@@ -1,6 +1,6 @@
 """Quantized weight planes: formats, their refusals, and the build keys.
 
-The spec side is checked on views; the vLLM side (``engines.vllm.views.plane_view``) on fake
+The spec side is checked on views; the vLLM side (``engines.vllm.qwen3_next.plane_view``) on fake
 modules that carry the parameter names, shapes and dtypes vLLM 0.26 leaves after
 ``process_weights_after_loading`` (docs/quantized_planes.md), on the meta device where the
 real Qwen3-Next-80B shapes would not fit. No vLLM import: ``plane_view`` reads attributes.
@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from mono_ext.core import BuildKey, ConfigView, Deployment  # noqa: E402
 from mono_ext.core.views import MATRIX_PLANES, PlaneView, ScaleView  # noqa: E402
-from mono_ext.engines.vllm.views import plane_view  # noqa: E402
+from mono_ext.engines.vllm.qwen3_next import plane_view  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.spec import Qwen3NextSpec, format_problems  # noqa: E402
 

