@@ -44,7 +44,6 @@ if has_native_api():
 from mono_ext.core.refusal import Refusal, Stage  # noqa: E402
 from mono_ext.core.settings import Settings  # noqa: E402
 from mono_ext.engines.sglang import serving as serving_mod  # noqa: E402
-from mono_ext.engines.sglang.binding import bind_caches, step_slots  # noqa: E402
 from mono_ext.engines.sglang.dispatch import (  # noqa: E402
     CaptureCheck,
     Router,
@@ -53,6 +52,7 @@ from mono_ext.engines.sglang.dispatch import (  # noqa: E402
     uninstall,
 )
 from mono_ext.engines.sglang.flags import Monokernel  # noqa: E402
+from mono_ext.engines.sglang.qwen3_next import bind_caches, step_slots  # noqa: E402
 from mono_ext.engines.sglang.serving import Serving  # noqa: E402
 from mono_ext.engines.sglang.views import step_view  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402

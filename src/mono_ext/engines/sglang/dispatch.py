@@ -11,7 +11,7 @@ A routed step, in SGLang's own objects (no math here):
 1. ``text_model.embed_tokens(input_ids)``;
 2. the engine-neutral driver (``models.qwen3_next.driver``) runs K1 -> attention -> K2 for
    every layer, the attention being the layer's own ``RadixAttention`` (it writes the KV
-   cache), the GDN slots those SGLang's own kernels would read (:func:`.binding.step_slots`);
+   cache), the GDN slots those SGLang's own kernels would read (:func:`.qwen3_next.step_slots`);
    then SGLang's own prefix-cache state tracking, where the step asks for it;
 3. ``text_model.norm(hidden, residual)`` and ``logits_processor(..., lm_head, ...)``.
 
@@ -46,7 +46,7 @@ from ...runtime.device import is_capturing
 from ...runtime.host_timer import HostTimer
 from ...runtime.release import Ticket
 from . import release
-from .binding import step_slots
+from .qwen3_next import step_slots
 from .views import step_view
 
 __all__ = [

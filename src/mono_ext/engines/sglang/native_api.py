@@ -83,7 +83,7 @@ log = logging.getLogger("mono_ext.sglang")
 #: The MEGAKERNEL_API_VERSION / MONOKERNEL_API_VERSION this module is written against.
 API_VERSION = 1
 ENTRY_POINT = "nvidia_megakernel"
-#: HF architectures SGLang serves with the modules :mod:`.binding` reads.
+#: HF architectures SGLang serves with the modules :mod:`.qwen3_next` reads.
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 #: Backend -> the device ISAs its kernels are built and verified for (0.5.23 matches these
 #: against the GPU it finds). ``reference`` is the fp32 CPU backend, listed for testing only.

@@ -10,7 +10,7 @@ stage      when                              SGLang's objects, as views
 config     before the weights load           the HF config and server arguments
                                              (:func:`.views.config_view`; SGLang settings:
                                              :func:`.views.engine_reasons`)
-model      after load                        every plane bound in place (:mod:`.binding`),
+model      after load                        every plane bound in place (:mod:`.qwen3_next`),
                                              its format derived from the module
                                              (:func:`.views.plane_view`); then every width
                                              is built
@@ -29,8 +29,8 @@ from ...core.refusal import Refusal
 from ...core.settings import Settings
 from ...core.views import ConfigView
 from ...serve.lifecycle import Lifecycle, device_name
-from .binding import CacheBinding, ModelBinding, bind_caches, bind_model
 from .flags import Monokernel
+from .qwen3_next import CacheBinding, ModelBinding, bind_caches, bind_model
 from .views import (
     LAYOUTS,
     build_extra,

@@ -1,7 +1,7 @@
 """Engine-neutral views (``mono_ext.core.views``) built from SGLang's objects.
 
 A spec sees a deployment only through these: the config (``ServerArgs`` + the model's HF
-config), the loaded model (the planes :mod:`.binding` bound), the caches (the bound
+config), the loaded model (the planes :mod:`.qwen3_next` bound), the caches (the bound
 ``MambaPool`` states and KV buffers) and each step (the ``ForwardBatch``'s mode and rows).
 
 SGLang settings that change what a step is or where tensors live map onto the core's
@@ -54,7 +54,7 @@ from ...core.views import (
 )
 from ...models.qwen3_next.dims import text_config
 from ...models.qwen3_next.spec import MXFP4_UPCAST
-from .binding import CacheBinding, ModelBinding
+from .qwen3_next import CacheBinding, ModelBinding
 
 __all__ = [
     "ENGINE",
@@ -393,7 +393,7 @@ def _not_upcast(mod: Any) -> str | None:
 def plane_view(name: str, t: Any, quant: str, source: Any = None) -> tuple[PlaneView, Any]:
     """The PlaneView of one bound plane, and the tensor to bind for it (None where the storage
     cannot be bound as a row-major plane). ``source``: (owning module, weight attribute,
-    index into it) for matrix planes (:class:`.binding.LayerBinding.sources`)."""
+    index into it) for matrix planes (:class:`.qwen3_next.LayerBinding.sources`)."""
     if name not in MATRIX_PLANES or source is None:
         return PlaneView(tuple(t.shape), dtype_name(t), quant, t.is_contiguous()), t
     mod, attr, index = source
