@@ -370,6 +370,10 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
                 "stock_decode",
                 "released",
                 "failstop",
+                # mono_ext's own host time per step by hook (us per call; runtime.host_timer)
+                "host_us",
+                "host_us_median",
+                "host_calls",
             )
         }
         for k, r in runs.items()
@@ -392,7 +396,8 @@ def print_tables(s: dict[str, Any]) -> str:
     for k, v in s["routed"].items():
         line = (
             f"routed {k}: state {v['state']} replayed_steps {v['replayed_steps']} "
-            f"stock_decode {v['stock_decode']} released {v['released']}"
+            f"stock_decode {v['stock_decode']} released {v['released']} "
+            f"host_us_median {v.get('host_us_median')}"
         )
         print(line, flush=True)
         text += "\n" + line
