@@ -73,10 +73,6 @@ QKVZ_PACKING: dict[str, str] = {
 _NO_QUANT = "none"
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 def _quant_name(module: Any) -> str:
     qm = getattr(module, "quant_method", None)
     return _NO_QUANT if qm is None else type(qm).__name__

@@ -213,10 +213,6 @@ def engine_reasons(sa: Any, *, check_mode: bool = False) -> list[str]:
     return reasons
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def config_view(
     hf_config: Any,
     *,
@@ -230,7 +226,7 @@ def config_view(
     return ConfigView(
         hf_config=hf_dict(hf_config),
         tp_size=int(tp_size),
-        dtype=_dtype_name(dtype),
+        dtype=dtype_name(dtype),
         quantization=quantization,
         reads_plane_formats=True,  # model_view derives every matrix plane's format
         features=features,
@@ -468,7 +464,7 @@ def _tensor_view(t: Any, layout: str) -> CacheTensorView:
     # stride; envelope/page-major pools stride slots through other layers' state.
     return CacheTensorView(
         shape=tuple(t.shape),
-        dtype=_dtype_name(t.dtype),
+        dtype=dtype_name(t.dtype),
         layout=layout,
         contiguous=t.is_contiguous(),
     )
@@ -523,7 +519,7 @@ def gdn_state_dtypes(hf_config: Any) -> tuple[str, str] | None:
     except ImportError:
         return None
     d = mamba2_state_dtype(hf_config)
-    return _dtype_name(d.conv), _dtype_name(d.temporal)
+    return dtype_name(d.conv), dtype_name(d.temporal)
 
 
 def build_extra(
@@ -539,8 +535,8 @@ def build_extra(
         extra["conv_dtype"], extra["ssm_dtype"] = states
     gdn = next((p for p in planes.values() if "A_log" in p and "dt_bias" in p), None)
     if gdn is not None:
-        extra["a_log_dtype"] = _dtype_name(gdn["A_log"].dtype)
-        extra["dt_bias_dtype"] = _dtype_name(gdn["dt_bias"].dtype)
+        extra["a_log_dtype"] = dtype_name(gdn["A_log"].dtype)
+        extra["dt_bias_dtype"] = dtype_name(gdn["dt_bias"].dtype)
     extra["positions_dtype"] = "int64"
     limit = _get(server_args, "context_length") or hf_dict(hf_config).get("max_position_embeddings")
     if limit:
@@ -555,7 +551,7 @@ def state_dtype_reasons(caches: CacheBinding, extra: Mapping[str, Any]) -> list[
                               "ssm_dtype", caches.ssm)):  # fmt: skip
         want = extra.get(key)
         for i, t in sorted(states.items()):
-            if want is not None and _dtype_name(t.dtype) != want:
-                reasons.append(f"layer {i}: {name} is {_dtype_name(t.dtype)}, the launches were "
+            if want is not None and dtype_name(t.dtype) != want:
+                reasons.append(f"layer {i}: {name} is {dtype_name(t.dtype)}, the launches were "
                                f"built for {want}")  # fmt: skip
     return reasons

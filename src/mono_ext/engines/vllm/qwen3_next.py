@@ -81,12 +81,13 @@ from ...core.views import (
     PlaneView,
     StepView,
     container_plane_view,
+    dtype_name,
     matrix_plane_view,
     scale_key,
 )
 from ...models.qwen3_next.configs import family
 from ...models.qwen3_next.launches import BoundLayer
-from .views import dtype_name, on_cpu, text_config
+from .views import on_cpu, text_config
 
 __all__ = [
     "NULL_SLOT",
@@ -458,9 +459,7 @@ def build_extra(
     dtypes = getattr(model_cls, "get_mamba_state_dtype_from_config", None)
     if dtypes is not None:
         conv, ssm = dtypes(vllm_config)
-        extra["conv_dtype"], extra["ssm_dtype"] = dtype_name(
-            torch.empty(0, dtype=conv)
-        ), dtype_name(torch.empty(0, dtype=ssm))
+        extra["conv_dtype"], extra["ssm_dtype"] = dtype_name(conv), dtype_name(ssm)
     gdn = next((w for w in weights if "A_log" in w and "dt_bias" in w), None)
     if gdn is not None:
         extra["a_log_dtype"] = dtype_name(gdn["A_log"])

@@ -10,18 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ...core.backends import KernelBackend
-from ...core.views import ConfigView
+from ...core.views import ConfigView, dtype_name
 from ...models.qwen3_next.dims import text_config as _text_config
 
-__all__ = ["config_reasons", "config_view", "dtype_name", "features", "on_cpu", "text_config"]
-
-
-def dtype_name(t: torch.Tensor) -> str:
-    """A tensor's dtype as core.views names it (``"bfloat16"``)."""
-    return str(t.dtype).removeprefix("torch.")
+__all__ = ["config_reasons", "config_view", "features", "on_cpu", "text_config"]
 
 
 def on_cpu() -> bool:
@@ -75,7 +68,7 @@ def config_view(vllm_config: Any) -> ConfigView:
     return ConfigView(
         hf_config=text_config(vllm_config),
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        dtype=dtype_name(torch.empty(0, dtype=mc.dtype)),
+        dtype=dtype_name(mc.dtype),
         quantization=mc.quantization,
         reads_plane_formats=True,  # bind_weights derives every matrix plane's format
         features=features(vllm_config),
