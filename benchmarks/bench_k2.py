@@ -377,16 +377,22 @@ def build_k2(su: Setup, sms: int, stages: int = STAGES_ALL, **overrides) -> K2La
     return k2
 
 
-def check_variant(k: K2Launch, ws, su: Setup, state: RankState, want, vname: str) -> None:
-    """Variant ``k`` on rotation 0 at width 4 (output poisoned first) against the default
-    build's output: tiles change fp32 summation order only, so anything below a cosine of
-    0.99999 is a broken variant, not rounding."""
+def launch_rot0(k: K2Launch, ws, su: Setup, state: RankState) -> tuple[torch.Tensor, ...]:
+    """``k`` on rotation 0 at width 4, outputs poisoned first: (hidden, residual) as fp32."""
     w0 = su.rot[0]
     w0["out_h"][:4].fill_(float("nan"))
+    w0["out_r"][:4].fill_(float("nan"))
     state.bump_epoch()
     k.launch(w0["o_in"][:4], w0["residual"][:4], w0, w0["out_h"][:4], w0["out_r"][:4], ws=ws,
              ctrl=state.ctrl, health=state.health)  # fmt: skip
-    c = cosine(w0["out_h"][:4].float(), want)
+    return w0["out_h"][:4].float().clone(), w0["out_r"][:4].float().clone()
+
+
+def check_variant(k: K2Launch, ws, su: Setup, state: RankState, want, vname: str) -> None:
+    """Variant ``k`` against the default build's output (:func:`launch_rot0`): tiles change
+    fp32 summation order only, so anything below a cosine of 0.99999 is a broken variant, not
+    rounding."""
+    c = cosine(launch_rot0(k, ws, su, state)[0], want)
     if not c >= 0.99999:
         raise RuntimeError(f"variant {vname!r} disagrees with k2 (width 4): cosine {c:.6f}")
 
@@ -574,12 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     # correctness of what is timed: K2 vs the torch chain on rotation 0, width 4
     k2 = build_k2(su, sms)
     ws = k2.workspace("cuda")
+    got, got_res = launch_rot0(k2, ws, su, state)
+    refs = {"k2": got, "k2_res": got_res}
     w0 = su.rot[0]
-    state.bump_epoch()
-    k2.launch(w0["o_in"][:4], w0["residual"][:4], w0, w0["out_h"][:4], w0["out_r"][:4], ws=ws,
-              ctrl=state.ctrl, health=state.health)  # fmt: skip
-    got = w0["out_h"][:4].float().clone()
-    refs = {"k2": got, "k2_res": w0["out_r"][:4].float().clone()}
     torch_chain(su.bf16_rot[0], 4, d)
     refs["torch"] = w0["out_h"][:4].float().clone()
     print(f"k2 vs {torch_arm} chain (width 4): hidden cosine {cosine(got, refs['torch']):.6f}")
