@@ -123,12 +123,11 @@ VARIANTS = {
     "k2": {},
     # 352 gate_up tiles at width 1: max 3 per CTA, not 2 x 2
     "k2 gate_up_rows=32": {"gate_up_rows": 32},
-    # two rows per norm / top-k pass (at width 16 the two take ~90 of 368 us)
-    "k2 topk_rows_per_pass=2 norm_rows_per_wait=2": {
-        "topk_rows_per_pass": 2,
-        "norm_rows_per_wait": 2,
-    },
-    # four rows per top-k pass (spills ~200 B in the top-k)
+    # the router's partial logits in eight K splits: more, shorter router tasks, and every
+    # top-k pass waits for eight partials per row
+    "k2 router_k_splits=8": {"router_k_splits": 8},
+    # two / four rows per top-k pass, each pass behind one wait for all of its rows' K splits
+    "k2 topk_rows_per_pass=2": {"topk_rows_per_pass": 2},
     "k2 topk_rows_per_pass=4": {"topk_rows_per_pass": 4},
     "k2 down_rows=32": {"down_rows": 32},
     "k2 no-prefetch": {"prefetch": False},

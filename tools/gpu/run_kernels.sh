@@ -52,21 +52,20 @@ stream)
     --only "flat R64 bk256 ns3 w4 c,flat R32 bk256 ns4 w4 c,tma R64 bk128 ns6 w4 c,ring" ;;
 bench)
   run k2_bf16 python3 benchmarks/bench_k2.py --widths 1,2,4,8,12,16 \
-    --variants "k2,k2 gate_up_rows=32,k2 topk_rows_per_pass=2 norm_rows_per_wait=2,k2 topk_rows_per_pass=4" \
+    --variants "k2,k2 gate_up_rows=32,k2 router_k_splits=8,k2 topk_rows_per_pass=4" \
     --trace --csv "$OUT/k2_bf16.csv"
   run k2_fp8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,12,16 \
     --variants "k2,k2 pipeline_stages=8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 sweep)
-  # fewer router K splits make one wait per top-k pass cover every split for several rows
+  # router K splits around the default (2), and several rows per top-k pass behind one wait
   # (router_k_splits x topk_rows_per_pass x 512 words in registers: 4 x 4 and 1 x 8 spill a
   # little on sm_90, 2 x 4 and 1 x 4 do not)
   run k2_sweep python3 benchmarks/bench_k2.py --widths 1,2,4,8,16 --stock torch --trace \
-    --trace-variants "k2,k2 router_k_splits=2 topk_rows_per_pass=4" \
-    --variants "k2,k2 norm_rows_per_wait=1,k2 pdl,k2 router_k_splits=4,k2 router_k_splits=2,$(
-      )k2 router_k_splits=1,k2 router_k_splits=2 topk_rows_per_pass=2,$(
-      )k2 router_k_splits=2 topk_rows_per_pass=4,k2 router_k_splits=1 topk_rows_per_pass=4,$(
-      )k2 router_k_splits=1 topk_rows_per_pass=8,k2 router_k_splits=4 topk_rows_per_pass=4" \
+    --trace-variants "k2,k2 topk_rows_per_pass=4" \
+    --variants "k2,k2 norm_rows_per_wait=1,k2 pdl,k2 router_k_splits=8,k2 router_k_splits=4,$(
+      )k2 router_k_splits=1,k2 topk_rows_per_pass=2,k2 topk_rows_per_pass=4,$(
+      )k2 router_k_splits=1 topk_rows_per_pass=4,k2 router_k_splits=1 topk_rows_per_pass=8" \
     --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --no-attn \
