@@ -11,10 +11,14 @@ each step a replay of a captured graph holding a small device op and the health 
 decode graph holds the step's launches and the copy), elsewhere over the scripted source (the
 Python part only).
 
-    python benchmarks/bench_host.py [--steps N] [--json PATH]
+    python benchmarks/bench_host.py [--steps N] [--json PATH] [--profile PATH]
 
-Prints microseconds per step for each part (median over steps) and writes them, with the
-device, date, commit and command, to ``--json`` (default ``docs/results/host_<device>.json``).
+Prints microseconds per step for each part (median over steps) and, on CUDA, per call of each
+device API a step's host path asks (``calls``: the capture query, the stream by index, an
+event's record and query, the pinned health copy, the output storage's address), and writes
+them, with the device, date, commit and command, to ``--json`` (default
+``docs/results/host_<device>.json``). ``--profile`` also writes the steps' cProfile, slowest
+functions first. The driver asks whether the stream is capturing as it does in the engines.
 The engine adapters also time themselves in the engine (``host_us`` in vLLM's worker report,
 e.g. ``docs/results/e2e_vllm.json``'s ``summary.routed``); this isolates the parts.
 """
@@ -22,8 +26,10 @@ e.g. ``docs/results/e2e_vllm.json``'s ``summary.routed``); this isolates the par
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime as dt
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -40,6 +46,69 @@ from mono_ext.runtime.persistent import PersistentLaunches, PersistentRuntime  #
 from mono_ext.runtime.release import ReleaseQueue  # noqa: E402
 
 
+def device_calls(health, n: int) -> dict[str, float]:
+    """Median microseconds of one call of each device API the per-step host path asks (the
+    runtime, FailStop's CUDA source and the adapters), each called ``n`` times in a row."""
+    import torch
+
+    from mono_ext.runtime.device import current_stream, is_capturing
+
+    index = health.device.index
+    stream, event = current_stream(index), torch.cuda.Event()
+    event.record(stream)
+    torch.cuda.synchronize()
+    mirror = torch.empty_like(health, device="cpu").pin_memory()
+    calls = {
+        "is_capturing": is_capturing,
+        "current_stream(index)": lambda: current_stream(index),
+        "event.record(stream)": lambda: event.record(stream),
+        "event.query": event.query,
+        "health copy to pinned": lambda: mirror.copy_(health, non_blocking=True),
+        "storage data_ptr": lambda: health.untyped_storage().data_ptr(),
+        "torch.cuda.is_available": torch.cuda.is_available,
+    }
+    out = {}
+    for name, call in calls.items():
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            call()
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+        out[name] = round(statistics.median(times), 2)
+    return out
+
+
+def run_steps(driver, step, replay, sync, n: int) -> dict[str, list[float]]:
+    """``n`` replayed steps' host work, timed part by part (microseconds per step). ``replay``
+    runs the step's graph first; ``sync`` stands for the engine's wait for the previous step's
+    tokens (async scheduling releases step n-1 after step n is enqueued)."""
+    queue = ReleaseQueue()
+    parts: dict[str, list[float]] = {"after_step": [], "queue": [], "release": [], "total": []}
+    pending = None
+    for _ in range(n):
+        if replay is not None:
+            replay()  # the step's device work, behind which its health copy lands
+        t0 = time.perf_counter_ns()
+        ticket = driver.after_step(step, replayed=True)
+        t1 = time.perf_counter_ns()
+        queue.add(ticket)
+        taken = queue.take()
+        t2 = time.perf_counter_ns()
+        if pending is not None:
+            if sync is not None:
+                sync()
+            t3 = time.perf_counter_ns()
+            queue.release(pending)
+            t4 = time.perf_counter_ns()
+            parts["release"].append((t4 - t3) / 1e3)
+            parts["total"].append((t2 - t0 + t4 - t3) / 1e3)
+        parts["after_step"].append((t1 - t0) / 1e3)
+        parts["queue"].append((t2 - t1) / 1e3)
+        pending = taken
+    return parts
+
+
 class Runtime(PersistentRuntime):
     """The runtime hooks every persistent backend shares, over ``failstop`` (no kernels)."""
 
@@ -51,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--profile", type=Path, default=None, help="write the steps' cProfile here")
     a = p.parse_args(argv)
 
     import torch
@@ -87,33 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     driver = DecodeDriver(
         [layer], {4: hooks}, dims, dtype=torch.bfloat16, device="cpu", null_slot=None, numerics={}
     )
-    driver.capturing = lambda: False  # a replayed step, as on the device outside capture
-    queue, step = ReleaseQueue(), Step(4, key)
-
-    parts: dict[str, list[float]] = {"after_step": [], "queue": [], "release": [], "total": []}
-    pending = None
-    for _ in range(a.steps):
-        if replay is not None:
-            replay()  # the step's device work, behind which its health copy lands
-        t0 = time.perf_counter_ns()
-        ticket = driver.after_step(step, replayed=True)
-        t1 = time.perf_counter_ns()
-        queue.add(ticket)
-        taken = queue.take()
-        t2 = time.perf_counter_ns()
-        if pending is not None:  # async scheduling: the previous step's tokens awaited now
-            if cuda:
-                torch.cuda.current_stream().synchronize()  # stands for vLLM's token wait
-            t3 = time.perf_counter_ns()
-            queue.release(pending)
-            t4 = time.perf_counter_ns()
-            parts["release"].append((t4 - t3) / 1e3)
-            parts["total"].append((t2 - t0 + t4 - t3) / 1e3)
-        parts["after_step"].append((t1 - t0) / 1e3)
-        parts["queue"].append((t2 - t1) / 1e3)
-        pending = taken
+    step = Step(4, key)
+    sync = torch.cuda.current_stream().synchronize if cuda else None
+    parts = run_steps(driver, step, replay, sync, a.steps)
+    if a.profile:  # a second pass: the profiler's own cost stays out of the times above
+        profile = cProfile.Profile()
+        profile.enable()
+        run_steps(driver, step, replay, sync, a.steps)
+        profile.disable()
+        a.profile.parent.mkdir(parents=True, exist_ok=True)
+        with a.profile.open("w") as f:
+            pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(30)
+        print(f"wrote {a.profile}")
     us = {k: round(statistics.median(v), 2) for k, v in parts.items()}
     print(f"{device}: host us per step (median of {a.steps}): {us}")
+    calls = device_calls(health, a.steps) if cuda else {}
+    if calls:
+        print(f"{device}: us per call (median of {a.steps}): {calls}")
     out = {
         "device": device,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -122,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "steps": a.steps,
         "median_us": us,
+        "call_median_us": calls,
         "p90_us": {
             k: round(statistics.quantiles(v, n=10)[-1], 2) for k, v in parts.items() if len(v) > 9
         },

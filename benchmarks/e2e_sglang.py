@@ -374,6 +374,7 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
                 "host_us",
                 "host_us_median",
                 "host_calls",
+                "host_profile",  # under MONO_EXT_PROFILE_HOST=1 only
             )
         }
         for k, r in runs.items()

@@ -653,6 +653,12 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
             "host_us": r["report"].get("host_us"),
             "host_us_median": r["report"].get("host_us_median"),
             "host_calls": r["report"].get("host_calls"),
+            # under MONO_EXT_PROFILE_HOST=1 only (the run's TPOT then includes the profiler)
+            **(
+                {"host_profile": r["report"]["host_profile"]}
+                if "host_profile" in r["report"]
+                else {}
+            ),
         }
         for k, r in runs.items()
         if r["entry"]["kind"] == "offline" and r["entry"]["arm"] == "on"

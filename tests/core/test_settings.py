@@ -5,12 +5,15 @@ from mono_ext.core.settings import ENV_VARS, Settings, SettingsError, load_setti
 
 def test_defaults_when_unset():
     s = load_settings({})
-    assert s == Settings(check=False, deadline_s=10.0, agree_every=16, serve_unmeasured=False)
+    assert s == Settings(
+        check=False, deadline_s=10.0, agree_every=16, serve_unmeasured=False, profile_host=False
+    )
     assert set(ENV_VARS) == {
         "MONO_EXT_CHECK",
         "MONO_EXT_DEADLINE_S",
         "MONO_EXT_AGREE_EVERY",
         "MONO_EXT_SERVE_UNMEASURED",
+        "MONO_EXT_PROFILE_HOST",
     }
 
 
@@ -35,6 +38,7 @@ def test_valid_numbers():
         ("MONO_EXT_DEADLINE_S", "1e9"),
         ("MONO_EXT_AGREE_EVERY", "1.5"),
         ("MONO_EXT_AGREE_EVERY", "0"),
+        ("MONO_EXT_PROFILE_HOST", "sometimes"),
     ],
 )
 def test_bad_values_name_the_variable(name, raw):

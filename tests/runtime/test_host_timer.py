@@ -45,3 +45,38 @@ def test_timed_counts_calls_that_raise():
         timer.timed("release", boom)()
     timer.timed("release", lambda: None)()
     assert timer.report()["host_calls"] == {"release": 2}
+
+
+def _spin(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_profile_names_the_functions_inside_the_hooks():
+    timer = HostTimer(profile=True)
+    for _ in range(3):
+        t = timer.start()
+        inner = timer.start()  # a hook timing a part of itself: still one profile
+        _spin(2000)
+        timer.stop("after_step", inner)
+        _spin(50)
+        timer.stop("after_forward", t)
+    _spin(10)  # outside every hook: not profiled
+    t = timer.start(profiled=False)
+    _spin(10)  # a hook kept out of the profile
+    timer.stop("forward", t, profiled=False)
+    rows = timer.report()["host_profile"]
+    spin = [r for r in rows if r["function"].endswith("(_spin)")]
+    assert len(spin) == 1 and spin[0]["calls"] == 6
+    assert spin[0]["cum_us"] > 0 and rows == sorted(rows, key=lambda r: -r["own_total_ms"])
+
+
+def test_no_profile_unless_asked():
+    timer = HostTimer()
+    timer.stop("release", timer.start())
+    assert "host_profile" not in timer.report() and timer.profile_rows() == []
+
+
+def test_call_returns_the_result_and_counts_the_call():
+    timer = HostTimer()
+    assert timer.call("after_step", lambda a, b=0: a + b, 2, b=3) == 5
+    assert timer.report()["host_calls"] == {"after_step": 1}

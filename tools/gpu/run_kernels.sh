@@ -8,7 +8,9 @@
 #                                         K1/K2, the backend), ~4 min
 #   bash tools/gpu/run_kernels.sh fp8     only the fp8 cases (reader, K1, K2 tiny and 80B), ~2 min
 #   bash tools/gpu/run_kernels.sh host    benchmarks/bench_host.py: mono_ext's host time per step
-#                                         with CUDA health copies (writes $OUT/host_h200.json), ~10 s
+#                                         with CUDA health copies and per device call (writes
+#                                         $OUT/host_h200.json, the profile to
+#                                         $OUT/host_h200_profile.txt), ~15 s
 #   bash tools/gpu/run_kernels.sh stream  benchmarks/bench_stream.py: one weight plane streamed by plain
 #                                         Triton vs the Gluon TMA ring at 44/88/132 CTAs (writes
 #                                         $OUT/stream_h200.json), ~2 min
@@ -45,7 +47,8 @@ fp8)
     tests/models/qwen3_next/triton/test_k1.py tests/models/qwen3_next/triton/test_k2_tiny.py \
     tests/models/qwen3_next/triton/test_k2.py -k "fp8 or qdot" ;;
 host)
-  run host python3 benchmarks/bench_host.py --json "$OUT/host_h200.json" ;;
+  run host python3 benchmarks/bench_host.py --json "$OUT/host_h200.json" \
+    --profile "$OUT/host_h200_profile.txt" ;;
 stream)
   # a ring that deadlocks must not take the rest of the call with it
   run stream timeout -s KILL 300 python3 benchmarks/bench_stream.py --json "$OUT/stream_h200.json" \

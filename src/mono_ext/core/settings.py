@@ -32,6 +32,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "0",
         "1 serves widths a backend has not been measured faster than stock at (tests, benchmarks)",
     ),
+    "MONO_EXT_PROFILE_HOST": (
+        "0",
+        "1 runs mono_ext's per-step hooks under cProfile; the engine report lists the slowest",
+    ),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -48,6 +52,7 @@ class Settings:
     deadline_s: float = 10.0
     agree_every: int = 16
     serve_unmeasured: bool = False
+    profile_host: bool = False
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -90,4 +95,5 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         deadline_s=_positive_float(env, "MONO_EXT_DEADLINE_S", upper=3600.0),
         agree_every=_positive_int(env, "MONO_EXT_AGREE_EVERY", upper=1_000_000),
         serve_unmeasured=_flag(env, "MONO_EXT_SERVE_UNMEASURED"),
+        profile_host=_flag(env, "MONO_EXT_PROFILE_HOST"),
     )

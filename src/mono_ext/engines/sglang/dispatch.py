@@ -107,8 +107,10 @@ class Router:
         self.queued = 0  # routed steps handed to the release queue
         self.released = 0  # of those, steps whose tokens FailStop let go at SGLang's await
         self.stock_decode = 0  # decode steps (eager or replayed) that ran SGLang's forward
-        # host time per hook: after_forward (every step), release (at SGLang's token await)
-        self.host = HostTimer()
+        # host time per hook: after_forward (every step; after_step: the driver's part of it),
+        # release (at SGLang's token await)
+        settings = getattr(serving, "settings", None)
+        self.host = HostTimer(profile=bool(getattr(settings, "profile_host", False)))
         self.capturing: Callable[[], bool] = is_capturing
         # the last forward that entered the router, until after_forward takes it
         self._pending: tuple[str, Step | None] | None = None
@@ -167,7 +169,9 @@ class Router:
             if pending is not None:
                 kind, step = pending
                 if kind == "eager":
-                    self._queue(driver.after_step(step, replayed=False))
+                    self._queue(
+                        self.host.call("after_step", driver.after_step, step, replayed=False)
+                    )
                 elif kind == "stock" and _is_decode(forward_batch):
                     self.stock_decode += 1
             return
@@ -176,7 +180,7 @@ class Router:
         if step is None:
             self.stock_decode += 1
             return
-        ticket = driver.after_step(step, replayed=True)
+        ticket = self.host.call("after_step", driver.after_step, step, replayed=True)
         if ticket is not None:
             self.replayed_steps += 1
             self.replayed[int(bs)] = self.replayed.get(int(bs), 0) + 1

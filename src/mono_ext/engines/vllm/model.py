@@ -183,7 +183,8 @@ class Dispatch:
         self.queued = 0  # planned steps handed to the release queue (after_forward)
         self.released = 0  # of those, steps whose tokens FailStop let go at vLLM's await
         # host time mono_ext spends per step, by hook: forward (eager steps only),
-        # after_forward (every step), release (at vLLM's token await)
+        # after_forward (every step; after_step: the driver's part of it), release (at vLLM's
+        # token await)
         self.host = HostTimer()
         self.ledger = PlanLedger()
         self.driver: DecodeDriver | None = None
@@ -198,6 +199,7 @@ class Dispatch:
         if value is None:  # the class was named without the flag: behave as vLLM's own
             return
         self.settings = load_settings()
+        self.host = HostTimer(profile=self.settings.profile_host)
         self.backend = flags.resolve(value)  # raises: the front process accepted it
         release.install()  # the step's release at vLLM's own wait for its tokens
         from vllm.distributed.parallel_state import get_tp_group
@@ -320,11 +322,11 @@ class Dispatch:
         """The final-normed hidden states of a planned step, or None: run vLLM's forward."""
         if self.state == "off":
             return None
-        t = self.host.start()
+        t = self.host.start(profiled=False)  # an eager step's layers: not per-step host work
         try:
             return self._forward(input_ids, positions, inputs_embeds)
         finally:
-            self.host.stop("forward", t)
+            self.host.stop("forward", t, profiled=False)
 
     def _forward(
         self,
@@ -404,13 +406,13 @@ class Dispatch:
         if pending is not None:
             kind, step = pending
             if kind == "eager":
-                self._queue(driver.after_step(step, replayed=False))
+                self._queue(self.host.call("after_step", driver.after_step, step, replayed=False))
             return
         if self._same_output(hidden):
             return  # a further compute_logits of the step just taken (prompt logprobs)
         step = self.ledger.replayed(int(hidden.shape[0]))
         if step is not None:
-            ticket = driver.after_step(step, replayed=True)
+            ticket = self.host.call("after_step", driver.after_step, step, replayed=True)
             if ticket is not None:
                 self.replayed[step.width] += 1
             self._queue(ticket)
