@@ -245,3 +245,18 @@ def test_shard_tail_weights_cuts_scales_with_their_planes(fmt):
             else:
                 full = s.reshape(*s.shape, 1, 1).expand_as(c)
             assert torch.equal(c * full, want[p]), f"{fmt} {p} rank {rank}"
+
+
+def test_k2_tiny_launch_uses_the_constexprs_fixed_at_build(tiny, monkeypatch):
+    """Plan once, run many: build() fixes the constexprs, a launch does not recompute them."""
+    assert tiny.k2._cx == tiny.k2._constexprs()
+    gen = torch.Generator(device=DEV).manual_seed(25)
+    o_all, r_all = tiny.inputs(2, gen)
+    h0, r0 = tiny.run(o_all, r_all)
+
+    def recomputed():
+        raise AssertionError("a launch recomputed its constexprs")
+
+    monkeypatch.setattr(tiny.k2, "_constexprs", recomputed)
+    h, r = tiny.run(o_all, r_all)
+    assert torch.equal(h, h0) and torch.equal(r, r0)

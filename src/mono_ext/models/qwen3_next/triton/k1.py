@@ -336,7 +336,8 @@ class _K1LaunchBase:
     launch (S1 and S2 as two launches in the interpreter with more than one program).
 
     Subclasses are dataclasses with the fields ``shape``, ``config``, ``co_resident``,
-    ``stages``, ``formats``, ``layout``, ``resources`` and ``_built``; they set ``_KIND``
+    ``stages``, ``formats``, ``layout``, ``resources``, ``_built`` and ``_cx`` (the
+    constexprs, computed once by :meth:`build`); they set ``_KIND``
     (refusals), ``_KERNEL``, ``_PROGRAM`` and ``_PLANES`` and implement ``label``, ``check``,
     ``_args``, ``_refusals``, ``_proj_rows``, ``_kind_constexprs`` and ``_warmup_args``.
 
@@ -462,6 +463,7 @@ class _K1LaunchBase:
         import torch
 
         dev = torch.device(device)
+        self._cx = self._constexprs()
         if _interp() or dev.type != "cuda":
             self._built = True
             return
@@ -478,7 +480,7 @@ class _K1LaunchBase:
         ws = K1Workspace(torch.zeros(16, dtype=torch.int64, device=dev), one)
         st = RankState.create(0, dev, 1.0)
         args = self._warmup_args(dev, one, ws, st.ctrl, st.health)
-        compiled = self._KERNEL.warmup(*args, grid=(self.config.grid,), **self._constexprs())
+        compiled = self._KERNEL.warmup(*args, grid=(self.config.grid,), **self._cx)
         res = kernel_resources(compiled)
         check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
         self.resources = res
@@ -492,7 +494,7 @@ class _K1LaunchBase:
         n = self.check(*tensors) if validate else tensors[0].shape[0]
         args = self._args(*tensors, ws, ctrl, health, n, **step)
         grid = (self.config.grid,)
-        cx = self._constexprs()
+        cx = self._cx
         if self._split():  # interpreter: programs run in turn; S2 would wait on later ones
             for st in (S1, S2):
                 self._KERNEL[grid](*args, **{**cx, "STAGES": st & self.stages})
@@ -529,6 +531,7 @@ class K1GdnLaunch(_K1LaunchBase):
     layout: Any = field(init=False)
     resources: Any = field(init=False, default=None)
     _built: bool = field(init=False, default=False)
+    _cx: dict = field(init=False, default_factory=dict, repr=False)  # fixed by build()
 
     _KIND = "GDN"
     _KERNEL = k1_gdn_kernel
@@ -683,6 +686,7 @@ class K1AttnLaunch(_K1LaunchBase):
     rope: Any = field(init=False, default=None)
     resources: Any = field(init=False, default=None)
     _built: bool = field(init=False, default=False)
+    _cx: dict = field(init=False, default_factory=dict, repr=False)  # fixed by build()
 
     _KIND = "attention"
     _KERNEL = k1_attn_kernel

@@ -249,6 +249,8 @@ class K2Launch:
     formats: Mapping[str, str] = field(default_factory=dict)
     layout: Any = field(init=False)
     _compiled: Any = field(init=False, default=None)
+    # the launch's constexprs, fixed by build(): a launch does not recompute them
+    _cx: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.shape.validate()
@@ -521,6 +523,7 @@ class K2Launch:
 
         s = self.shape
         dev = torch.device(device)
+        self._cx = self._constexprs()
         if _interp():
             # the CPU interpreter (tests without a GPU): nothing to compile, one stage per
             # launch, so nothing spins and residency does not apply; TP1 only (virtual ranks
@@ -532,7 +535,7 @@ class K2Launch:
             return
         check_unspecialized(k2_kernel, PER_STEP_ARGS)
         args = self._warmup_args(dev)
-        compiled = k2_kernel.warmup(*args, grid=(self.config.grid,), **self._constexprs())
+        compiled = k2_kernel.warmup(*args, grid=(self.config.grid,), **self._cx)
         res = kernel_resources(compiled)
         check_residency(self.label(), self.config.grid * self.co_resident, res, device_limits(dev))
         self.resources = res
@@ -569,7 +572,7 @@ class K2Launch:
             raise ValueError(f"{self.label()}: TP {self.shape.tp} needs the peer table")
         args = self._args(o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health,
                           peers, n_rows, layer, layers_per_step, gate)  # fmt: skip
-        cx = self._constexprs()
+        cx = self._cx
         if cx["INTERP"]:  # one stage per launch: every hand-off is written before it is read
             for st in STAGE_ORDER:
                 if st & self.stages:
