@@ -324,6 +324,31 @@ def test_gdn_switching_k1_reference_k1(preset):
     assert_close("ssm_state", s1[idx], s2[idx])
 
 
+def test_launches_use_the_constexprs_fixed_at_build(monkeypatch):
+    """Plan once, run many: build() fixes each launch's constexprs and a launch reuses them."""
+    preset = PRESETS[0]
+    gdn, attn = gdn_build(preset, "float32"), attn_build(preset)
+    assert gdn._cx == gdn._constexprs() and attn._cx == attn._constexprs()
+    md = ModelDims.from_config(_cfg(preset))
+    gen = new_gen(9)
+    w = gdn_weights(md, "interleaved", gen)
+    conv, ssm = gdn_states(md, "time_chan", "float32", gen)
+    slots = step_slots(3, 0, gen)
+    hid, res = step_inputs(md, 3, gen)
+    st, ws = rank_state(), gdn.workspace(DEV)
+    want, _ = run_k1_gdn(gdn, st, ws, hid, res, w, conv.clone(), ssm.clone(), slots, 0)
+
+    def recomputed():
+        raise AssertionError("a launch recomputed its constexprs")
+
+    monkeypatch.setattr(gdn, "_constexprs", recomputed)
+    got, _ = run_k1_gdn(gdn, st, ws, hid, res, w, conv.clone(), ssm.clone(), slots, 0)
+    assert_healthy(st)
+    ok = _valid(slots, 0)
+    assert torch.isfinite(want[ok]).all()  # written over the NaN poison
+    assert torch.equal(got[ok], want[ok])
+
+
 @pytest.mark.skipif(DEV.type != "cuda", reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("preset", PRESETS)
 def test_gdn_graph_replay_bit_identical(preset):
