@@ -13,6 +13,13 @@
 #                      each run's raw result lands in $OUT/vllm_runs/, the engine logs in $OUT;
 #                      finished engine runs are kept in /tmp/vllm_runs (by source digest), so a
 #                      call cut at 600 s continues where it stopped when repeated.
+#   e2e [ARGS]         benchmarks/e2e_vllm.py --out /tmp/e2e ARGS (e.g. --quick --check off
+#                      --call-budget-s 560) with the device environment; /tmp/e2e is copied
+#                      to $OUT/e2e after every call. Repeat it until "remaining plan entries:
+#                      none". If the machine went back between calls, copy the last call's
+#                      $OUT/e2e/e2e_vllm.json here as .gpu_bundle/e2e_prev.json and carry it
+#                      with install: its finished entries are kept (--resume-from), only the
+#                      rest run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=.gpu_bundle S=/tmp/stage SITE=/tmp/site
@@ -53,5 +60,17 @@ test)
     rc=$?
   [ -z "${OUT:-}" ] || cp -r /tmp/pytest-of-*/pytest-current/vllm-e2e*/*.log "$OUT"/ 2>/dev/null || true
   exit "$rc" ;;
-*) echo "usage: $0 prepare|stage|install|test [pytest args]" >&2; exit 2 ;;
+e2e)
+  shift
+  [ -f $SITE/.ok ] || { echo "run install first (machine not warm?)" >&2; exit 1; }
+  resume=()
+  [ -f $B/e2e_prev.json ] && resume=(--resume-from "$PWD/$B/e2e_prev.json")
+  export PYTHONPATH=$PWD/src:$SITE PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 \
+    VLLM_USE_FLASHINFER_SAMPLER=0 TRITON_CACHE_AUTOTUNING=1 CUDA_DEVICE_MAX_CONNECTIONS=32
+  rc=0
+  python3 benchmarks/e2e_vllm.py --out /tmp/e2e "${resume[@]}" "$@" > /tmp/e2e.log 2>&1 || rc=$?
+  grep -v '^INFO\|^WARNING\|^(EngineCore' /tmp/e2e.log | tail -n 80
+  if [ -n "${OUT:-}" ]; then cp -r /tmp/e2e "$OUT"/ && cp /tmp/e2e.log "$OUT"/e2e/; fi
+  exit "$rc" ;;
+*) echo "usage: $0 prepare|stage|install|test [pytest args]|e2e [e2e_vllm args]" >&2; exit 2 ;;
 esac
