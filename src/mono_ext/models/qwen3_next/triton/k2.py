@@ -119,8 +119,8 @@ class K2Config:
     down_rows: int = 64  # down: H rows per (slot, H block) task
     out_proj_k_chunk: int = 256  # out_proj K chunk
     out_proj_k_splits: int | None = None  # out_proj K splits (power of two)
-    # router K splits (partial logits summed in order by every CTA): 2 was faster than 8, 4
-    # and 1 at every width on the H200 (docs/results/k2_sweep_h200.csv)
+    # router K splits (partial logits summed in order by every CTA): in the H200 sweep 2 was
+    # faster than 8, 4 and 1 at every width (docs/results/k2_sweep_router_h200.csv)
     router_k_splits: int = 2
     router_k_chunk: int = 256  # router K chunk (within a split)
     gate_up_k_chunk: int = 256  # gate_up K chunk
