@@ -109,8 +109,7 @@ class Router:
         self.stock_decode = 0  # decode steps (eager or replayed) that ran SGLang's forward
         # host time per hook: after_forward (every step; after_step: the driver's part of it),
         # release (at SGLang's token await)
-        settings = getattr(serving, "settings", None)
-        self.host = HostTimer(profile=bool(getattr(settings, "profile_host", False)))
+        self.host = HostTimer(profile=serving.settings.profile_host)
         self.capturing: Callable[[], bool] = is_capturing
         # the last forward that entered the router, until after_forward takes it
         self._pending: tuple[str, Step | None] | None = None
