@@ -94,20 +94,13 @@ from typing import Any
 import torch
 
 from mono_ext.engines.vllm.local import ensure_vllm_distributed
+from mono_ext.engines.vllm.qwen3_next import MOE_PLANES
 
 MODES = ("eager", "compiled")
 ARMS = {"eager": "vllm", "compiled": "vllm-compiled"}
-# the bench's plane names -> (module path, parameter) in one layer of vLLM's modules
-PARAMS = {
-    "out_proj": ("out_proj", "weight"),
-    "post_attention_layernorm": ("post_attention_layernorm", "weight"),
-    "router": ("mlp.gate", "weight"),
-    "shared_expert_gate": ("mlp.shared_expert_gate", "weight"),
-    "shared_gate_up": ("mlp.shared_expert.gate_up_proj", "weight"),
-    "shared_down": ("mlp.shared_expert.down_proj", "weight"),
-    "w13": ("mlp.experts.routed_experts", "w13_weight"),
-    "w2": ("mlp.experts.routed_experts", "w2_weight"),
-}
+# the bench's plane names -> (module path, parameter) in one layer of vLLM's modules: the MoE
+# planes where the vLLM adapter binds them, out_proj at the top of the bench's layer
+PARAMS = {"out_proj": ("out_proj", "weight"), **MOE_PLANES}
 
 
 FORMATS = ("bf16", "fp8_block128", "fp8_channel")

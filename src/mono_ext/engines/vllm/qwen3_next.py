@@ -91,6 +91,7 @@ from .views import on_cpu, text_config
 
 __all__ = [
     "NULL_SLOT",
+    "MOE_PLANES",
     "PLANES",
     "layouts",
     "hold_weights",
@@ -110,7 +111,8 @@ __all__ = [
 #: rows point at (``GDNAttentionMetadataBuilder.build`` fills rows past ``num_decodes``).
 NULL_SLOT = 0
 
-_MOE = {
+#: the MoE tail's planes -> (module path under the decoder layer, attribute), both kinds.
+MOE_PLANES = {
     "post_attention_layernorm": ("post_attention_layernorm", "weight"),
     "router": ("mlp.gate", "weight"),
     "w13": ("mlp.experts.routed_experts", "w13_weight"),
@@ -131,7 +133,7 @@ PLANES: dict[str, dict[str, tuple[str, str]]] = {
         "dt_bias": ("linear_attn", "dt_bias"),
         "norm": ("linear_attn.norm", "weight"),
         "out_proj": ("linear_attn.out_proj", "weight"),
-        **_MOE,
+        **MOE_PLANES,
     },
     "full_attention": {
         "input_layernorm": ("input_layernorm", "weight"),
@@ -139,7 +141,7 @@ PLANES: dict[str, dict[str, tuple[str, str]]] = {
         "q_norm": ("self_attn.q_norm", "weight"),
         "k_norm": ("self_attn.k_norm", "weight"),
         "o_proj": ("self_attn.o_proj", "weight"),
-        **_MOE,
+        **MOE_PLANES,
     },
 }
 
