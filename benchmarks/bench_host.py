@@ -2,8 +2,7 @@
 
 What an engine adapter runs on the host for a step that replays a captured graph (vLLM's FULL
 decode graphs, SGLang's decode graphs): ``DecodeDriver.after_step(replayed=True)`` (the launches'
-``end_step``: FailStop records the step's event and polls the landed ones), the ticket
-queued, taken by the engine's output object and released at the engine's token await
+``end_step``: FailStop counts the step), the ticket queued, taken by the engine's output object and released at the engine's token await
 (``FailStop.release`` of that step). The launches here are the hooks every persistent backend
 shares (``runtime.persistent``) over a real :class:`~mono_ext.runtime.failstop.FailStop`: on
 CUDA over :class:`~mono_ext.runtime.failstop.CudaHealthSource` with a device health block,
@@ -14,8 +13,9 @@ Python part only).
     python benchmarks/bench_host.py [--steps N] [--json PATH] [--profile PATH]
 
 Prints microseconds per step for each part (median over steps) and, on CUDA, per call of each
-device API a step's host path asks (``calls``: the capture query, the stream by index, an
-event's record and query, the pinned health copy, the output storage's address), and writes
+device API a step's host path asks or once asked (``calls``: the capture query, the stream
+by index, an event's record and query, the pinned health copy, the output storage's address;
+the step path now asks only the capture query and the address), and writes
 them, with the device, date, commit and command, to ``--json`` (default
 ``docs/results/host_<device>.json``). ``--profile`` also writes the steps' cProfile, slowest
 functions first. The driver asks whether the stream is capturing as it does in the engines.
@@ -48,19 +48,20 @@ from mono_ext.runtime.release import ReleaseQueue  # noqa: E402
 
 def device_calls(health, n: int) -> dict[str, float]:
     """Median microseconds of one call of each device API the per-step host path asks (the
-    runtime, FailStop's CUDA source and the adapters), each called ``n`` times in a row."""
+    runtime and the adapters) or would ask to learn whether a copy landed (an event), each
+    called ``n`` times in a row."""
     import torch
 
-    from mono_ext.runtime.device import current_stream, is_capturing
+    from mono_ext.runtime.device import is_capturing
 
     index = health.device.index
-    stream, event = current_stream(index), torch.cuda.Event()
+    stream, event = torch.cuda.current_stream(index), torch.cuda.Event()
     event.record(stream)
     torch.cuda.synchronize()
     mirror = torch.empty_like(health, device="cpu").pin_memory()
     calls = {
         "is_capturing": is_capturing,
-        "current_stream(index)": lambda: current_stream(index),
+        "current_stream(index)": lambda: torch.cuda.current_stream(index),
         "event.record(stream)": lambda: event.record(stream),
         "event.query": event.query,
         "health copy to pinned": lambda: mirror.copy_(health, non_blocking=True),

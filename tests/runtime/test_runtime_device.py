@@ -34,10 +34,3 @@ def test_no_device_is_never_capturing(monkeypatch):
         assert device.is_capturing() is False
     finally:
         device.has_cuda.cache_clear()
-
-
-def test_current_stream_is_asked_by_index(monkeypatch):
-    seen = []
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda idx=None: seen.append(idx) or "s")
-    assert device.current_stream(3) == "s"
-    assert seen == [3]

@@ -1,18 +1,17 @@
-"""The two questions the host asks torch's CUDA API on every step, asked cheaply.
+"""Whether a CUDA graph is being captured, the one question the host asks torch's CUDA API on
+every step, asked cheaply.
 
-``torch.cuda.is_available()``, and ``torch.cuda.current_stream()`` without a device (through
-``Event.record()``), count the devices through the driver on every call: 16-19 us per call in
-the H200's VM (docs/perf.md, host time), paid on each step's host path. Whether there is a
-device is asked once per process, and the stream is asked for by device index, which skips the
-count. Torch is imported inside the functions: the module loads on a box without it.
+``torch.cuda.is_available()`` counts the devices through the driver on every call: 16-19 us per
+call in the H200's VM (docs/perf.md, host time), paid on each step's host path. Whether there is
+a device is asked once per process. Torch is imported inside the functions: the module loads on
+a box without it.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-__all__ = ["current_stream", "has_cuda", "is_capturing"]
+__all__ = ["has_cuda", "is_capturing"]
 
 
 @functools.cache
@@ -30,10 +29,3 @@ def is_capturing() -> bool:
     import torch
 
     return torch.cuda.is_current_stream_capturing()
-
-
-def current_stream(device_index: int) -> Any:
-    """The current stream of device ``device_index`` (what ``Event.record()`` records on)."""
-    import torch
-
-    return torch.cuda.current_stream(device_index)

@@ -3,13 +3,12 @@
 Right after each step's launches a copy of the rank's health block into pinned memory is
 enqueued on the step's stream (:meth:`CudaHealthSource.copy`; inside a captured graph it is a
 node of the graph, so a replay brings its own copy and the host issues none). After the step
-the host records one event and looks at steps whose events have completed
-(``event.query()``, never a sync). :meth:`FailStop.release` reads the health as of a step's
-own copy or a later one; an engine adapter calls it where the engine already waits for that
-step's sampled tokens, which the stream produces after the health copy, so the copy has
-landed by then and the release adds no host synchronisation (``runtime.release``). An engine may await a step's tokens on
-another thread than the one that launches the next step (vLLM's output thread), so a
-FailStop serialises its calls with a lock.
+the host only counts it (:meth:`FailStop.after_launch`). :meth:`FailStop.release` reads the
+health as of a step's own copy or a later one; an engine adapter calls it where the engine
+already waits for that step's sampled tokens, which the stream produces after the health copy,
+so the copy has landed by then and neither the step nor its release asks the device anything
+(``runtime.release``). An engine may await a step's tokens on another thread than the one that
+launches the next step (vLLM's output thread), so a FailStop serialises its calls with a lock.
 Every ``MONO_EXT_AGREE_EVERY`` steps the TP ranks exchange health summaries over the CPU
 group and, if any rank saw a wait give up, *all* ranks raise :class:`FailStopError`
 together, naming every wait. Between a local failure and that agreement, :meth:`release`
@@ -35,7 +34,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from mono_ext.runtime import health as _health
-from mono_ext.runtime.device import current_stream
 from mono_ext.runtime.health import HEALTH_WORDS, HealthSummary, decode_health
 
 __all__ = [
@@ -83,17 +81,18 @@ class HealthSource(Protocol):
         step's launches were followed by :meth:`copy` already, or its graph holds one)."""
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
-        """Copies that have landed, oldest first. With ``until_step``, also wait for the copy
-        of that step (the caller knows the device got past it)."""
+        """Steps whose copies have landed, oldest first, with the words read. ``until_step``:
+        the caller knows that step's copy and every earlier one have landed (the engine has
+        awaited a later result of the step's stream); without it a source may know of none."""
 
 
 class ScriptedHealthSource:
     """A host-side health block that a test or a dry run fails on purpose; every submitted
-    copy is ready at the next poll (what :class:`CudaHealthSource` gives once the step's copy
-    has landed). ``waits`` lists the steps a caller asked to wait for (``ready(until_step)``):
-    on a device each such call may block the host until that step's copy lands. With
-    ``lagging``, a copy lands only once a caller waits for its step or a later one (the device
-    still runs the step until the engine awaits its tokens)."""
+    copy is ready at the next poll. ``waits`` lists the steps a caller named as landed
+    (``ready(until_step)``): each must be a point where the engine holds that step's tokens.
+    With ``lagging``, a copy lands only once a caller names its step or a later one, which is
+    all :class:`CudaHealthSource` knows (the device still runs the step until the engine awaits
+    its tokens)."""
 
     def __init__(self, index: int = 9, cta: int = 1, lagging: bool = False) -> None:
         self.index, self.cta = index, cta  # word and CTA the failure record names
@@ -129,28 +128,38 @@ class ScriptedHealthSource:
 
 
 class CudaHealthSource:
-    """The health block mirrored into one pinned buffer by a copy on the step's stream; each
-    finished step marked by an event from a fixed ring; polling never blocks.
+    """The health block mirrored into one pinned buffer by a copy on the step's stream, read
+    only where the engine has waited for a later result of that stream; it asks the device
+    nothing on the host's step path.
+
+    A step's health copy is enqueued on the step's stream right after its launches (or is a
+    node of the graph a replay runs), and the engine samples and copies the step's tokens to
+    the host behind it on the same stream. When the engine's wait for those tokens returns,
+    step n's copy has landed, so :meth:`ready` with ``until_step=n`` reads the mirror with no
+    event, query or sync of its own: each of those costs a driver call, and each lets go of
+    the GIL to whichever engine thread wants it (vLLM's output thread, SGLang's scheduler).
+    Without ``until_step`` nothing is known to have landed and nothing is read.
 
     The failed count is sticky and only grows, so the mirror as of a copy that landed after
     step n's own copy still answers for step n: a failure it shows may belong to a later step,
     and then step n is withheld too, which stops the engine one step earlier, never later.
-    Per step the host records one event (and issues the copy itself only for steps whose
-    launches did not, see :meth:`FailStop.after_launch`)."""
+    A step is answered for once (the oldest first); at most ``depth`` unanswered steps are
+    kept, the oldest dropped past that (a step nobody releases for ``depth`` steps has no
+    tokens anyone awaits; its failure, sticky, still shows in every later read).
+    ``health`` may be a CPU tensor (tests): its copy is then synchronous."""
 
-    def __init__(self, health: Any, depth: int = 8):
+    def __init__(self, health: Any, depth: int = 64):
         import torch
 
         if health.numel() != HEALTH_WORDS or health.dtype != torch.int32:
             raise ValueError(f"health block must be int32 [{HEALTH_WORDS}], got {health.shape}")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         self.health = health
-        self._device = health.device.index  # streams asked for by index (runtime.device)
-        self._mirror = torch.tensor(_health.health_init_words(), dtype=torch.int32).pin_memory()
+        mirror = torch.tensor(_health.health_init_words(), dtype=torch.int32)
+        self._mirror = mirror.pin_memory() if health.is_cuda else mirror
         self._words = self._mirror.numpy()  # a view: reads see each landed copy
-        self._events = [torch.cuda.Event() for _ in range(depth)]
-        self._free = collections.deque(range(depth))
-        self._pending: collections.deque = collections.deque()  # (step, event slot)
-        self._landed: list[int] = []  # steps reaped, not yet handed out
+        self._pending: collections.deque[int] = collections.deque(maxlen=depth)
 
     def copy(self) -> None:
         self._mirror.copy_(self.health, non_blocking=True)
@@ -158,38 +167,16 @@ class CudaHealthSource:
     def submit(self, step: int, copied: bool = False) -> None:
         if not copied:
             self.copy()
-        if not self._free:
-            # The host ran `depth` steps ahead of the device: wait for the oldest step rather
-            # than drop it (a dropped step could be the one that failed).
-            self._events[self._pending[0][1]].synchronize()
-            self._landed += self._reap()
-        slot = self._free.popleft()
-        self._events[slot].record(current_stream(self._device))
-        self._pending.append((step, slot))
+        self._pending.append(step)
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
-        if until_step is not None:
-            for step, slot in self._pending:
-                if step == until_step:
-                    # At the engine's token wait the copy has landed. Query first: synchronize()
-                    # lets go of the GIL, and then waits to get it back from whichever engine
-                    # thread took it meanwhile.
-                    if not self._events[slot].query():
-                        self._events[slot].synchronize()
-                    break
-        steps, self._landed = self._landed + self._reap(), []
-        if not steps:
+        if until_step is None:
             return []
+        steps = []
+        while self._pending and self._pending[0] <= until_step:
+            steps.append(self._pending.popleft())
         words = self._snapshot()
-        return [(step, words) for step in steps]
-
-    def _reap(self) -> list[int]:
-        out = []
-        while self._pending and self._events[self._pending[0][1]].query():
-            step, slot = self._pending.popleft()
-            out.append(step)
-            self._free.append(slot)
-        return out
+        return [(step, words) for step in steps or (until_step,)]
 
     def _snapshot(self) -> Sequence[int]:
         w = self._words
@@ -265,7 +252,8 @@ class FailStop:
             self.agree(step)
 
     def poll(self, until_step: int | None = None) -> str:
-        """Read every health copy that has landed (never blocks unless ``until_step``)."""
+        """Read every health copy known to have landed (``until_step``: that step's and all
+        before it, see :meth:`HealthSource.ready`). Never blocks."""
         with self._lock:
             return self._poll(until_step)
 
@@ -287,8 +275,7 @@ class FailStop:
         """May the tokens of ``step`` be returned? False for a failed step and all after it.
 
         Reads that step's health copy; it was enqueued right after the step's launches, before
-        sampling, so once the engine holds the tokens on the host it has landed and the wait
-        for it returns at once.
+        sampling, so once the engine holds the tokens on the host it has landed: call it there.
         """
         with self._lock:
             self._raise_if_failed()

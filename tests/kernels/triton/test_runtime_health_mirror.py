@@ -45,7 +45,7 @@ def test_captured_health_copy_stops_the_step_that_failed():
     released = []
     with pytest.raises(FailStopError, match=r"region3\[17\]"):
         graph.replay()
-        rt.end_step(replayed=True)  # raises here once the copy has landed already
+        rt.end_step(replayed=True)
         torch.cuda.synchronize()
         released.append(rt.release(6))
     assert released == []  # step 6's tokens never go

@@ -334,6 +334,7 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, deadline_s: float, ag
             if not (rank == stalled and s >= STALL_STEP):  # the test-only stall switch
                 graph.replay()
             fs.after_launch(s)
+            torch.cuda.synchronize(dev)  # stands for the engine's wait for the step's tokens
             released = fs.release(s)
             rep["steps"].append([s, released, time.perf_counter() - t0])
             if released and s < STALL_STEP and not torch.equal(out, expected(xs)):
