@@ -246,7 +246,7 @@ class FailStop:
             self._raise_if_failed()
             self.source.submit(step, copied)
             self._launches += 1
-            self.poll()
+            self._poll(None)  # the lock is held already
             agree = self._launches % self.agree_every == 0
         if agree:  # a collective: outside the lock, so a release on another thread goes on
             self.agree(step)
