@@ -2,8 +2,8 @@
 
 What an engine adapter runs on the host for a step that replays a captured graph (vLLM's FULL
 decode graphs, SGLang's decode graphs): ``DecodeDriver.after_step(replayed=True)`` (the launches'
-``end_step``: FailStop counts the step), the ticket queued, taken by the engine's output object and released at the engine's token await
-(``FailStop.release`` of that step). The launches here are the hooks every persistent backend
+``end_step``: FailStop counts the step), the ticket queued, taken by the engine's output object
+and released at the engine's token await (``FailStop.release`` of that step). The launches here are the hooks every persistent backend
 shares (``runtime.persistent``) over a real :class:`~mono_ext.runtime.failstop.FailStop`: on
 CUDA over :class:`~mono_ext.runtime.failstop.CudaHealthSource` with a device health block,
 each step a replay of a captured graph holding a small device op and the health copy (as a
