@@ -126,9 +126,11 @@ VARIANTS = {
     # the router's partial logits in eight K splits: more, shorter router tasks, and every
     # top-k pass waits for eight partials per row
     "k2 router_k_splits=8": {"router_k_splits": 8},
-    # two / four rows per top-k pass, each pass behind one wait for all of its rows' K splits
-    "k2 topk_rows_per_pass=2": {"topk_rows_per_pass": 2},
-    "k2 topk_rows_per_pass=4": {"topk_rows_per_pass": 4},
+    # every CTA takes every row's top-k (no picks hand-off), one row per pass or two / four
+    # rows per pass, each pass behind one wait for all of its rows' K splits
+    "k2 no-owners": {"topk_owners": False},
+    "k2 topk_rows_per_pass=2": {"topk_owners": False, "topk_rows_per_pass": 2},
+    "k2 topk_rows_per_pass=4": {"topk_owners": False, "topk_rows_per_pass": 4},
     "k2 down_rows=32": {"down_rows": 32},
     "k2 no-prefetch": {"prefetch": False},
     # fp8 block-128 planes stream 128-byte K chunks per row (a chunk stays in one scale
@@ -168,7 +170,7 @@ def variant_overrides(name: str) -> dict:
 PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (all)
     "S1 out_proj+residual": 3,
     "+S2 norm+router": 7,
-    "+S3 topk+gate_up": 15,
+    "+S3 topk+gate_up": 31,
     "+S4 down (+reduce = all)": STAGES_ALL,
 }
 
@@ -409,7 +411,7 @@ def k2_body(k2: K2Launch, su: Setup, b: int, state: RankState, ws):
 
 TRACE_POINTS = (
     "start", "S1 pushed", "S1 reduced", "norm done", "router done", "top-k done",
-    "gate_up done", "act waited", "down partials", "end",
+    "gate_up done", "act waited", "down partials", "end", "top-k rows out",
 )  # fmt: skip
 
 

@@ -154,14 +154,16 @@ def test_k2_tiny_batch_invariance_and_non_finite_row(tiny):
     assert torch.isnan(h[1]).any()
 
 
-# top-k passes: over several rows with one wait covering every router K split (2 x 2, 4 x 2
-# rows x splits), over several rows with one wait per split (2 rows x 8 splits), and one row
-# per pass over 8 splits (the default pass over more splits than the default 2)
+# top-k paths: one CTA per row over 8 router K splits (the default over 2 is every other
+# test's); and every CTA over every row: one row per pass, several rows with one wait
+# covering every K split (2 x 2, 4 x 2 rows x splits), several rows with one wait per split
+# (2 rows x 8 splits)
 TOPK_PASSES = [
-    {"topk_rows_per_pass": 2, "router_k_splits": 2},
-    {"topk_rows_per_pass": 4, "router_k_splits": 2},
-    {"topk_rows_per_pass": 2, "router_k_splits": 8},
     {"router_k_splits": 8},
+    {"topk_owners": False},
+    {"topk_owners": False, "topk_rows_per_pass": 2, "router_k_splits": 2},
+    {"topk_owners": False, "topk_rows_per_pass": 4, "router_k_splits": 2},
+    {"topk_owners": False, "topk_rows_per_pass": 2, "router_k_splits": 8},
 ]
 
 

@@ -34,6 +34,8 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 | scratch: resid  | [Bb * H] words        | int64 | tagged fp32 bits of residual_out       | S1 (reduce) -> S2    |
 | scratch: logits | [KS][Bb][E] words     | int64 | tagged fp32 partial router logits,     | S2 -> S3             |
 |                 |                       |       | one K-split each, summed in ks order   |                      |
+| scratch: picks  | [Bb][2][top_k] words  | int64 | tagged: a row's expert ids by rank,    | S3 top-k -> S3 union |
+|                 |                       |       | then their weights (fp32 bits)         |                      |
 | scratch: act    | [Pm + Bb][IW] words   | int64 | tagged bf16x2 weighted SiLU(g)*u per   | S3 -> S4             |
 |                 |                       |       | (row, pick) pair; shared at Pm + row   |                      |
 | peer: ar1       | [2][tp][Bb * H] words | int64 | tagged fp32 out_proj partials          | S1 push (tp > 1)     |
@@ -47,9 +49,11 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 | ctrl / health   | see runtime.health    |       | epoch read for tags; sticky failed word| host / bounded waits |
 | peers           | [tp]                  | int64 | byte address of each rank's buffer     | host (runtime.peers) |
 
-Every CTA computes the norm and the top-k redundantly (bit-identical across CTAs: same
-code, same words); the union of picked experts (ascending expert id) plus the shared
-expert are the "slots" whose gate_up row blocks (S3) and down H-slices (S4) are spread
+Every CTA computes the norm redundantly (bit-identical across CTAs: same code, same words).
+Each row's top-k is computed by one CTA and its picks published; every CTA then builds the
+same union and routing tables from them (``topk_owners=False``: every CTA computes every
+row's top-k). The union of picked experts (ascending expert id) plus the shared expert are
+the "slots" whose gate_up row blocks (S3) and down H-slices (S4) are spread
 over the grid. Stages hand off only through tagged words (``runtime.layout``); the program
 is declared by :func:`k2_program` and checked at build. No grid barrier; waits are bounded.
 
@@ -126,7 +130,10 @@ class K2Config:
     gate_up_k_chunk: int = 256  # gate_up K chunk
     down_i_chunk: int = 256  # down I chunk (its K)
     reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
-    topk_rows_per_pass: int = 1  # rows per top-k pass (1: one wait covers every K split)
+    # row r's top-k by one CTA (grid - 1 - r mod grid), its picks handed to every CTA; False:
+    # every CTA takes every row's top-k itself (no hand-off, but serial in the width)
+    topk_owners: bool = True
+    topk_rows_per_pass: int = 1  # without owners: rows per pass (1: one wait, all K splits)
     act_rows_per_wait: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
     # rows per norm wait (each wait covers all of H): 2 halves the serial waits and was faster
     # at every width on the H200 (docs/results/k2_vllm.csv); 4 spills
@@ -171,6 +178,7 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
         Region("p1", splits * bb * h, peer=peer),
         Region("resid", bb * h),
         Region("logits", config.router_k_splits * bb * shape.experts),
+        Region("picks", bb * 2 * shape.top_k),
         Region("act", (shape.slots + 1) * bb * shape.act_words),
         Region("p4l", (shape.pairs + bb) * h),
     ]
@@ -178,7 +186,8 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
         Stage("out_proj", [push("p1") if peer else write("p1")]),
         Stage("residual", [wait("p1"), write("resid")]),
         Stage("norm_router", [wait("resid"), write("logits")]),
-        Stage("topk_gate_up", [wait("logits"), write("act")]),
+        Stage("topk", [wait("logits"), write("picks")] if config.topk_owners else [wait("logits")]),
+        Stage("gate_up", [wait("picks"), write("act")] if config.topk_owners else [write("act")]),
         Stage("down", [wait("act"), write("p4l")]),
     ]
     if peer:
@@ -356,9 +365,11 @@ class K2Launch:
             OFF_ACT=lay.offsets["act"],
             OFF_P4L=lay.offsets["p4l"],
             OFF_P4=lay.offsets.get("p4", 0),
+            OFF_PICKS=lay.offsets["picks"],
             RID_P1=rid["p1"],
             RID_RESID=rid["resid"],
             RID_LOGITS=rid["logits"],
+            RID_PICKS=rid["picks"],
             RID_ACT=rid["act"],
             RID_P4L=rid["p4l"],
             RID_P4=rid.get("p4", 0),
@@ -378,6 +389,9 @@ class K2Launch:
             ACH=min(c.act_rows_per_wait, self._run_slots() * BLOCK_B),
             CB=c.reduce_cols,
             RB=c.topk_rows_per_pass,
+            OWNERS=c.topk_owners,
+            TKP=_next_pow2(s.top_k),
+            PKWP=_next_pow2(2 * s.top_k),
             RN=c.norm_rows_per_wait,
             HP=_next_pow2(s.hidden),
             PREFETCH=c.prefetch and not _interp(),

@@ -2,8 +2,8 @@
 
 The host side (shapes, config, hand-off program, workspace, launch, the tensor contract) is
 ``k2.py``. The kernel runs the stages in order, each a ``@triton.jit`` helper (Triton inlines
-them): S1 out_proj partials, S1 reduce (+ residual), S2 norm and router logits, S3 top-k and
-union then gate_up activations, S4 down partials per (pair, H row), S4 reduce (each row's pairs
+them): S1 out_proj partials, S1 reduce (+ residual), S2 norm and router logits, S3 top-k (one
+CTA per row, its picks published), S3 union and gate_up activations, S4 down partials per (pair, H row), S4 reduce (each row's pairs
 in a fixed order) and, at TP > 1, S4 ranks (every rank's sums in rank order). ``STAGES``
 selects stages (the CPU interpreter runs one per launch, so every hand-off is written before
 it is read); a stage hands its results to the next only through tagged words
@@ -35,12 +35,15 @@ __all__ = ["STAGE_ORDER", "STAGES_ALL", "k2_kernel"]
 S1_MATMUL = 1  # out_proj partials (TP: push to peers; TP1: residual + outputs)
 S1_REDUCE = 2  # TP: wait for every rank's partials, residual add, outputs
 S2_ROUTER = 4  # norm (redundant), shared-expert gate, router logits slice
-S3_EXPERT = 8  # top-k + union (redundant), gate_up blocks -> activations
-S4_MATMUL = 16  # down over (slot, H block) tasks -> one partial per (pair, H row)
-S4_REDUCE = 32  # each row's pairs summed in order (TP1: outputs; TP: push to every rank)
-S4_RANKS = 64  # TP: every rank's sums, in rank order -> outputs
-STAGES_ALL = 127
-STAGE_ORDER = (S1_MATMUL, S1_REDUCE, S2_ROUTER, S3_EXPERT, S4_MATMUL, S4_REDUCE, S4_RANKS)
+S3_TOPK = 8  # top-k: one row per owner CTA, its picks published (or every row in every CTA)
+S3_EXPERT = 16  # every row's picks -> union and routing tables, gate_up blocks -> activations
+S4_MATMUL = 32  # down over (slot, H block) tasks -> one partial per (pair, H row)
+S4_REDUCE = 64  # each row's pairs summed in order (TP1: outputs; TP: push to every rank)
+S4_RANKS = 128  # TP: every rank's sums, in rank order -> outputs
+STAGES_ALL = 255
+STAGE_ORDER = (
+    S1_MATMUL, S1_REDUCE, S2_ROUTER, S3_TOPK, S3_EXPERT, S4_MATMUL, S4_REDUCE, S4_RANKS,
+)  # fmt: skip
 
 
 @triton.jit
@@ -312,6 +315,38 @@ def _s2_router(
 
 
 @triton.jit
+def _topk_block(lg, valid, rlive, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
+    """Softmax top-k of a [rows, EP] block of logits (``valid``: real experts of live rows,
+    ``rlive``: live rows). Returns (sel, prank, wts): the picks, each pick's rank in its row
+    (0 = largest probability; meaningful where ``sel``) and the routing weights (0 elsewhere).
+    """
+    lg = tl.where(valid, lg, float("-inf"))
+    mx = tl.max(lg, axis=1)
+    mx = tl.where(rlive, mx, 0.0)
+    p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
+    den = tl.sum(p, axis=1)
+    p = p / tl.where(den > 0.0, den, 1.0)[:, None]
+    # Unique int keys: p's fp32 bits (p >= 0: int order = float order) with the low
+    # 9 bits replaced by (511 - e). Ties within 2^-14 relative (far below one bf16
+    # step: near ties) go to the lower expert id. Padding experts get INT32_MIN, below
+    # every real key (a NaN row's too), so a live row always has exactly TOPK picks.
+    key = (p.to(tl.int32, bitcast=True) & ~511) | (511 - offs_e[None, :])
+    key = tl.where(valid, key, -2147483648)
+    thr = tl.max(key, axis=1)
+    prank = tl.zeros_like(key)
+    for _j in tl.static_range(TOPK - 1):
+        below = key < thr[:, None]
+        prank += below.to(tl.int32)  # a pick's rank: how many picks beat it
+        thr = tl.max(tl.where(below, key, -2147483648), axis=1)
+    sel = valid & (key >= thr[:, None])
+    wts = tl.where(sel, p, 0.0)
+    if NORM_TOPK:
+        wsum = tl.sum(wts, axis=1)
+        wts = wts / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
+    return sel, prank, wts
+
+
+@triton.jit
 def _s3_topk(
     logits_ptr, pw_base, prk_base, wsc_base, ppos_base, meta_base, ctrl_ptr, health_ptr, rows,
     rmask, n_rows, tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
@@ -365,29 +400,7 @@ def _s3_topk(
                     ctrl_ptr, health_ptr, RID_LOGITS, RB, EP, INTERP,
                 )  # fmt: skip
                 lg += _words_to_fp32(lwords)
-        lg = tl.where(valid, lg, float("-inf"))
-        mx = tl.max(lg, axis=1)
-        mx = tl.where(rws < n_rows, mx, 0.0)
-        p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
-        den = tl.sum(p, axis=1)
-        p = p / tl.where(den > 0.0, den, 1.0)[:, None]
-        # Unique int keys: p's fp32 bits (p >= 0: int order = float order) with the low
-        # 9 bits replaced by (511 - e). Ties within 2^-14 relative (far below one bf16
-        # step: near ties) go to the lower expert id. Padding experts get INT32_MIN, below
-        # every real key (a NaN row's too), so a live row always has exactly TOPK picks.
-        key = (p.to(tl.int32, bitcast=True) & ~511) | (511 - offs_e[None, :])
-        key = tl.where(valid, key, -2147483648)
-        thr = tl.max(key, axis=1)
-        prank = tl.zeros([RB, EP], dtype=tl.int32)
-        for _j in tl.static_range(TOPK - 1):
-            below = key < thr[:, None]
-            prank += below.to(tl.int32)  # a pick's rank: how many picks beat it
-            thr = tl.max(tl.where(below, key, -2147483648), axis=1)
-        sel = valid & (key >= thr[:, None])
-        wts = tl.where(sel, p, 0.0)
-        if NORM_TOPK:
-            wsum = tl.sum(wts, axis=1)
-            wts = wts / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
+        sel, prank, wts = _topk_block(lg, valid, rws < n_rows, offs_e, TOPK, NORM_TOPK)
         pro = rws[:, None] * EP + offs_e[None, :]
         tl.store(pw_base + pro, wts, mask=(rws < n_rows)[:, None])
         tl.store(prk_base + pro, tl.where(sel, prank, -1), mask=(rws < n_rows)[:, None])
@@ -418,6 +431,88 @@ def _s3_topk(
         mk = pk[None, :] & live
         tl.store(wsc_base + so, tl.where(rkc >= 0, pwc, 0.0), mask=mk)
         tl.store(ppos_base + so, tl.where(rkc >= 0, rws[:, None] * TOPK + rkc, -1), mask=mk)
+    tl.debug_barrier()  # meta / wsc / ppos are read back by every thread of this CTA
+    return n_u
+
+
+@triton.jit
+def _s3_topk_owner(
+    logits_ptr, picks_ptr, ctrl_ptr, health_ptr, pid, G, n_rows, tag, E: tl.constexpr,
+    EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr,
+    KS2: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """S3 top-k, one row per CTA: CTA ``G - 1 - r`` (mod G: CTAs past the router's tasks) takes
+    row r's softmax top-k and publishes its picks into ``picks``: TOPK expert ids by rank, then
+    their routing weights (fp32 bits).
+
+    A row's top-k is a chain of dependent block-wide reductions; done by every CTA for every
+    row it is serial in the width, done once per row here it is one row deep at any width,
+    for one hand-off."""
+    offs_e = tl.arange(0, EP)
+    valid = (offs_e < E)[None, :]
+    ks_i = tl.arange(0, KS2)
+    for r in range(G - 1 - pid, n_rows, G):
+        kidx = ks_i[:, None] * (BB * E) + r * E + offs_e[None, :]
+        km = (ks_i >= 0)[:, None] & (offs_e[None, :] < E)
+        lwords, lok = _wait2d(
+            logits_ptr + kidx, km, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP, INTERP
+        )
+        lg = tl.reshape(tl.sum(_words_to_fp32(lwords), axis=0), (1, EP))
+        sel, prank, wts = _topk_block(lg, valid, r < n_rows, offs_e, TOPK, NORM_TOPK)
+        # each pick to the word of its rank (ranks are distinct). The rank decides, not the
+        # weight: a NaN weight (a CUDA-graph padding row whose attention saw no keys is NaN
+        # in vLLM) is still a pick whose pair must be written.
+        at = r * (2 * TOPK) + prank
+        put_words(picks_ptr, at, offs_e[None, :], sel, tag, INTERP)
+        put_words(picks_ptr, at + TOPK, _fp32_bits(wts), sel, tag, INTERP)
+
+
+@triton.jit
+def _s3_union(
+    picks_ptr, wsc_base, ppos_base, meta_base, slot_base, ctrl_ptr, health_ptr, rows, rmask,
+    tag, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, BB: tl.constexpr,
+    UM: tl.constexpr, PM: tl.constexpr, M_U: tl.constexpr, PKWP: tl.constexpr,
+    RID_PICKS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """S3 union (every CTA, its own copy): every live row's published picks -> the union of
+    picked experts (ascending id) into ``meta``, and per (slot, row) the routing weight
+    (``wsc``) and pair row (``ppos``, pair (row r, rank k) = r * TOPK + k). ``slot_base``:
+    2 * EP int32 words of this CTA's own. Returns the union's size."""
+    PKW: tl.constexpr = 2 * TOPK
+    cp = tl.arange(0, PKWP)
+    pidx = rows[:, None] * PKW + cp[None, :]
+    _wait2d(picks_ptr + pidx, rmask[:, None] & (cp < PKW)[None, :], pidx, tag, ctrl_ptr,
+            health_ptr, RID_PICKS, BB, PKWP, INTERP)  # fmt: skip
+    # the words are in: read ids and weights in the shape they are used in
+    kk = tl.arange(0, TKP)
+    pkm = rmask[:, None] & (kk < TOPK)[None, :]
+    po = rows[:, None] * PKW + kk[None, :]
+    ids = unpack_value(tl.load(picks_ptr + po, mask=pkm, other=0, volatile=True))
+    w_k = _words_to_fp32(tl.load(picks_ptr + TOPK + po, mask=pkm, other=0, volatile=True))
+    # the union as flags in memory: a scatter of every pick, instead of an [EP] x picks
+    # compare in registers
+    offs_e = tl.arange(0, EP)
+    flag_base = slot_base + EP
+    tl.store(flag_base + offs_e, tl.zeros([EP], dtype=tl.int32))
+    tl.debug_barrier()
+    tl.store(flag_base + ids, tl.full([BB, TKP], 1, dtype=tl.int32), mask=pkm)
+    tl.debug_barrier()
+    picked = tl.load(flag_base + offs_e)
+    slot_of = tl.cumsum(picked, axis=0) - picked
+    n_u = tl.sum(picked, axis=0)
+    pk = picked > 0
+    tl.store(meta_base + slot_of, offs_e, mask=pk)
+    tl.store(meta_base + M_U, n_u)
+    tl.store(ppos_base + UM * BB + rows, tl.where(rmask, PM + rows, -1))
+    tl.store(slot_base + offs_e, slot_of)  # read back by the pick scatter below
+    # every (picked slot, row) first gets (0, -1): rows that did not pick the slot keep it
+    so_d = slot_of[:, None] * BB + rows[None, :]
+    tl.store(wsc_base + so_d, tl.zeros([EP, BB], dtype=tl.float32), mask=pk[:, None])
+    tl.store(ppos_base + so_d, tl.full([EP, BB], -1, dtype=tl.int32), mask=pk[:, None])
+    tl.debug_barrier()  # slot_of and the (0, -1) fill, before the picks overwrite them
+    so = tl.load(slot_base + ids, mask=pkm, other=0) * BB + rows[:, None]
+    tl.store(wsc_base + so, w_k, mask=pkm)
+    tl.store(ppos_base + so, rows[:, None] * TOPK + kk[None, :], mask=pkm)
     tl.debug_barrier()  # meta / wsc / ppos are read back by every thread of this CTA
     return n_u
 
@@ -688,13 +783,15 @@ def k2_kernel(
     NORM_TOPK: tl.constexpr, IR: tl.constexpr, ISR: tl.constexpr,
     # layout (runtime.layout offsets and region ids)
     OFF_P1: tl.constexpr, OFF_RESID: tl.constexpr, OFF_LOGITS: tl.constexpr, OFF_ACT: tl.constexpr,
-    OFF_P4L: tl.constexpr, OFF_P4: tl.constexpr, RID_P1: tl.constexpr, RID_RESID: tl.constexpr,
-    RID_LOGITS: tl.constexpr, RID_ACT: tl.constexpr, RID_P4L: tl.constexpr, RID_P4: tl.constexpr,
+    OFF_P4L: tl.constexpr, OFF_P4: tl.constexpr, OFF_PICKS: tl.constexpr, RID_P1: tl.constexpr,
+    RID_RESID: tl.constexpr, RID_LOGITS: tl.constexpr, RID_PICKS: tl.constexpr,
+    RID_ACT: tl.constexpr, RID_P4L: tl.constexpr, RID_P4: tl.constexpr,
     RANKS: tl.constexpr, SYS: tl.constexpr,
     # tiles
     BB: tl.constexpr, BN: tl.constexpr, BN3: tl.constexpr, BN4: tl.constexpr, BK1: tl.constexpr,
     KSPL1: tl.constexpr, KS2: tl.constexpr, BK2: tl.constexpr, BK3: tl.constexpr, BI4: tl.constexpr,
     JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RB: tl.constexpr, RN: tl.constexpr,
+    OWNERS: tl.constexpr, TKP: tl.constexpr, PKWP: tl.constexpr,
     HP: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr, NPP: tl.constexpr,
     IWPOW: tl.constexpr, STAGES: tl.constexpr, PIPE1: tl.constexpr, PIPE3: tl.constexpr,
     PIPE4: tl.constexpr, JM3: tl.constexpr, TRACE: tl.constexpr, Q_O: tl.constexpr,
@@ -740,6 +837,7 @@ def k2_kernel(
     logits_ptr = scratch_ptr + OFF_LOGITS
     act_ptr = scratch_ptr + OFF_ACT
     p4l_ptr = scratch_ptr + OFF_P4L
+    picks_ptr = scratch_ptr + OFF_PICKS
     if RANKS == 1:
         p1_read = scratch_ptr + OFF_P1
         p4_read = scratch_ptr + OFF_P4
@@ -778,11 +876,26 @@ def k2_kernel(
         )  # fmt: skip
     _stamp(trace_ptr, 4, TRACE)
     if STAGES & 8:
-        n_u = _s3_topk(
-            logits_ptr, pw_base, prk_base, wsc_base, ppos_base, meta_base, ctrl_ptr, health_ptr,
-            rows, rmask, n_rows, tag, E, EP, TOPK, NORM_TOPK, BB, KS2, RB, UM, PM, M_U,
-            RID_LOGITS, INTERP,
-        )  # fmt: skip
+        if OWNERS:
+            _s3_topk_owner(
+                logits_ptr, picks_ptr, ctrl_ptr, health_ptr, pid, G, n_rows, tag, E, EP, TOPK,
+                NORM_TOPK, BB, KS2, RID_LOGITS, INTERP,
+            )  # fmt: skip
+        else:
+            _s3_topk(
+                logits_ptr, pw_base, prk_base, wsc_base, ppos_base, meta_base, ctrl_ptr,
+                health_ptr, rows, rmask, n_rows, tag, E, EP, TOPK, NORM_TOPK, BB, KS2, RB, UM, PM,
+                M_U, RID_LOGITS, INTERP,
+            )  # fmt: skip
+    _stamp(trace_ptr, 10, TRACE)
+    if STAGES & 16:
+        if OWNERS:
+            n_u = _s3_union(
+                picks_ptr, wsc_base, ppos_base, meta_base, prk_base, ctrl_ptr, health_ptr, rows,
+                rmask, tag, EP, TOPK, TKP, BB, UM, PM, M_U, PKWP, RID_PICKS, INTERP,
+            )  # fmt: skip
+        else:
+            n_u = tl.load(meta_base + M_U)  # the tables S3 top-k wrote for this CTA
         _stamp(trace_ptr, 5, TRACE)
         _s3_gate_up(
             w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, wsc_base, ppos_base, meta_base,
@@ -790,7 +903,7 @@ def k2_kernel(
             IWR, IWS, Q_13, Q_SGU, SPE13, INTERP,
         )  # fmt: skip
     _stamp(trace_ptr, 6, TRACE)
-    if STAGES & 16:
+    if STAGES & 32:
         _s4_down(
             w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base,
             ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H, IR, ISR, BB, BN4, BI4,
@@ -798,14 +911,14 @@ def k2_kernel(
             PREFETCH, TRACE, INTERP,
         )  # fmt: skip
     _stamp(trace_ptr, 8, TRACE)
-    if STAGES & 32:
+    if STAGES & 64:
         _s4_reduce(
             out_h_ptr, p4l_ptr, scratch_ptr, peers_ptr, ctrl_ptr, health_ptr, pid, G, rows, rmask,
             n_rows, slot4, rank, tag, H, TOPK, BB, CB, TR, PM, NPP, OFF_P4, RID_P4L, RANKS, W_P,
             SYS, INTERP,
         )  # fmt: skip
     _stamp(trace_ptr, 9, TRACE)
-    if (RANKS > 1) and (STAGES & 64):
+    if (RANKS > 1) and (STAGES & 128):
         _s4_ranks(
             out_h_ptr, p4_read, ctrl_ptr, health_ptr, pid, G, rows, rmask, n_rows, slot4, tag, H,
             BB, CB, TR, RANKS, W_P, RID_P4, INTERP,
