@@ -126,11 +126,6 @@ VARIANTS = {
     # the router's partial logits in eight K splits: more, shorter router tasks, and every
     # top-k pass waits for eight partials per row
     "k2 router_k_splits=8": {"router_k_splits": 8},
-    # every CTA takes every row's top-k (no picks hand-off), one row per pass or two / four
-    # rows per pass, each pass behind one wait for all of its rows' K splits
-    "k2 no-owners": {"topk_owners": False},
-    "k2 topk_rows_per_pass=2": {"topk_owners": False, "topk_rows_per_pass": 2},
-    "k2 topk_rows_per_pass=4": {"topk_owners": False, "topk_rows_per_pass": 4},
     "k2 down_rows=32": {"down_rows": 32},
     "k2 no-prefetch": {"prefetch": False},
     # fp8 block-128 planes stream 128-byte K chunks per row (a chunk stays in one scale

@@ -46,13 +46,14 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 |                 |                       |       | Um holds sigmoid(shared_expert_gate.x) |                      |
 | priv ppos       | [G, Um + 1, Bb]       | int32 | pair row of (slot, row) in act, or -1  | S3, same CTA         |
 | priv meta       | [G, META]             | int32 | union list (Um), then U and n_pairs    | S3, same CTA         |
+| priv eslot      | [G, 2, EP]            | int32 | per expert: its union slot, then its   | S3 union, same CTA   |
+|                 |                       |       | picked flag (EP = next pow2 of E)      |                      |
 | ctrl / health   | see runtime.health    |       | epoch read for tags; sticky failed word| host / bounded waits |
 | peers           | [tp]                  | int64 | byte address of each rank's buffer     | host (runtime.peers) |
 
 Every CTA computes the norm redundantly (bit-identical across CTAs: same code, same words).
 Each row's top-k is computed by one CTA and its picks published; every CTA then builds the
-same union and routing tables from them (``topk_owners=False``: every CTA computes every
-row's top-k). The union of picked experts (ascending expert id) plus the shared expert are
+same union and routing tables from them. The union of picked experts (ascending expert id) plus the shared expert are
 the "slots" whose gate_up row blocks (S3) and down H-slices (S4) are spread
 over the grid. Stages hand off only through tagged words (``runtime.layout``); the program
 is declared by :func:`k2_program` and checked at build. No grid barrier; waits are bounded.
@@ -130,10 +131,6 @@ class K2Config:
     gate_up_k_chunk: int = 256  # gate_up K chunk
     down_i_chunk: int = 256  # down I chunk (its K)
     reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
-    # row r's top-k by one CTA (grid - 1 - r mod grid), its picks handed to every CTA; False:
-    # every CTA takes every row's top-k itself (no hand-off, but serial in the width)
-    topk_owners: bool = True
-    topk_rows_per_pass: int = 1  # without owners: rows per pass (1: one wait, all K splits)
     act_rows_per_wait: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
     # rows per norm wait (each wait covers all of H): 2 halves the serial waits and was faster
     # at every width on the H200 (docs/results/k2_vllm.csv); 4 spills
@@ -186,8 +183,8 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
         Stage("out_proj", [push("p1") if peer else write("p1")]),
         Stage("residual", [wait("p1"), write("resid")]),
         Stage("norm_router", [wait("resid"), write("logits")]),
-        Stage("topk", [wait("logits"), write("picks")] if config.topk_owners else [wait("logits")]),
-        Stage("gate_up", [wait("picks"), write("act")] if config.topk_owners else [write("act")]),
+        Stage("topk", [wait("logits"), write("picks")]),
+        Stage("gate_up", [wait("picks"), write("act")]),
         Stage("down", [wait("act"), write("p4l")]),
     ]
     if peer:
@@ -204,8 +201,7 @@ class K2Workspace:
 
     scratch: Any  # int64 [scratch_words]
     xs: Any  # bf16 [G, 2, Bb, H]
-    pw: Any  # fp32 [G, Bb, EP]
-    prk: Any  # int32 [G, Bb, EP]
+    eslot: Any  # int32 [G, 2, EP]: per expert its union slot, then its picked flag
     wsc: Any  # fp32 [G, Um + 1, Bb]
     ppos: Any  # int32 [G, Um + 1, Bb]
     meta: Any  # int32 [G, Um + 1]
@@ -317,8 +313,7 @@ class K2Launch:
                 max(self.layout.scratch_words, 16), dtype=torch.int64, device=device
             ),
             xs=torch.zeros(g, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
-            pw=torch.zeros(g, BLOCK_B, _next_pow2(s.experts), dtype=torch.float32, device=device),
-            prk=torch.zeros(g, BLOCK_B, _next_pow2(s.experts), dtype=torch.int32, device=device),
+            eslot=torch.zeros(g, 2, _next_pow2(s.experts), dtype=torch.int32, device=device),
             wsc=torch.zeros(g, s.slots + 1, BLOCK_B, dtype=torch.float32, device=device),
             ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),
             meta=torch.zeros(g, self.meta_words, dtype=torch.int32, device=device),
@@ -388,8 +383,6 @@ class K2Launch:
             JS=self._run_slots(),
             ACH=min(c.act_rows_per_wait, self._run_slots() * BLOCK_B),
             CB=c.reduce_cols,
-            RB=c.topk_rows_per_pass,
-            OWNERS=c.topk_owners,
             TKP=_next_pow2(s.top_k),
             PKWP=_next_pow2(2 * s.top_k),
             RN=c.norm_rows_per_wait,
@@ -425,7 +418,7 @@ class K2Launch:
         w_o = weights[self.w_o_name]
 
         def scale(plane):  # bf16 planes have none: any fp32 pointer (never read)
-            return weights.get(plane + ".scale", ws.pw)
+            return weights.get(plane + ".scale", ws.wsc)
 
         return (
             o_in,
@@ -450,8 +443,7 @@ class K2Launch:
             scale("shared_expert_gate"),
             ws.scratch,
             ws.xs,
-            ws.pw,
-            ws.prk,
+            ws.eslot,
             ws.wsc,
             ws.ppos,
             ws.meta,
@@ -512,8 +504,7 @@ class K2Launch:
         ws = K2Workspace(
             scratch=torch.zeros(16, dtype=torch.int64, device=dev),
             xs=one,
-            pw=torch.zeros(16, **f32),
-            prk=torch.zeros(16, **i32),
+            eslot=torch.zeros(16, **i32),
             wsc=torch.zeros(16, **f32),
             ppos=torch.zeros(16, **i32),
             meta=torch.zeros(16, **i32),

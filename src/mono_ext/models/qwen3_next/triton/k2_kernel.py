@@ -35,7 +35,7 @@ __all__ = ["STAGE_ORDER", "STAGES_ALL", "k2_kernel"]
 S1_MATMUL = 1  # out_proj partials (TP: push to peers; TP1: residual + outputs)
 S1_REDUCE = 2  # TP: wait for every rank's partials, residual add, outputs
 S2_ROUTER = 4  # norm (redundant), shared-expert gate, router logits slice
-S3_TOPK = 8  # top-k: one row per owner CTA, its picks published (or every row in every CTA)
+S3_TOPK = 8  # top-k: one row per CTA, its picks published
 S3_EXPERT = 16  # every row's picks -> union and routing tables, gate_up blocks -> activations
 S4_MATMUL = 32  # down over (slot, H block) tasks -> one partial per (pair, H row)
 S4_REDUCE = 64  # each row's pairs summed in order (TP1: outputs; TP: push to every rank)
@@ -347,95 +347,6 @@ def _topk_block(lg, valid, rlive, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.cons
 
 
 @triton.jit
-def _s3_topk(
-    logits_ptr, pw_base, prk_base, wsc_base, ppos_base, meta_base, ctrl_ptr, health_ptr, rows,
-    rmask, n_rows, tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
-    NORM_TOPK: tl.constexpr, BB: tl.constexpr, KS2: tl.constexpr, RB: tl.constexpr,
-    UM: tl.constexpr, PM: tl.constexpr, M_U: tl.constexpr, RID_LOGITS: tl.constexpr,
-    INTERP: tl.constexpr,
-):  # fmt: skip
-    """S3 top-k (every CTA, its own copy): softmax top-k of every live row, the union of
-    picked experts (ascending id) into ``meta``, and per (slot, row) the routing weight
-    (``wsc``) and pair row (``ppos``). Returns the union's size."""
-    offs_e = tl.arange(0, EP)
-    rr = tl.arange(0, RB)
-    cnt = tl.zeros([EP], dtype=tl.int32)
-    # pass 1, RB rows at a time: softmax top-k. pw = renormalised weight, prk = the pick's
-    # rank in its row (0 = largest probability) or -1: pair (row r, rank k) is r*TOPK + k,
-    # so pair rows need no scan over the experts, and every live row has TOPK pairs.
-    for r0 in range(0, n_rows, RB):
-        rws = r0 + rr
-        valid = (rws < n_rows)[:, None] & (offs_e[None, :] < E)
-        lidx = rws[:, None] * E + offs_e[None, :]
-        if RB == 1:
-            # every K split's partial logits of the row in one bounded wait
-            ks_i = tl.arange(0, KS2)
-            kidx = ks_i[:, None] * (BB * E) + offs_e[None, :] + r0 * E
-            km1 = (ks_i >= 0)[:, None] & (offs_e[None, :] < E)
-            lwords, lok = _wait2d(
-                logits_ptr + kidx, km1, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP,
-                INTERP,
-            )  # fmt: skip
-            lg = tl.reshape(tl.sum(_words_to_fp32(lwords), axis=0), (RB, EP))
-        elif KS2 * RB <= 8:
-            # every K split of the RB rows in one bounded wait: no more words than one row of
-            # 8 splits, and one round trip per pass instead of one per split. Block row
-            # ks * RB + r holds split ks of row r0 + r.
-            kr = tl.arange(0, KS2 * RB)
-            kidx = (kr // RB)[:, None] * (BB * E) + (r0 + kr % RB)[:, None] * E + offs_e[None, :]
-            km1 = (r0 + kr % RB < n_rows)[:, None] & (offs_e[None, :] < E)
-            lwords, lok = _wait2d(
-                logits_ptr + kidx, km1, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2 * RB,
-                EP, INTERP,
-            )  # fmt: skip
-            lg = tl.sum(tl.reshape(_words_to_fp32(lwords), (KS2, RB, EP)), axis=0)
-        else:
-            # several rows: one bounded wait per K split, summed in split order (all
-            # splits land at about the same time), so an [RB, EP] block is in registers,
-            # not [KS2 * RB, EP]
-            lg = tl.zeros([RB, EP], dtype=tl.float32)
-            for ks in tl.static_range(KS2):
-                lwords, lok = _wait2d(
-                    logits_ptr + ks * (BB * E) + lidx, valid, ks * (BB * E) + lidx, tag,
-                    ctrl_ptr, health_ptr, RID_LOGITS, RB, EP, INTERP,
-                )  # fmt: skip
-                lg += _words_to_fp32(lwords)
-        sel, prank, wts = _topk_block(lg, valid, rws < n_rows, offs_e, TOPK, NORM_TOPK)
-        pro = rws[:, None] * EP + offs_e[None, :]
-        tl.store(pw_base + pro, wts, mask=(rws < n_rows)[:, None])
-        tl.store(prk_base + pro, tl.where(sel, prank, -1), mask=(rws < n_rows)[:, None])
-        cnt += tl.sum(sel.to(tl.int32), axis=0)
-    picked = (cnt > 0).to(tl.int32)
-    slot_of = tl.cumsum(picked, axis=0) - picked
-    n_u = tl.sum(picked, axis=0)
-    pk = picked > 0
-    tl.store(meta_base + slot_of, offs_e, mask=pk)
-    tl.store(meta_base + M_U, n_u)
-    tl.store(ppos_base + UM * BB + rows, tl.where(rmask, PM + rows, -1))
-    tl.debug_barrier()  # pw / prk read back by other threads
-    # pass 2: per (slot, row) routing weight and pair row (rows that did not pick: 0, -1).
-    # Rows past the width get (0, -1) by plain stores; only live rows take the loop.
-    dead = pk[:, None] & (rows >= n_rows)[None, :]
-    so_d = slot_of[:, None] * BB + rows[None, :]
-    tl.store(wsc_base + so_d, tl.zeros([EP, BB], dtype=tl.float32), mask=dead)
-    tl.store(ppos_base + so_d, tl.full([EP, BB], -1, dtype=tl.int32), mask=dead)
-    for r0 in range(0, n_rows, RB):
-        rws = r0 + rr
-        live = (rws < n_rows)[:, None]
-        pro = rws[:, None] * EP + offs_e[None, :]
-        pwc = tl.load(pw_base + pro, mask=live, other=0.0)
-        # the rank decides, not the weight: a NaN weight (a CUDA-graph padding row whose
-        # attention saw no keys is NaN in vLLM) is still a pick whose pair must be written
-        rkc = tl.load(prk_base + pro, mask=live, other=-1)
-        so = slot_of[None, :] * BB + rws[:, None]
-        mk = pk[None, :] & live
-        tl.store(wsc_base + so, tl.where(rkc >= 0, pwc, 0.0), mask=mk)
-        tl.store(ppos_base + so, tl.where(rkc >= 0, rws[:, None] * TOPK + rkc, -1), mask=mk)
-    tl.debug_barrier()  # meta / wsc / ppos are read back by every thread of this CTA
-    return n_u
-
-
-@triton.jit
 def _s3_topk_owner(
     logits_ptr, picks_ptr, ctrl_ptr, health_ptr, pid, G, n_rows, tag, E: tl.constexpr,
     EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr,
@@ -469,15 +380,16 @@ def _s3_topk_owner(
 
 @triton.jit
 def _s3_union(
-    picks_ptr, wsc_base, ppos_base, meta_base, slot_base, ctrl_ptr, health_ptr, rows, rmask,
+    picks_ptr, wsc_base, ppos_base, meta_base, eslot_base, ctrl_ptr, health_ptr, rows, rmask,
     tag, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, BB: tl.constexpr,
     UM: tl.constexpr, PM: tl.constexpr, M_U: tl.constexpr, PKWP: tl.constexpr,
     RID_PICKS: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S3 union (every CTA, its own copy): every live row's published picks -> the union of
     picked experts (ascending id) into ``meta``, and per (slot, row) the routing weight
-    (``wsc``) and pair row (``ppos``, pair (row r, rank k) = r * TOPK + k). ``slot_base``:
-    2 * EP int32 words of this CTA's own. Returns the union's size."""
+    (``wsc``) and pair row (``ppos``, pair (row r, rank k) = r * TOPK + k). ``eslot_base``:
+    this CTA's 2 * EP int32 words (each expert's slot, then its picked flag). Returns the union's size.
+    """
     PKW: tl.constexpr = 2 * TOPK
     cp = tl.arange(0, PKWP)
     pidx = rows[:, None] * PKW + cp[None, :]
@@ -492,7 +404,7 @@ def _s3_union(
     # the union as flags in memory: a scatter of every pick, instead of an [EP] x picks
     # compare in registers
     offs_e = tl.arange(0, EP)
-    flag_base = slot_base + EP
+    flag_base = eslot_base + EP
     tl.store(flag_base + offs_e, tl.zeros([EP], dtype=tl.int32))
     tl.debug_barrier()
     tl.store(flag_base + ids, tl.full([BB, TKP], 1, dtype=tl.int32), mask=pkm)
@@ -504,13 +416,13 @@ def _s3_union(
     tl.store(meta_base + slot_of, offs_e, mask=pk)
     tl.store(meta_base + M_U, n_u)
     tl.store(ppos_base + UM * BB + rows, tl.where(rmask, PM + rows, -1))
-    tl.store(slot_base + offs_e, slot_of)  # read back by the pick scatter below
+    tl.store(eslot_base + offs_e, slot_of)  # read back by the pick scatter below
     # every (picked slot, row) first gets (0, -1): rows that did not pick the slot keep it
     so_d = slot_of[:, None] * BB + rows[None, :]
     tl.store(wsc_base + so_d, tl.zeros([EP, BB], dtype=tl.float32), mask=pk[:, None])
     tl.store(ppos_base + so_d, tl.full([EP, BB], -1, dtype=tl.int32), mask=pk[:, None])
     tl.debug_barrier()  # slot_of and the (0, -1) fill, before the picks overwrite them
-    so = tl.load(slot_base + ids, mask=pkm, other=0) * BB + rows[:, None]
+    so = tl.load(eslot_base + ids, mask=pkm, other=0) * BB + rows[:, None]
     tl.store(wsc_base + so, w_k, mask=pkm)
     tl.store(ppos_base + so, rows[:, None] * TOPK + kk[None, :], mask=pkm)
     tl.debug_barrier()  # meta / wsc / ppos are read back by every thread of this CTA
@@ -776,7 +688,7 @@ def _s4_ranks(
 def k2_kernel(
     o_in_ptr, gate_ptr, res_in_ptr, out_h_ptr, out_r_ptr, w_o_ptr, norm_w_ptr, router_ptr, seg_ptr,
     w13_ptr, w2_ptr, sgu_ptr, sdown_ptr, s_o_ptr, s_13_ptr, s_2_ptr, s_sgu_ptr, s_sd_ptr, s_r_ptr,
-    s_seg_ptr, scratch_ptr, xs_ptr, pw_ptr, prk_ptr, wsc_ptr, ppos_ptr, meta_ptr, peers_ptr,
+    s_seg_ptr, scratch_ptr, xs_ptr, eslot_ptr, wsc_ptr, ppos_ptr, meta_ptr, peers_ptr,
     ctrl_ptr, health_ptr, trace_ptr, n_rows, layer, layers_per_step, eps,
     # shapes (per rank)
     H: tl.constexpr, KO: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
@@ -790,8 +702,8 @@ def k2_kernel(
     # tiles
     BB: tl.constexpr, BN: tl.constexpr, BN3: tl.constexpr, BN4: tl.constexpr, BK1: tl.constexpr,
     KSPL1: tl.constexpr, KS2: tl.constexpr, BK2: tl.constexpr, BK3: tl.constexpr, BI4: tl.constexpr,
-    JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RB: tl.constexpr, RN: tl.constexpr,
-    OWNERS: tl.constexpr, TKP: tl.constexpr, PKWP: tl.constexpr,
+    JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RN: tl.constexpr, TKP: tl.constexpr,
+    PKWP: tl.constexpr,
     HP: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr, NPP: tl.constexpr,
     IWPOW: tl.constexpr, STAGES: tl.constexpr, PIPE1: tl.constexpr, PIPE3: tl.constexpr,
     PIPE4: tl.constexpr, JM3: tl.constexpr, TRACE: tl.constexpr, Q_O: tl.constexpr,
@@ -828,8 +740,7 @@ def k2_kernel(
     rmask = rows < n_rows
     nn = tl.arange(0, BN)
     xs_base = xs_ptr + pid * (2 * BB * H)  # plane 0: bf16(x); plane 1: bf16(x - plane 0)
-    pw_base = pw_ptr + pid * (BB * EP)
-    prk_base = prk_ptr + pid * (BB * EP)
+    eslot_base = eslot_ptr + pid * (2 * EP)
     wsc_base = wsc_ptr + pid * ((UM + 1) * BB)
     ppos_base = ppos_ptr + pid * ((UM + 1) * BB)
     meta_base = meta_ptr + pid * META
@@ -876,26 +787,16 @@ def k2_kernel(
         )  # fmt: skip
     _stamp(trace_ptr, 4, TRACE)
     if STAGES & 8:
-        if OWNERS:
-            _s3_topk_owner(
-                logits_ptr, picks_ptr, ctrl_ptr, health_ptr, pid, G, n_rows, tag, E, EP, TOPK,
-                NORM_TOPK, BB, KS2, RID_LOGITS, INTERP,
-            )  # fmt: skip
-        else:
-            _s3_topk(
-                logits_ptr, pw_base, prk_base, wsc_base, ppos_base, meta_base, ctrl_ptr,
-                health_ptr, rows, rmask, n_rows, tag, E, EP, TOPK, NORM_TOPK, BB, KS2, RB, UM, PM,
-                M_U, RID_LOGITS, INTERP,
-            )  # fmt: skip
+        _s3_topk_owner(
+            logits_ptr, picks_ptr, ctrl_ptr, health_ptr, pid, G, n_rows, tag, E, EP, TOPK,
+            NORM_TOPK, BB, KS2, RID_LOGITS, INTERP,
+        )  # fmt: skip
     _stamp(trace_ptr, 10, TRACE)
     if STAGES & 16:
-        if OWNERS:
-            n_u = _s3_union(
-                picks_ptr, wsc_base, ppos_base, meta_base, prk_base, ctrl_ptr, health_ptr, rows,
-                rmask, tag, EP, TOPK, TKP, BB, UM, PM, M_U, PKWP, RID_PICKS, INTERP,
-            )  # fmt: skip
-        else:
-            n_u = tl.load(meta_base + M_U)  # the tables S3 top-k wrote for this CTA
+        n_u = _s3_union(
+            picks_ptr, wsc_base, ppos_base, meta_base, eslot_base, ctrl_ptr, health_ptr, rows,
+            rmask, tag, EP, TOPK, TKP, BB, UM, PM, M_U, PKWP, RID_PICKS, INTERP,
+        )  # fmt: skip
         _stamp(trace_ptr, 5, TRACE)
         _s3_gate_up(
             w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, wsc_base, ppos_base, meta_base,
