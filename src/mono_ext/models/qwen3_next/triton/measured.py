@@ -13,7 +13,7 @@ __all__ = ["FASTER", "measured_faster"]
 
 #: (engine, device name as torch reports it) -> (widths, the result they come from)
 FASTER: dict[tuple[str, str], tuple[frozenset[int], str]] = {
-    # none faster at every layer count of the run (batch 1: 0.7% slower at 48 layers)
+    # none faster at every layer count of the run (every batch is slower at 16 layers)
     ("vllm", "NVIDIA H200"): (
         frozenset(),
         "docs/results/e2e_vllm.json (vLLM 0.26, Qwen3-Next-80B-A3B shapes at 16 and 32 layers, "
