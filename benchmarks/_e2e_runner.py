@@ -91,6 +91,11 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(name, type=int, default=None)
     p.add_argument("--logprobs", type=int, default=10)
     p.add_argument("--weight-scale", type=float, default=16.0)
+    p.add_argument(
+        "--profile-steps", action="store_true",
+        help="after each batch's timing, one more T(N2) under cProfile: the functions the "
+             "worker's thread spends each decode step in (runs.*.batches.*.step_profile)",
+    )  # fmt: skip
 
 
 def add_call_args(p: argparse.ArgumentParser, entry_timeout_s: float | None) -> None:
@@ -250,6 +255,8 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {"id": e["id"], "kind": e["kind"], "arm": e.get("arm", "on")}
     if e["kind"] == "bw":
         spec.update(bytes=(64 if a.cpu_smoke else 4096) * 2**20, reps=5)
+    else:
+        spec["profile_steps"] = bool(getattr(a, "profile_steps", False))
     return spec
 
 
@@ -385,7 +392,8 @@ def time_batch(
     spec: dict[str, Any], gen: Callable[..., tuple[float, Any]], prompts: Any, b: int
 ) -> dict[str, Any]:
     """TPOT of one batch by the delta method over ``gen(prompts, n)`` wall times (min over
-    ``reps`` of T(N1) and T(N2)): the row's ``t_n1``, ``t_n2`` and ``tpot_s``."""
+    ``reps`` of T(N1) and T(N2)): the row's ``t_n1``, ``t_n2`` and ``tpot_s``; with the
+    spec's ``profile_steps``, after the timed reps, ``step_profile``."""
     t1, t2 = [], []
     for _ in range(spec["reps"]):
         t1.append(gen(prompts, spec["n1"])[0])
@@ -396,7 +404,47 @@ def time_batch(
         f"(T{spec['n1']} {min(t1):.3f}s, T{spec['n2']} {min(t2):.3f}s)",
         flush=True,
     )
+    if spec.get("profile_steps"):
+        row["step_profile"] = profile_steps(gen, prompts, spec["n2"])
+        for r in row["step_profile"][:8]:
+            print(f"[e2e]   {r['tottime_us_per_step']:8.1f} us/step {r['calls_per_step']:6.1f} "
+                  f"calls  {r['function']}", flush=True)  # fmt: skip
     return row
+
+
+#: ``--profile-steps`` keeps this many functions per batch: the engine's whole host side per
+#: decode step, in both arms (mono_ext's own hooks alone: ``MONO_EXT_PROFILE_HOST``)
+PROFILE_TOP = 30
+
+
+def profile_steps(
+    gen: Callable[..., tuple[float, Any]], prompts: Any, n: int, top: int = PROFILE_TOP
+) -> list[dict[str, Any]]:
+    """One ``gen(prompts, n)`` under cProfile (the calling thread only; its times include the
+    profiler's own cost, so compare arms, not TPOT): the ``top`` functions by own time, each
+    with calls, own time and cumulative time per decode step (``n`` steps)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        gen(prompts, n)
+    finally:
+        prof.disable()
+    rows = [
+        dict(
+            function=f"{Path(file).name}:{line}({name})",
+            calls_per_step=round(calls / n, 3),
+            tottime_us_per_step=round(own / n * 1e6, 2),
+            cumtime_us_per_step=round(cum / n * 1e6, 2),
+        )
+        for (file, line, name), (_prim, calls, own, cum, _callers) in pstats.Stats(
+            prof
+        ).stats.items()
+    ]
+    rows.sort(key=lambda r: -r["tottime_us_per_step"])
+    return rows[:top]
 
 
 def worker_bw(spec: dict[str, Any], more: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -181,3 +181,25 @@ def test_quick_defaults_and_estimate_fit_calls():
     full = bench.parse_args(["--out", "/tmp/x"])
     assert full.order == ["off", "on", "on", "off"] and full.batches == [1, 2, 4, 8, 16]
     assert full.max_model_len >= full.prompt_len + full.n2
+
+
+def _busy_step(k: int) -> int:
+    return sum(i * i for i in range(k))
+
+
+def test_profile_steps_counts_calls_per_decode_step():
+    """A stand-in ``gen`` that does one known step per token: the profile names that step
+    with one call per decode step, and orders the rows by own time."""
+
+    def gen(prompts, n):
+        for _ in range(n):
+            _busy_step(2000)
+        return 0.0, None
+
+    rows = bench.runner.profile_steps(gen, None, 40)
+    by_name = {r["function"]: r for r in rows}
+    step = next(r for name, r in by_name.items() if name.endswith("(_busy_step)"))
+    assert step["calls_per_step"] == 1.0
+    assert step["cumtime_us_per_step"] >= step["tottime_us_per_step"] > 0
+    own = [r["tottime_us_per_step"] for r in rows]
+    assert own == sorted(own, reverse=True)
