@@ -3,11 +3,12 @@ Hopper (sm_90), on the generic device code of ``kernels/triton``.
 
 | module        | what                                                                      |
 |---------------|---------------------------------------------------------------------------|
-| ``k1``        | K1, the layer front (GDN and attention): shapes, configs, programs,       |
-|               | launches, contract                                                        |
+| ``k1``        | K1, the layer front (GDN and attention): launches, tensor checks          |
+| ``k1_plan``   | K1's shapes, config, hand-off programs, row maps, RoPE table, S1 tiling   |
 | ``k1_kernel`` | K1's device code: the GDN and attention kernels and their stages          |
 | ``k2``        | K2, the layer tail: hand-off program, shapes, configs, launches, contract |
-| ``k2_kernel`` | K2's device code: the kernel and its stages                               |
+| ``k2_kernel`` | K2's device code: the kernel and its stage bits                           |
+| ``k2_stages`` | K2's device code: its stages and the device helpers they share           |
 | ``backend``   | the backend's ``target``: builds per width over one runtime, refusals     |
 | ``measured``  | the widths measured faster than each engine's own step, per device        |
 | ``offline``   | K1/K2 builds compiled for sm_90a without a device (``tools/ptx_digest.py``)|

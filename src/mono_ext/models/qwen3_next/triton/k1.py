@@ -10,9 +10,9 @@ neox RoPE -> q, k, v, gate. Writing k/v into the paged KV cache stays with the e
 attention call (its ``reshape_and_cache`` / backend ``forward``), which runs after K1.
 
 The device program (prologue, S1, S2, why no wait can deadlock) and the tensor contract are
-described with the kernels, in ``k1_kernel.py``; this module declares the program
-(:func:`k1_gdn_program`, :func:`k1_attn_program`, checked by ``runtime.layout.check_handoffs``
-at build), tiles S1 (:func:`s1_tiles`), checks the tensors and builds and launches the kernels.
+described with the kernels, in ``k1_kernel.py``; the shapes, config, hand-off programs and S1's
+tiling are ``k1_plan.py`` (re-exported here); this module checks the tensors and builds and
+launches the kernels.
 """
 
 from __future__ import annotations
@@ -31,7 +31,19 @@ from mono_ext.models.qwen3_next.triton.k1_kernel import (
     k1_attn_kernel,
     k1_gdn_kernel,
 )
-from mono_ext.runtime.layout import Program, Region, Stage, plan_layout, wait, write
+from mono_ext.models.qwen3_next.triton.k1_plan import (
+    K1AttnShape,
+    K1Config,
+    K1GdnShape,
+    gdn_row_map,
+    k1_attn_program,
+    k1_gdn_program,
+    next_pow2,
+    pow2_divisor,
+    rope_table,
+    s1_tiles,
+)
+from mono_ext.runtime.layout import plan_layout
 
 __all__ = [
     "S1",
@@ -55,210 +67,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class K1GdnShape:
-    """Per-rank GDN sizes K1 is built for (TP > 1: pass this rank's head counts)."""
-
-    hidden: int
-    hk: int
-    hv: int
-    dk: int
-    dv: int
-    eps: float
-    conv_k: int = 4
-
-    @classmethod
-    def from_dims(cls, dims: Any) -> K1GdnShape:
-        """From :class:`mono_ext.models.qwen3_next.dims.Dims` (per rank via ``tp``)."""
-        return cls(dims.hidden, dims.hk_r, dims.hv_r, dims.dk, dims.dv, dims.eps, dims.conv_k)
-
-    @property
-    def key_dim(self) -> int:
-        return self.hk * self.dk
-
-    @property
-    def value_dim(self) -> int:
-        return self.hv * self.dv
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
-
-    @property
-    def qkvz_rows(self) -> int:
-        return 2 * self.key_dim + 2 * self.value_dim
-
-    @property
-    def ratio(self) -> int:
-        return self.hv // self.hk
-
-    @property
-    def payload_words(self) -> int:
-        """Words per row of the proj region: conv out, z, beta, g (rounded to 16)."""
-        n = self.conv_dim + self.value_dim + 2 * self.hv
-        return -(-n // 16) * 16
-
-    def refusals(self) -> list[str]:
-        bad = []
-        if self.conv_k != 4:
-            bad.append(f"conv kernel {self.conv_k}: K1 is built for 4")
-        if self.hk < 1 or self.hv % self.hk:
-            bad.append(f"Hv={self.hv} is not a multiple of Hk={self.hk}")
-        for name, v in (("Dk", self.dk), ("Dv", self.dv)):
-            if v < 16 or v & (v - 1):
-                bad.append(f"{name}={v}: K1 tiles power-of-two head dims >= 16")
-        if self.dk * self.dv > 128 * 128:
-            bad.append(
-                f"Dk*Dv={self.dk * self.dv}: the [Dv, Dk] state tile lives in registers; "
-                "K1 holds at most 128x128 (larger heads need a Dv-chunked recurrence)"
-            )
-        if self.hidden % 16:
-            bad.append(f"hidden={self.hidden} is not a multiple of 16")
-        if self.qkvz_rows % 16:
-            bad.append(f"in_proj_qkvz rows {self.qkvz_rows} are not a multiple of 16")
-        return bad
-
-
-@dataclass(frozen=True)
-class K1AttnShape:
-    hidden: int
-    hq: int
-    hkv: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    eps: float
-
-    @classmethod
-    def from_dims(cls, dims: Any) -> K1AttnShape:
-        return cls(dims.hidden, dims.hq_r, dims.hkv_r, dims.head_dim, dims.rotary_dim,
-                   float(dims.rope_theta), dims.eps)  # fmt: skip
-
-    @property
-    def qkv_rows(self) -> int:
-        return (2 * self.hq + 2 * self.hkv) * self.head_dim
-
-    def refusals(self) -> list[str]:
-        bad = []
-        d = self.head_dim
-        if d < 16 or d & (d - 1):
-            bad.append(f"head_dim={d}: K1 tiles power-of-two head dims >= 16")
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= d:
-            bad.append(f"rotary_dim={self.rotary_dim} is not even and within head_dim {d}")
-        if self.hidden % 16:
-            bad.append(f"hidden={self.hidden} is not a multiple of 16")
-        if self.qkv_rows % 16:
-            bad.append(f"qkv_proj rows {self.qkv_rows} are not a multiple of 16")
-        return bad
-
-
-@dataclass(frozen=True)
-class K1Config:
-    """Grid and tiles (one build per config; none of it changes per step).
-
-    Every projection is ``acc^T [tile_rows, Bb] = W [tile_rows, k_chunk] @ x^T [k_chunk, Bb]``:
-    the weight tile is the MMA's M (wgmma, 64 rows per warpgroup of 4 warps; with 8 warps the
-    two warpgroups split the batch columns), the batch rows its N, so no warp re-reads
-    another's weights. The defaults are the fastest tested on H200 at the 80B-A3B shapes
-    (docs/journal.md, K1, where the knobs go by their earlier names ``bn``, ``bk``, ``ns``,
-    ``dvs``): 8 warps (4: 1.7x slower, 16: 8-25% slower), 3 pipeline stages (2 and 4-5 slower).
-    Device-side constexprs keep the short names (``BN``, ``BK``, ``CH``, ``NS``, ``PRE``, ...).
-    """
-
-    grid: int
-    num_warps: int = 8
-    tile_rows: int = 64  # projection rows per S1 tile (at most; a power of two dividing the rows)
-    k_chunk: int = 256  # K chunk of a tile (at most; a power of two dividing H)
-    norm_chunk: int = 512  # H columns per step of the input RMSNorm
-    pipeline_stages: int = 3  # software-pipeline stages of the projection loop (copies in flight)
-    # L2-prefetch the first pipeline_stages - 1 weight chunks before the input norm
-    prefetch_first_chunks: bool = False
-    preload_state: bool = True  # GDN: load the first S2 task's state (first slice) before S1
-    # GDN: the [Dv, Dk] state tile in this many row slices (1 or 2; 2 halves the registers)
-    state_row_slices: int = 2
-    pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
-
-
-def k1_gdn_program(shape: K1GdnShape) -> Program:
-    """S1 writes the proj region; S2 waits on it (checked at build)."""
-    return Program(
-        "k1_gdn",
-        (Region("proj", BLOCK_B * shape.payload_words),),
-        (Stage("in_proj_conv", [write("proj")]), Stage("recurrence", [wait("proj")])),
-    )
-
-
-def k1_attn_program(shape: K1AttnShape) -> Program:
-    words = BLOCK_B * (shape.hq + shape.hkv) * shape.head_dim
-    return Program(
-        "k1_attn",
-        (Region("qk", words),),
-        (Stage("qkv_proj", [write("qk")]), Stage("norm_rope", [wait("qk")])),
-    )
-
-
-def gdn_row_map(shape: K1GdnShape, packing: str) -> list[int]:
-    """Payload word of every projection row: ``in_proj_qkvz`` rows, then ``in_proj_ba`` rows.
-
-    Payload per row: conv channels q (head-major), k, v (``[0, C)``), z (``C + h*Dv + j``),
-    beta (``C + Hv*Dv + h``), g (``C + Hv*Dv + Hv + h``). "contiguous" is the identity.
-    """
-    s = shape
-    kd, vd, c, r = s.key_dim, s.value_dim, s.conv_dim, s.ratio
-    if packing == "contiguous":
-        return list(range(s.qkvz_rows + 2 * s.hv))
-    if packing != "interleaved":
-        raise ValueError(f"packing must be 'interleaved' or 'contiguous', got {packing!r}")
-    out: list[int] = []
-    rdv = r * s.dv
-    for g in range(s.hk):
-        out += [g * s.dk + i for i in range(s.dk)]  # q
-        out += [kd + g * s.dk + i for i in range(s.dk)]  # k
-        out += [2 * kd + g * rdv + i for i in range(rdv)]  # v of value heads g*r .. g*r+r-1
-        out += [c + g * rdv + i for i in range(rdv)]  # z
-    for g in range(s.hk):
-        out += [c + vd + g * r + i for i in range(r)]  # b
-        out += [c + vd + s.hv + g * r + i for i in range(r)]  # a
-    return out
-
-
-def rope_table(shape: K1AttnShape, max_positions: int, device: Any = "cpu") -> Any:
-    """[max_positions, rotary_dim] fp32: cos then sin halves, built like the reference."""
-    import torch
-
-    from mono_ext.models.qwen3_next.reference.attention import rope_cos_sin
-
-    pos = torch.arange(max_positions, device=device)
-    cos, sin = rope_cos_sin(pos, shape.rotary_dim, shape.rope_theta)
-    return torch.cat([cos, sin], dim=-1).contiguous()
-
-
-def s1_tiles(rows: int, grid: int, bn: int) -> tuple[int, int, int]:
-    """S1 tiling of ``rows`` projection rows over ``grid`` CTAs: (full tiles, rows of a tail
-    tile, tiles). Whole rounds of ``grid`` tiles of ``bn`` rows, then the rest in tiles of the
-    fewest rows (a power of two, 16..bn) that still fit one round, so that no CTA streams
-    more than about its share (80B-A3B GDN, 132 CTAs: 132 x 64 rows + 122 x 32 rows instead
-    of 193 x 64, of which 61 CTAs took two)."""
-    full = rows // (grid * bn) * grid
-    rest = rows - full * bn
-    hb = bn
-    while hb > 16 and -(-rest // (hb // 2)) <= grid:
-        hb //= 2
-    return full, hb, full + -(-rest // hb)
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two <= cap that divides n."""
-    b = 1
-    while b * 2 <= cap and n % (b * 2) == 0:
-        b *= 2
-    return b
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def _interp() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -268,7 +76,7 @@ def _prefetch(config: K1Config, hidden: int) -> bool:
     return (
         config.prefetch_first_chunks
         and not _interp()
-        and _pow2_divisor(hidden, config.k_chunk) >= 64
+        and pow2_divisor(hidden, config.k_chunk) >= 64
     )
 
 
@@ -402,7 +210,7 @@ class _K1LaunchBase:
 
     def _constexprs(self) -> dict:
         s, c = self.shape, self.config
-        bn = _pow2_divisor(self._proj_rows(), c.tile_rows)
+        bn = pow2_divisor(self._proj_rows(), c.tile_rows)
         # a block-128 plane's chunks stay inside one scale column: BK divides 128 (and H, so
         # every chunk starts at a multiple of BK)
         bk = min(c.k_chunk, chunk_limit(self.formats, *self._PLANES) or c.k_chunk)
@@ -412,11 +220,11 @@ class _K1LaunchBase:
             **self._kind_constexprs(),
             BB=BLOCK_B,
             BN=bn,
-            BK=_pow2_divisor(s.hidden, bk),
+            BK=pow2_divisor(s.hidden, bk),
             FT=ft,
             HB=hb,
             NT=nt,
-            CH=min(c.norm_chunk, _next_pow2(s.hidden)),
+            CH=min(c.norm_chunk, next_pow2(s.hidden)),
             NS=c.pipeline_stages,
             PRE=_prefetch(c, s.hidden) and not self._quantized(),  # the prefetch assumes bf16
             STAGES=self.stages,
@@ -583,7 +391,7 @@ class K1GdnLaunch(_K1LaunchBase):
             STATE_BYTES=4 if self.state_dtype == "float32" else 2,
             PRELOAD=c.preload_state and self.stages == STAGES_ALL and not self._split(),
             DVS=c.state_row_slices,
-            WB=_next_pow2(2 * s.dk + 2 * s.dv + 2),
+            WB=next_pow2(2 * s.dk + 2 * s.dv + 2),
             Q_QKVZ=self._q("in_proj_qkvz"),
             Q_BA=self._q("in_proj_ba"),
         )
