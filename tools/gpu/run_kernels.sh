@@ -17,8 +17,8 @@
 #   bash tools/gpu/run_kernels.sh bench   bench_k2 bf16 + fp8 block-128 (torch stock arm; add
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install for
 #                                         the vLLM arms) and the bench_k1 sweep, ~8 min
-#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (router K splits,
-#                                         rows per norm wait, PDL) at widths 1-16, each checked
+#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (router K splits and
+#                                         pipeline, rows per norm wait, PDL) at widths 1-16, each checked
 #                                         against the default first; writes $OUT/k2_sweep.csv and
 #                                         the stage traces $OUT/k2_trace.json, ~4 min
 #   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep at widths 1, 4, 16 (writes
@@ -61,12 +61,13 @@ bench)
     --variants "k2,k2 pipeline_stages=8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 sweep)
-  # router K splits around the default (2) and the norm's rows per wait, with PDL; traces of
-  # the default and of eight splits
+  # the router (K splits around the default 2, chunks in flight per task) and the norm's rows
+  # per wait, with PDL; traces of the default and of eight splits
   run k2_sweep python3 benchmarks/bench_k2.py --widths 1,2,4,8,16 --stock torch --trace \
     --trace-variants "k2,k2 router_k_splits=8" \
     --variants "k2,k2 norm_rows_per_wait=1,k2 pdl,k2 router_k_splits=8,k2 router_k_splits=4,$(
-      )k2 router_k_splits=1" \
+      )k2 router_k_splits=1,k2 router_pipeline_stages=2,k2 router_pipeline_stages=3,$(
+      )k2 router_k_splits=4 router_pipeline_stages=2,k2 router_k_splits=8 router_pipeline_stages=2" \
     --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --no-attn \

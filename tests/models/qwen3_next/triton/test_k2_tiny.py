@@ -154,8 +154,13 @@ def test_k2_tiny_batch_invariance_and_non_finite_row(tiny):
     assert torch.isnan(h[1]).any()
 
 
-# router K splits other than the default 2: the partial logits every top-k CTA sums
-ROUTER_SPLITS = [{"router_k_splits": 8}, {"router_k_splits": 1}]
+# router K splits other than the default 2 (the partial logits every top-k CTA sums), and a
+# pipelined router loop (on a GPU: chunks in flight; the interpreter runs it as a plain loop)
+ROUTER_SPLITS = [
+    {"router_k_splits": 8},
+    {"router_k_splits": 1},
+    {"router_k_splits": 4, "router_pipeline_stages": 2},
+]
 
 
 @pytest.fixture(scope="module", params=ROUTER_SPLITS, ids=lambda c: "-".join(map(str, c.values())))
@@ -164,8 +169,8 @@ def tiny_topk(request):
 
 
 def test_k2_tiny_topk_over_router_k_splits(tiny_topk):
-    """Top-k over 8 and 1 router K splits: the reference's routing, and each row's output
-    bit-identical alone and in a batch, whichever CTA took its top-k."""
+    """Top-k over 8, 1 and 4 (pipelined) router K splits: the reference's routing, and each
+    row's output bit-identical alone and in a batch, whichever CTA took its top-k."""
     test_k2_tiny_matches_reference(tiny_topk)
     gen = torch.Generator(device=DEV).manual_seed(24)
     o_all, r_all = tiny_topk.inputs(BLOCK_B, gen)

@@ -138,6 +138,8 @@ class K2Config:
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
     # weight chunks in flight (Triton pipeline stages) of each streamed GEMV
     out_proj_pipeline_stages: int = 4
+    # router K chunks in flight per task (1: one chunk at a time)
+    router_pipeline_stages: int = 1
     gate_up_pipeline_stages: int = 4
     down_pipeline_stages: int = 4
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
@@ -393,6 +395,7 @@ class K2Launch:
             IWPOW=_next_pow2(s.act_words),
             STAGES=self.stages,
             PIPE1=c.out_proj_pipeline_stages,
+            PIPE2=c.router_pipeline_stages,
             PIPE3=c.gate_up_pipeline_stages,
             PIPE4=c.down_pipeline_stages,
             JM3=_next_pow2(-(-(self._max_tasks3()) // c.grid)),

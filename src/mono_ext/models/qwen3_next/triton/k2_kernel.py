@@ -64,7 +64,8 @@ def k2_kernel(
     JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RN: tl.constexpr, TKP: tl.constexpr,
     PKWP: tl.constexpr,
     HP: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr, NPP: tl.constexpr,
-    IWPOW: tl.constexpr, STAGES: tl.constexpr, PIPE1: tl.constexpr, PIPE3: tl.constexpr,
+    IWPOW: tl.constexpr, STAGES: tl.constexpr, PIPE1: tl.constexpr, PIPE2: tl.constexpr,
+    PIPE3: tl.constexpr,
     PIPE4: tl.constexpr, JM3: tl.constexpr, TRACE: tl.constexpr, Q_O: tl.constexpr,
     Q_13: tl.constexpr,
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
@@ -142,7 +143,7 @@ def k2_kernel(
         stamp(trace_ptr, 3, TRACE)
         s2_router(
             router_ptr, s_r_ptr, xs_base, logits_ptr, pid, G, rows, rmask, nn, tag, H, E, BB, BN,
-            KS2, BK2, Q_R, INTERP,
+            KS2, BK2, PIPE2, Q_R, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 4, TRACE)
     if STAGES & 8:

@@ -268,7 +268,7 @@ def s2_norm(
 def s2_router(
     router_ptr, s_r_ptr, xs_base, logits_ptr, pid, G, rows, rmask, nn, tag, H: tl.constexpr,
     E: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, KS2: tl.constexpr,
-    BK2: tl.constexpr, Q_R: tl.constexpr, INTERP: tl.constexpr,
+    BK2: tl.constexpr, PIPE2: tl.constexpr, Q_R: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S2 router: router^T row blocks x K splits, one fp32 partial logit block per split."""
     NEB: tl.constexpr = (E + BN - 1) // BN
@@ -280,7 +280,7 @@ def s2_router(
         em = e < E
         ks = t // NEB
         acc2 = tl.zeros([BN, BB], dtype=tl.float32)
-        for kc in range(KCH2):
+        for kc in tl.range(KCH2, num_stages=PIPE2):
             k2 = ks * KSP2 + kc * BK2 + kk2
             km2 = (k2 < H) & (k2 < (ks + 1) * KSP2)
             wr = tl.load(
