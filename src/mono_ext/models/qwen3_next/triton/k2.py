@@ -124,8 +124,9 @@ class K2Config:
     down_rows: int = 64  # down: H rows per (slot, H block) task
     out_proj_k_chunk: int = 256  # out_proj K chunk
     out_proj_k_splits: int | None = None  # out_proj K splits (power of two)
-    # router K splits (partial logits summed in order by every CTA): in the H200 sweep 2 was
-    # faster than 8, 4 and 1 at every width (docs/results/k2_sweep_router_h200.csv)
+    # router K splits (a row's partial logits summed in order by its top-k CTA): 2 was faster
+    # than 8, 4 and 1 at every width in docs/results/k2_sweep_router_h200.csv, a sweep in
+    # which every CTA summed every row's
     router_k_splits: int = 2
     router_k_chunk: int = 256  # router K chunk (within a split)
     gate_up_k_chunk: int = 256  # gate_up K chunk
@@ -133,7 +134,7 @@ class K2Config:
     reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
     act_rows_per_wait: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
     # rows per norm wait (each wait covers all of H): 2 halves the serial waits and was faster
-    # at every width on the H200 (docs/results/k2_vllm.csv); 4 spills
+    # at every width on the H200 (docs/results/k2_vllm_norm_pdl.csv); 4 spills
     norm_rows_per_wait: int = 2
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
     # weight chunks in flight (Triton pipeline stages) of each streamed GEMV
