@@ -1,10 +1,11 @@
 """Host time mono_ext spends per decode step outside the kernels, part by part.
 
 What an engine adapter runs on the host for a step that replays a captured graph (vLLM's FULL
-decode graphs, SGLang's decode graphs): ``DecodeDriver.after_step(replayed=True)`` (the launches'
-``end_step``: FailStop counts the step), the ticket queued, taken by the engine's output object
-and released at the engine's token await (``FailStop.release`` of that step). The launches here are the hooks every persistent backend
-shares (``runtime.persistent``) over a real :class:`~mono_ext.runtime.failstop.FailStop`: on
+decode graphs, SGLang's decode graphs): ``DecodeDriver.after_step(replayed=True)`` (the
+launches' ``end_step``: FailStop counts the step), the ticket queued, taken by the engine's
+output object and released at the engine's token await (``FailStop.release`` of that step).
+The launches here are the hooks every persistent backend shares (``runtime.persistent``)
+over a real :class:`~mono_ext.runtime.failstop.FailStop`: on
 CUDA over :class:`~mono_ext.runtime.failstop.CudaHealthSource` with a device health block,
 each step a replay of a captured graph holding a small device op and the health copy (as a
 decode graph holds the step's launches and the copy), elsewhere over the scripted source (the

@@ -123,8 +123,8 @@ VARIANTS = {
     "k2": {},
     # 352 gate_up tiles at width 1: max 3 per CTA, not 2 x 2
     "k2 gate_up_rows=32": {"gate_up_rows": 32},
-    # the router's partial logits in eight K splits: more, shorter router tasks, and every
-    # top-k pass waits for eight partials per row
+    # the router's partial logits in eight K splits: more, shorter router tasks, and each
+    # row's top-k CTA sums eight partials
     "k2 router_k_splits=8": {"router_k_splits": 8},
     "k2 down_rows=32": {"down_rows": 32},
     "k2 no-prefetch": {"prefetch": False},

@@ -53,9 +53,9 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 
 Every CTA computes the norm redundantly (bit-identical across CTAs: same code, same words).
 Each row's top-k is computed by one CTA and its picks published; every CTA then builds the
-same union and routing tables from them. The union of picked experts (ascending expert id) plus the shared expert are
-the "slots" whose gate_up row blocks (S3) and down H-slices (S4) are spread
-over the grid. Stages hand off only through tagged words (``runtime.layout``); the program
+same union and routing tables from them. The union of picked experts (ascending expert id)
+plus the shared expert are the "slots" whose gate_up row blocks (S3) and down H-slices (S4)
+are spread over the grid. Stages hand off only through tagged words (``runtime.layout``); the program
 is declared by :func:`k2_program` and checked at build. No grid barrier; waits are bounded.
 
 Per-element reduction orders depend only on the build (tiles), never on the width or the
@@ -124,9 +124,9 @@ class K2Config:
     down_rows: int = 64  # down: H rows per (slot, H block) task
     out_proj_k_chunk: int = 256  # out_proj K chunk
     out_proj_k_splits: int | None = None  # out_proj K splits (power of two)
-    # router K splits (a row's partial logits summed in order by its top-k CTA): 2 was faster
-    # than 8, 4 and 1 at every width in docs/results/k2_sweep_router_h200.csv, a sweep in
-    # which every CTA summed every row's
+    # router K splits (a row's partial logits, summed in order by its top-k CTA): 2 was
+    # faster than 8, 4 and 1 at every width in docs/results/k2_sweep_router_h200.csv, timed
+    # when every CTA summed every row's partials
     router_k_splits: int = 2
     router_k_chunk: int = 256  # router K chunk (within a split)
     gate_up_k_chunk: int = 256  # gate_up K chunk

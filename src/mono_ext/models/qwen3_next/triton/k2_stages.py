@@ -308,14 +308,12 @@ def s2_router(
 
 
 @triton.jit
-def _topk_block(lg, valid, rlive, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
-    """Softmax top-k of a [rows, EP] block of logits (``valid``: real experts of live rows,
-    ``rlive``: live rows). Returns (sel, prank, wts): the picks, each pick's rank in its row
-    (0 = largest probability; meaningful where ``sel``) and the routing weights (0 elsewhere).
-    """
+def _topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
+    """Softmax top-k of one row's [1, EP] logits (``valid``: the real experts). Returns (sel,
+    prank, wts): the picks, each pick's rank in the row (0 = largest probability; meaningful
+    where ``sel``) and the routing weights (0 elsewhere)."""
     lg = tl.where(valid, lg, float("-inf"))
     mx = tl.max(lg, axis=1)
-    mx = tl.where(rlive, mx, 0.0)
     p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
     den = tl.sum(p, axis=1)
     p = p / tl.where(den > 0.0, den, 1.0)[:, None]
@@ -357,12 +355,12 @@ def s3_topk(
     ks_i = tl.arange(0, KS2)
     for r in range(G - 1 - pid, n_rows, G):
         kidx = ks_i[:, None] * (BB * E) + r * E + offs_e[None, :]
-        km = (ks_i >= 0)[:, None] & (offs_e[None, :] < E)
+        km = (ks_i >= 0)[:, None] & valid
         lwords, lok = _wait2d(
             logits_ptr + kidx, km, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP, INTERP
         )
         lg = tl.reshape(tl.sum(_words_to_fp32(lwords), axis=0), (1, EP))
-        sel, prank, wts = _topk_block(lg, valid, r < n_rows, offs_e, TOPK, NORM_TOPK)
+        sel, prank, wts = _topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
         # each pick to the word of its rank (ranks are distinct). The rank decides, not the
         # weight: a NaN weight (a CUDA-graph padding row whose attention saw no keys is NaN
         # in vLLM) is still a pick whose pair must be written.
@@ -381,8 +379,8 @@ def s3_union(
     """S3 union (every CTA, its own copy): every live row's published picks -> the union of
     picked experts (ascending id) into ``meta``, and per (slot, row) the routing weight
     (``wsc``) and pair row (``ppos``, pair (row r, rank k) = r * TOPK + k). ``eslot_base``:
-    this CTA's 2 * EP int32 words (each expert's slot, then its picked flag). Returns the union's size.
-    """
+    this CTA's 2 * EP int32 words (each expert's slot, then its picked flag). Returns the
+    union's size."""
     PKW: tl.constexpr = 2 * TOPK
     cp = tl.arange(0, PKWP)
     pidx = rows[:, None] * PKW + cp[None, :]
