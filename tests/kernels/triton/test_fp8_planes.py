@@ -48,6 +48,28 @@ def _gemv(w_ptr, s_ptr, x_ptr, out_ptr, n_rows, N: tl.constexpr, K: tl.constexpr
     tl.store(out_ptr + b[None, :] * N + nn[:, None], acc, mask=(b < n_rows)[None, :])
 
 
+@triton.jit
+def _widen(codes_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, planes.widen_e4m3(tl.load(codes_ptr + i)))
+
+
+def test_widen_e4m3_is_exact_on_every_finite_code():
+    codes, n = _finite_codes(), 1024
+    gen = torch.Generator().manual_seed(7)
+    # every code four times or more, at fresh places (so in every byte of a packed register)
+    fill = codes[torch.randint(0, len(codes), (n - 4 * len(codes),), generator=gen)]
+    src = torch.cat([codes.repeat(4), fill])[torch.randperm(n, generator=gen)]
+    src = src.view(torch.float8_e4m3fn)
+    out = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    sd, od = src.to(DEV), out.to(DEV)
+    _widen[(1,)](sd, od, N=n)
+    want = src.to(torch.bfloat16).view(torch.int16)
+    got = od.cpu().view(torch.int16)
+    bad = (got != want).nonzero().flatten()
+    assert len(bad) == 0, [(hex(int(src.view(torch.uint8)[j])), hex(int(got[j]))) for j in bad[:8]]
+
+
 def _finite_codes() -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.int32)
     return codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # 0x7F / 0xFF are e4m3fn's NaNs
