@@ -57,16 +57,21 @@ _WIDEN_BY_BITS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # 2j and 2j+1 in register j's low and high half). Each code moves into the top byte of a 16-bit
 # lane (prmt), its exponent and mantissa shift right by 4 so that they sit where bf16 keeps
 # them, the sign stays at bit 15: that lane is the code's value times 2^-120 as a bf16, exact
-# for subnormal codes too (bf16 has 8 exponent bits). One bf16x2 FMA by 2^120 (0x7B80; adding
-# -0.0 keeps the sign of zero) rescales it exactly. Triton's own cast goes through f16 and
-# converts f16 to bf16 one value at a time on the conversion unit, which bounded the fp8 GEMVs
-# on sm_90 (docs/perf.md). A NaN code (0x7F / 0xFF, never in a quantized plane) would come
-# out as +-480.
+# for subnormal codes too (bf16 has 8 exponent bits). One bf16x2 FMA by 2^120 (0x7B80)
+# rescales it exactly; its addend is -0.0 (keeps the sign of zero), or a NaN for a NaN code
+# (0x7F / 0xFF: adding 1 to the low 7 bits carries into bit 7, which prmt's sign replication
+# spreads over the lane). Triton's own cast goes through f16 and converts f16 to bf16 one
+# value at a time (F2F on sm_90's conversion unit).
 _E4M3_TO_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 lo, hi, s, two120, nzero;
+.reg .b32 lo, hi, s, n, nlo, nhi, two120;
 mov.b32 two120, 0x7B807B80;
-mov.b32 nzero, 0x80008000;
+and.b32 n, $2, 0x7F7F7F7F;
+add.u32 n, n, 0x01010101;
+prmt.b32 nlo, n, 0, 0x9988;
+prmt.b32 nhi, n, 0, 0xBBAA;
+or.b32 nlo, nlo, 0x80008000;
+or.b32 nhi, nhi, 0x80008000;
 prmt.b32 lo, $2, 0, 0x1404;
 prmt.b32 hi, $2, 0, 0x3424;
 and.b32 s, lo, 0x80008000;
@@ -77,8 +82,8 @@ and.b32 s, hi, 0x80008000;
 shr.b32 hi, hi, 4;
 and.b32 hi, hi, 0x07F007F0;
 or.b32 hi, hi, s;
-fma.rn.bf16x2 $0, lo, two120, nzero;
-fma.rn.bf16x2 $1, hi, two120, nzero;
+fma.rn.bf16x2 $0, lo, two120, nlo;
+fma.rn.bf16x2 $1, hi, two120, nhi;
 }
 """)
 
