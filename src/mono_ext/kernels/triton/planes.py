@@ -15,8 +15,8 @@ existed. A quantized plane ``name`` comes with its scale tensor as ``weights[nam
 | fp8_tensor    | 3 | e4m3fn [.., N, K]          | fp32 one per plane ([E] for experts)    |
 
 How a GEMV reads them (:func:`qdot`): every fp8 code converts to bf16 exactly (3 mantissa bits
-into 7, the exponent range fits; :func:`widen_e4m3`), the MMA multiplies it by the bf16
-activations with fp32 accumulation, and the chunk's fp32 partial is multiplied by its scale before it joins the
+into 7, the exponent range fits), the MMA multiplies it by the bf16 activations with fp32
+accumulation, and the chunk's fp32 partial is multiplied by its scale before it joins the
 accumulator. So the result equals the product with the dequantized plane up to fp32 rounding
 (no bf16 rounding of ``w * scale``), which is also what the engines' block-scaled GEMMs compute.
 A chunk must not straddle a scale column: block-128 planes are read in K chunks that divide 128
@@ -25,7 +25,6 @@ A chunk must not straddle a scale column: block-128 planes are read in K chunks 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,47 +44,10 @@ __all__ = [
     "row_scale",
     "scale_index",
     "scale_numel",
-    "widen_e4m3",
 ]
 
 BLOCK = 128  # fp8 block-128: rows and columns per scale
 _BLOCK = tl.constexpr(BLOCK)
-# Triton's interpreter runs no PTX: there the codes widen through Triton's own cast
-_WIDEN_BY_BITS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-
-# Four e4m3fn codes (one 32-bit register, code i in byte i) to four bf16 (two registers, codes
-# 2j and 2j+1 in register j's low and high half). Each code moves into the top byte of a 16-bit
-# lane (prmt), its exponent and mantissa shift right by 4 so that they sit where bf16 keeps
-# them, the sign stays at bit 15: that lane is the code's value times 2^-120 as a bf16, exact
-# for subnormal codes too (bf16 has 8 exponent bits). One bf16x2 FMA by 2^120 (0x7B80)
-# rescales it exactly; its addend is -0.0 (keeps the sign of zero), or a NaN for a NaN code
-# (0x7F / 0xFF: adding 1 to the low 7 bits carries into bit 7, which prmt's sign replication
-# spreads over the lane). Triton's own cast goes through f16 and converts f16 to bf16 one
-# value at a time (F2F on sm_90's conversion unit).
-_E4M3_TO_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 lo, hi, s, n, nlo, nhi, two120;
-mov.b32 two120, 0x7B807B80;
-and.b32 n, $2, 0x7F7F7F7F;
-add.u32 n, n, 0x01010101;
-prmt.b32 nlo, n, 0, 0x9988;
-prmt.b32 nhi, n, 0, 0xBBAA;
-or.b32 nlo, nlo, 0x80008000;
-or.b32 nhi, nhi, 0x80008000;
-prmt.b32 lo, $2, 0, 0x1404;
-prmt.b32 hi, $2, 0, 0x3424;
-and.b32 s, lo, 0x80008000;
-shr.b32 lo, lo, 4;
-and.b32 lo, lo, 0x07F007F0;
-or.b32 lo, lo, s;
-and.b32 s, hi, 0x80008000;
-shr.b32 hi, hi, 4;
-and.b32 hi, hi, 0x07F007F0;
-or.b32 hi, hi, s;
-fma.rn.bf16x2 $0, lo, two120, nlo;
-fma.rn.bf16x2 $1, hi, two120, nhi;
-}
-""")
 
 
 def format_code(formats: Mapping[str, str], plane: str) -> int:
@@ -168,22 +130,6 @@ def scale_index(rows, k0, Q: tl.constexpr, N, K):
 
 
 @triton.jit
-def widen_e4m3(w):
-    """e4m3fn codes -> bf16, exactly (bit arithmetic on the GPU; see ``_E4M3_TO_BF16_ASM``)."""
-    if _WIDEN_BY_BITS:
-        return tl.inline_asm_elementwise(
-            _E4M3_TO_BF16_ASM,
-            "=r,=r,r",
-            [w.to(tl.uint8, bitcast=True)],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        return w.to(tl.bfloat16)
-
-
-@triton.jit
 def qdot(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
     """``acc + W[rows, k0:k0+BK] @ x`` for a plane in format ``Q``: bf16 planes accumulate in
     the MMA; fp8 planes multiply bf16(codes) @ x (exact products, fp32 sums) by each row's
@@ -192,7 +138,7 @@ def qdot(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
         return tl.dot(w, x, acc)
     else:
         s = row_scale(scale_ptr, rows, rmask, k0, Q, N, K)
-        return acc + tl.dot(widen_e4m3(w), x) * s[:, None]
+        return acc + tl.dot(w.to(tl.bfloat16), x) * s[:, None]
 
 
 @triton.jit
@@ -206,22 +152,13 @@ def row_scale(scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
 
 
 @triton.jit
-def _widen(w, Q: tl.constexpr):
-    """A tile of a plane in format ``Q`` as bf16 (a bf16 plane as it is)."""
-    if Q == 0:
-        return w
-    else:
-        return widen_e4m3(w)
-
-
-@triton.jit
 def qdot_either(acc, wa, wb, use_b, x, sa_ptr, sb_ptr, rows, rmask, k0, QA: tl.constexpr,
                 QB: tl.constexpr, NA, KA, NB, KB):  # fmt: skip
     """``qdot`` for a loop that streams two planes of different formats (A and B), one per
     tile: the tile was loaded into ``wa`` or ``wb`` (``use_b``; the other load fully masked,
     so no traffic), since one load cannot go through pointers of two element types. Both
     widen to bf16 exactly; one MMA; then each row's scale of its own plane."""
-    w = tl.where(use_b, _widen(wb, QB), _widen(wa, QA))
+    w = tl.where(use_b, wb.to(tl.bfloat16), wa.to(tl.bfloat16))
     s = tl.where(
         use_b,
         row_scale(sb_ptr, rows, rmask & use_b, k0, QB, NB, KB),
