@@ -139,8 +139,9 @@ class K2Config:
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
     # weight chunks in flight (Triton pipeline stages) of each streamed GEMV
     out_proj_pipeline_stages: int = 4
-    # router K chunks in flight per task (1: one chunk at a time)
-    router_pipeline_stages: int = 1
+    # router K chunks in flight per task: 3 was faster than 1 and 2 at every width (2-6%) in
+    # docs/results/k2_sweep_owners_h200.csv
+    router_pipeline_stages: int = 3
     gate_up_pipeline_stages: int = 4
     down_pipeline_stages: int = 4
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
