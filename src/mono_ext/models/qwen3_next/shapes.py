@@ -1,7 +1,8 @@
-"""The per-rank sizes every kernel backend builds the layer tail (K2) for, taken from
-:class:`~mono_ext.models.qwen3_next.dims.Dims`, and the limits every backend shares. Free of
-torch and of any kernel language, so that each backend's ``K2Shape`` subclasses it and adds
-only its own limits and derived sizes."""
+"""The per-rank sizes every kernel backend builds the layer fronts (K1, GDN and attention) and
+the layer tail (K2) for, taken from :class:`~mono_ext.models.qwen3_next.dims.Dims`, and the
+limits every backend shares. Free of torch and of any kernel language, so that each backend's
+``K1GdnShape``, ``K1AttnShape`` and ``K2Shape`` subclass them and add only their own limits
+and derived sizes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,114 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TailShape", "kernel_shape_reasons"]
+__all__ = ["AttnFrontShape", "GdnFrontShape", "TailShape", "kernel_shape_reasons"]
+
+
+class _Refusable:
+    def refusals(self) -> list[str]:
+        return []
+
+    def validate(self) -> None:
+        bad = self.refusals()
+        if bad:
+            raise ValueError(f"{type(self).__name__} refused: " + "; ".join(bad))
 
 
 @dataclass(frozen=True)
-class TailShape:
+class GdnFrontShape(_Refusable):
+    """Per-rank sizes of one GDN layer front: ``hk`` key heads of ``dk``, ``hv`` value heads
+    of ``dv`` (this rank's share under TP), a causal depthwise conv of ``conv_k`` taps over
+    the q, k and v channels."""
+
+    hidden: int
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+    conv_k: int
+    eps: float
+
+    @classmethod
+    def from_dims(cls, dims: Any) -> GdnFrontShape:
+        """From :class:`mono_ext.models.qwen3_next.dims.Dims` (per rank via ``tp``)."""
+        return cls(hidden=dims.hidden, hk=dims.hk_r, hv=dims.hv_r, dk=dims.dk, dv=dims.dv,
+                   conv_k=dims.conv_k, eps=dims.eps)  # fmt: skip
+
+    @property
+    def key_dim(self) -> int:
+        return self.hk * self.dk
+
+    @property
+    def value_dim(self) -> int:
+        return self.hv * self.dv
+
+    @property
+    def conv_dim(self) -> int:
+        """Conv channels: q, k, v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def qkvz_rows(self) -> int:
+        return 2 * self.key_dim + 2 * self.value_dim
+
+    @property
+    def ratio(self) -> int:
+        """Value heads per key head."""
+        return self.hv // self.hk
+
+    @property
+    def payload_words(self) -> int:
+        """Words per row of the proj region K1's stages hand over: conv out, z, beta, g,
+        rounded up to 16 (row offsets stay divisible by 16, which Triton vectorises on)."""
+        n = self.conv_dim + self.value_dim + 2 * self.hv
+        return -(-n // 16) * 16
+
+    def refusals(self) -> list[str]:
+        """What no backend's GDN front takes; a backend's subclass adds its own limits."""
+        if self.hk < 1 or self.hv % self.hk:
+            return [f"Hv={self.hv} is not a multiple of Hk={self.hk}"]
+        return []
+
+
+@dataclass(frozen=True)
+class AttnFrontShape(_Refusable):
+    """Per-rank sizes of one gated-attention layer front: ``hq`` query heads (each with its
+    output gate) and ``hkv`` kv heads of ``head_dim``, partial rotary over ``rotary_dim``."""
+
+    hidden: int
+    hq: int
+    hkv: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    eps: float
+
+    @classmethod
+    def from_dims(cls, dims: Any) -> AttnFrontShape:
+        """From :class:`mono_ext.models.qwen3_next.dims.Dims` (per rank via ``tp``)."""
+        return cls(hidden=dims.hidden, hq=dims.hq_r, hkv=dims.hkv_r, head_dim=dims.head_dim,
+                   rotary_dim=dims.rotary_dim, rope_theta=float(dims.rope_theta),
+                   eps=dims.eps)  # fmt: skip
+
+    @property
+    def qkv_rows(self) -> int:
+        """qkv_proj rows: q and its gate per query head, k and v per kv head."""
+        return (2 * self.hq + 2 * self.hkv) * self.head_dim
+
+    def refusals(self) -> list[str]:
+        """What no backend's attention front takes; a backend's subclass adds its own."""
+        bad = []
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            bad.append(
+                f"rotary_dim={self.rotary_dim} is not even and within head_dim {self.head_dim}"
+            )
+        if self.hq < 1 or self.hkv < 1 or self.hq % self.hkv:
+            bad.append(f"hq={self.hq}, hkv={self.hkv}: need hkv >= 1 dividing hq")
+        return bad
+
+
+@dataclass(frozen=True)
+class TailShape(_Refusable):
     """Per-rank sizes of one K2 build (``*_r``: this rank's share under TP ``tp``)."""
 
     hidden: int
@@ -61,11 +165,6 @@ class TailShape:
             if getattr(self, name) < 1:
                 bad.append(f"{name}={getattr(self, name)} must be >= 1")
         return bad
-
-    def validate(self) -> None:
-        bad = self.refusals()
-        if bad:
-            raise ValueError(f"{type(self).__name__} refused: " + "; ".join(bad))
 
     def weight_shapes(self, kind: str) -> dict[str, tuple[int, ...]]:
         """The planes K2 reads, by reference key, with their per-rank shapes."""

@@ -103,7 +103,7 @@ def test_gdn_program_and_payload(width):
 
 
 def test_gdn_refusals():
-    with pytest.raises(ValueError, match="hv=3 is not a multiple of hk=2"):
+    with pytest.raises(ValueError, match="Hv=3 is not a multiple of Hk=2"):
         K1GdnBuild(replace(SMALL_GDN, hk=2, hv=3), 1)
     with pytest.raises(ValueError, match="dv=96"):
         K1GdnBuild(replace(SMALL_GDN, dv=96), 1)
@@ -119,7 +119,7 @@ def test_gdn_host_and_state_checks():
     bf = dict(dtype=torch.bfloat16)
     weights = {n: torch.zeros(shp, **bf) for n, shp in b.weight_shapes().items()}
     weights["A_log"] = torch.zeros(s.hv)
-    weights["conv1d"] = torch.zeros(s.conv_dim, 1, s.conv_kernel, **bf)
+    weights["conv1d"] = torch.zeros(s.conv_dim, 1, s.conv_k, **bf)
     t = dict(
         hidden=torch.zeros(2, 64, **bf),
         residual=torch.zeros(2, 64, **bf),
@@ -132,7 +132,7 @@ def test_gdn_host_and_state_checks():
     t["slots"] = torch.zeros(2, dtype=torch.int64)
     reasons = b.check(**t, weights=weights)
     assert "slots must be int32 [2]" in reasons and any("A_log must be" in r for r in reasons)
-    conv = torch.zeros(5, s.conv_dim, s.conv_kernel - 1, **bf)  # chan_time [S, C, K-1]
+    conv = torch.zeros(5, s.conv_dim, s.conv_k - 1, **bf)  # chan_time [S, C, K-1]
     ssm = torch.zeros(5, s.hv, s.dv, s.dk)
     tab = b.state_table(conv, ssm)
     assert tab == [conv.data_ptr(), conv.stride(0), ssm.data_ptr(), ssm.stride(0)]

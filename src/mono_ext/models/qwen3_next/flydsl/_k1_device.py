@@ -248,7 +248,7 @@ def _store_f(addr, x, fp32: bool):
 def k1_gdn_launch(b):
     """A fresh ``@flyc.jit`` launch of the GDN-front build ``b`` (``k1.K1GdnBuild``)."""
     s = b.shape
-    W, H, HK, HV, DK, DV, KC = b.width, s.hidden, s.hk, s.hv, s.dk, s.dv, s.conv_kernel
+    W, H, HK, HV, DK, DV, KC = b.width, s.hidden, s.hk, s.hv, s.dk, s.dv, s.conv_k
     EPS, G = float(s.eps), b.grid
     R = HV // HK
     C = s.conv_dim

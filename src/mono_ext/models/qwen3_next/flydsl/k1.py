@@ -53,6 +53,7 @@ from mono_ext.models.qwen3_next.flydsl.k2 import (
     launch_reasons,
     runtime_table,
 )
+from mono_ext.models.qwen3_next.shapes import AttnFrontShape, GdnFrontShape
 from mono_ext.runtime.layout import Layout, Program, Region, Stage, plan_layout, wait, write
 
 __all__ = [
@@ -71,43 +72,24 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class K1AttnShape:
-    hidden: int
-    hq: int
-    hkv: int
-    head_dim: int
-    rotary_dim: int
-    eps: float
-
-    @classmethod
-    def from_dims(cls, dims: Any) -> K1AttnShape:
-        return cls(dims.hidden, dims.hq_r, dims.hkv_r, dims.head_dim, dims.rotary_dim, dims.eps)
-
-    @property
-    def qkv_rows(self) -> int:
-        return (2 * self.hq + 2 * self.hkv) * self.head_dim
+class K1AttnShape(AttnFrontShape):
+    """The attention front's sizes (:class:`~mono_ext.models.qwen3_next.shapes.AttnFrontShape`)
+    with the FlyDSL K1's own limits."""
 
     def refusals(self) -> list[str]:
-        bad = []
+        bad = super().refusals()
         d = self.head_dim
         if d < 64 or d % 64:
             bad.append(f"head_dim={d}: the FlyDSL K1 spreads a head over a wave (multiple of 64)")
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= d:
-            bad.append(f"rotary_dim={self.rotary_dim} is not even and within head_dim {d}")
         if self.hidden % 64:
             bad.append(f"hidden={self.hidden} is not a multiple of 64")
-        if self.hq < 1 or self.hkv < 1 or self.hq % self.hkv:
-            bad.append(f"hq={self.hq}, hkv={self.hkv}: need hkv >= 1 dividing hq")
         return bad
-
-    def validate(self) -> None:
-        bad = self.refusals()
-        if bad:
-            raise ValueError("K1AttnShape refused: " + "; ".join(bad))
 
 
 #: Qwen3-Next-80B-A3B attention layer, TP 1 (16 q heads with gates, 2 kv heads, D 256, rd 64).
-QWEN3_NEXT_80B_ATTN = K1AttnShape(2048, 16, 2, 256, 64, 1e-6)
+QWEN3_NEXT_80B_ATTN = K1AttnShape(
+    hidden=2048, hq=16, hkv=2, head_dim=256, rotary_dim=64, rope_theta=10_000_000.0, eps=1e-6
+)
 
 
 def k1_attn_program(shape: K1AttnShape, width: int) -> Program:
@@ -234,52 +216,25 @@ def build_k1_attn(width: int, shape: K1AttnShape | None = None, grid: int = GFX9
 
 
 @dataclass(frozen=True)
-class K1GdnShape:
-    """Per-rank sizes of a GDN layer front (Hk key heads of Dk, Hv value heads of Dv)."""
-
-    hidden: int
-    hk: int
-    hv: int
-    dk: int
-    dv: int
-    conv_kernel: int
-    eps: float
-
-    @classmethod
-    def from_dims(cls, dims: Any) -> K1GdnShape:
-        return cls(dims.hidden, dims.hk_r, dims.hv_r, dims.dk, dims.dv, dims.conv_k,
-                   dims.eps)  # fmt: skip
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.hk * self.dk + self.hv * self.dv
-
-    @property
-    def qkvz_rows(self) -> int:
-        return self.conv_dim + self.hv * self.dv
-
-    @property
-    def payload_words(self) -> int:
-        """Per row: conv channels (q, k, v head-major), z, beta, g (the Triton K1's payload)."""
-        return self.conv_dim + self.hv * self.dv + 2 * self.hv
+class K1GdnShape(GdnFrontShape):
+    """The GDN front's sizes (:class:`~mono_ext.models.qwen3_next.shapes.GdnFrontShape`)
+    with the FlyDSL K1's own limits."""
 
     def refusals(self) -> list[str]:
         from mono_ext.kernels.flydsl.limits import BLOCK
 
-        bad = []
-        if self.hk < 1 or self.hv % self.hk:
-            bad.append(f"hv={self.hv} is not a multiple of hk={self.hk}")
+        bad = super().refusals()
         if self.dv < 1 or BLOCK % self.dv or self.dk % (BLOCK // self.dv):
             bad.append(f"dv={self.dv}, dk={self.dk}: a state tile is spread over {BLOCK} threads")
         if self.hidden % 64:
             bad.append(f"hidden={self.hidden} is not a multiple of 64")
-        if self.conv_kernel < 2:
-            bad.append(f"conv_kernel={self.conv_kernel} < 2")
+        if self.conv_k < 2:
+            bad.append(f"conv_k={self.conv_k} < 2")
         return bad
 
 
 #: Qwen3-Next-80B-A3B GDN layer, TP 1.
-QWEN3_NEXT_80B_GDN = K1GdnShape(2048, 16, 32, 128, 128, 4, 1e-6)
+QWEN3_NEXT_80B_GDN = K1GdnShape(hidden=2048, hk=16, hv=32, dk=128, dv=128, conv_k=4, eps=1e-6)
 
 GDN_WEIGHT_ENTRIES = ("input_layernorm", "in_proj_qkvz", "in_proj_ba", "conv1d", "A_log",
                       "dt_bias", "norm")  # fmt: skip
@@ -337,7 +292,7 @@ class K1GdnBuild:
             "input_layernorm": (s.hidden,),
             "in_proj_qkvz": (s.qkvz_rows, s.hidden),
             "in_proj_ba": (2 * s.hv, s.hidden),
-            "conv1d": (s.conv_dim, s.conv_kernel),
+            "conv1d": (s.conv_dim, s.conv_k),
             "A_log": (s.hv,),
             "dt_bias": (s.hv,),
             "norm": (s.dv,),
@@ -364,7 +319,7 @@ class K1GdnBuild:
             if t is None:
                 bad.append(f"missing weight {name!r}")
             elif name == "conv1d":
-                if t.numel() != s.conv_dim * s.conv_kernel or t.shape[0] != s.conv_dim:
+                if t.numel() != s.conv_dim * s.conv_k or t.shape[0] != s.conv_dim:
                     bad.append(f"conv1d is {tuple(t.shape)}, expected {shp} or [C, 1, K]")
                 if t.dtype != torch.bfloat16 or not t.is_contiguous():
                     bad.append("conv1d must be contiguous bfloat16")
@@ -390,7 +345,7 @@ class K1GdnBuild:
         if conv_state.dim() != 3:
             bad.append("conv_state must be [slots, ., .]")
         else:
-            want = (s.conv_kernel - 1, s.conv_dim)
+            want = (s.conv_k - 1, s.conv_dim)
             if self.conv_layout == "chan_time":
                 want = want[::-1]
             inner = conv_state.stride()[1:]

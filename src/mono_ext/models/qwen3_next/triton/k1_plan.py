@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mono_ext.kernels.triton.limits import BLOCK_B
+from mono_ext.models.qwen3_next.shapes import AttnFrontShape, GdnFrontShape
 from mono_ext.runtime.layout import Program, Region, Stage, wait, write
 
 __all__ = [
@@ -28,54 +29,14 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class K1GdnShape:
-    """Per-rank GDN sizes K1 is built for (TP > 1: pass this rank's head counts)."""
-
-    hidden: int
-    hk: int
-    hv: int
-    dk: int
-    dv: int
-    eps: float
-    conv_k: int = 4
-
-    @classmethod
-    def from_dims(cls, dims: Any) -> K1GdnShape:
-        """From :class:`mono_ext.models.qwen3_next.dims.Dims` (per rank via ``tp``)."""
-        return cls(dims.hidden, dims.hk_r, dims.hv_r, dims.dk, dims.dv, dims.eps, dims.conv_k)
-
-    @property
-    def key_dim(self) -> int:
-        return self.hk * self.dk
-
-    @property
-    def value_dim(self) -> int:
-        return self.hv * self.dv
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
-
-    @property
-    def qkvz_rows(self) -> int:
-        return 2 * self.key_dim + 2 * self.value_dim
-
-    @property
-    def ratio(self) -> int:
-        return self.hv // self.hk
-
-    @property
-    def payload_words(self) -> int:
-        """Words per row of the proj region: conv out, z, beta, g (rounded to 16)."""
-        n = self.conv_dim + self.value_dim + 2 * self.hv
-        return -(-n // 16) * 16
+class K1GdnShape(GdnFrontShape):
+    """The GDN front's sizes (:class:`~mono_ext.models.qwen3_next.shapes.GdnFrontShape`)
+    with the Triton K1's own limits."""
 
     def refusals(self) -> list[str]:
-        bad = []
+        bad = super().refusals()
         if self.conv_k != 4:
             bad.append(f"conv kernel {self.conv_k}: K1 is built for 4")
-        if self.hk < 1 or self.hv % self.hk:
-            bad.append(f"Hv={self.hv} is not a multiple of Hk={self.hk}")
         for name, v in (("Dk", self.dk), ("Dv", self.dv)):
             if v < 16 or v & (v - 1):
                 bad.append(f"{name}={v}: K1 tiles power-of-two head dims >= 16")
@@ -92,31 +53,15 @@ class K1GdnShape:
 
 
 @dataclass(frozen=True)
-class K1AttnShape:
-    hidden: int
-    hq: int
-    hkv: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    eps: float
-
-    @classmethod
-    def from_dims(cls, dims: Any) -> K1AttnShape:
-        return cls(dims.hidden, dims.hq_r, dims.hkv_r, dims.head_dim, dims.rotary_dim,
-                   float(dims.rope_theta), dims.eps)  # fmt: skip
-
-    @property
-    def qkv_rows(self) -> int:
-        return (2 * self.hq + 2 * self.hkv) * self.head_dim
+class K1AttnShape(AttnFrontShape):
+    """The attention front's sizes (:class:`~mono_ext.models.qwen3_next.shapes.AttnFrontShape`)
+    with the Triton K1's own limits."""
 
     def refusals(self) -> list[str]:
-        bad = []
+        bad = super().refusals()
         d = self.head_dim
         if d < 16 or d & (d - 1):
             bad.append(f"head_dim={d}: K1 tiles power-of-two head dims >= 16")
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= d:
-            bad.append(f"rotary_dim={self.rotary_dim} is not even and within head_dim {d}")
         if self.hidden % 16:
             bad.append(f"hidden={self.hidden} is not a multiple of 16")
         if self.qkv_rows % 16:
