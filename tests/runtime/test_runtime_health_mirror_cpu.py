@@ -74,3 +74,32 @@ def test_failstop_over_it_raises_at_the_release_naming_the_wait():
     assert fs.first_failed_step == 2
     with pytest.raises(FailStopError):  # sticky: step 3's tokens never go either
         fs.release(3)
+
+
+@pytest.mark.parametrize("depth", [2, 64])
+def test_the_lagging_scripted_source_answers_as_the_cuda_source_does(depth):
+    """The CPU tests of the engines' release paths run on ScriptedHealthSource(lagging=True):
+    for the same calls it must answer for the same steps as CudaHealthSource, and show a
+    failure from the same step on when every copy lands by the next release."""
+    from mono_ext.runtime.failstop import ScriptedHealthSource
+
+    block = _block()
+    cuda = CudaHealthSource(block, depth=depth)
+    scripted = ScriptedHealthSource(lagging=True, depth=depth)
+    # async scheduling: step n+1 is launched before step n's tokens are awaited; some steps
+    # are released twice, one never (dropped past depth), and one poll names no step
+    calls = [("submit", 0), ("submit", 1), ("ready", 0), ("submit", 2), ("ready", None),
+             ("submit", 3), ("submit", 4), ("submit", 5), ("ready", 4), ("ready", 4),
+             ("fail", None), ("submit", 6), ("ready", 6), ("submit", 7), ("ready", 7),
+             ("ready", 9)]  # fmt: skip
+    for op, step in calls:
+        if op == "submit":
+            cuda.submit(step)
+            scripted.submit(step)
+        elif op == "fail":
+            _fail(block)
+            scripted.fail()
+        else:
+            got_c = [(s, w[h.H_FAILED]) for s, w in cuda.ready(step)]
+            got_s = [(s, w[h.H_FAILED]) for s, w in scripted.ready(step)]
+            assert got_c == got_s, (op, step, got_c, got_s)

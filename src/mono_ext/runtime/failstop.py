@@ -86,19 +86,47 @@ class HealthSource(Protocol):
         awaited a later result of the step's stream); without it a source may know of none."""
 
 
+class _Unanswered:
+    """Steps submitted and not answered for yet, oldest first; past ``depth`` the oldest is
+    dropped (a step nobody releases for ``depth`` steps has no tokens anyone awaits; a
+    failure, sticky, still shows in every later read)."""
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._steps: collections.deque[int] = collections.deque(maxlen=depth)
+
+    def add(self, step: int) -> None:
+        self._steps.append(step)
+
+    def take(self, until_step: int) -> list[int]:
+        """Every kept step up to ``until_step``, oldest first, now answered for; or
+        ``until_step`` alone when none is kept (answered already, or dropped): a release
+        always gets an answer for its own step."""
+        steps = []
+        while self._steps and self._steps[0] <= until_step:
+            steps.append(self._steps.popleft())
+        return steps or [until_step]
+
+
 class ScriptedHealthSource:
     """A host-side health block that a test or a dry run fails on purpose; every submitted
     copy is ready at the next poll. ``waits`` lists the steps a caller named as landed
     (``ready(until_step)``): each must be a point where the engine holds that step's tokens.
-    With ``lagging``, a copy lands only once a caller names its step or a later one, which is
-    all :class:`CudaHealthSource` knows (the device still runs the step until the engine awaits
-    its tokens)."""
+    With ``lagging`` it answers as :class:`CudaHealthSource` does (the same queue of unanswered
+    steps): a copy lands only once a caller names its step or a later one (the device still
+    runs the step until the engine awaits its tokens), and every step answered then reads the
+    newest copy landed."""
 
-    def __init__(self, index: int = 9, cta: int = 1, lagging: bool = False) -> None:
+    def __init__(
+        self, index: int = 9, cta: int = 1, lagging: bool = False, depth: int = 64
+    ) -> None:
         self.index, self.cta = index, cta  # word and CTA the failure record names
         self.lagging = lagging
         self.words = _health.health_init_words()
-        self.pending: list[tuple[int, list[int]]] = []
+        self.pending: list[tuple[int, list[int]]] = []  # (step, its words), not lagging
+        self._unanswered = _Unanswered(depth)  # lagging: the steps, as CudaHealthSource
+        self._copies: dict[int, list[int]] = {}  # lagging: each step's words, as copied
         self.waits: list[int] = []
 
     def fail(self) -> None:
@@ -113,7 +141,11 @@ class ScriptedHealthSource:
         pass  # the block is host memory: a step's words are taken at submit
 
     def submit(self, step: int, copied: bool = False) -> None:
-        self.pending.append((step, list(self.words)))
+        if not self.lagging:
+            self.pending.append((step, list(self.words)))
+            return
+        self._unanswered.add(step)
+        self._copies[step] = list(self.words)
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
         if until_step is not None:
@@ -121,10 +153,20 @@ class ScriptedHealthSource:
         if not self.lagging:
             out, self.pending = self.pending, []
             return out
-        last = -1 if until_step is None else until_step
-        out = [(s, w) for s, w in self.pending if s <= last]
-        self.pending = [(s, w) for s, w in self.pending if s > last]
-        return out
+        if until_step is None:
+            return []
+        # the mirror as CudaHealthSource reads it: the newest copy landed by until_step's
+        # (the initial block before any)
+        landed = [s for s in self._copies if s <= until_step]
+        if not landed:
+            words = _health.health_init_words()
+        else:
+            newest = max(landed)
+            words = self._copies[newest]
+            for s in landed:
+                if s < newest:
+                    del self._copies[s]
+        return [(step, words) for step in self._unanswered.take(until_step)]
 
 
 class CudaHealthSource:
@@ -143,9 +185,7 @@ class CudaHealthSource:
     The failed count is sticky and only grows, so the mirror as of a copy that landed after
     step n's own copy still answers for step n: a failure it shows may belong to a later step,
     and then step n is withheld too, which stops the engine one step earlier, never later.
-    A step is answered for once (the oldest first); at most ``depth`` unanswered steps are
-    kept, the oldest dropped past that (a step nobody releases for ``depth`` steps has no
-    tokens anyone awaits; its failure, sticky, still shows in every later read).
+    A step is answered for once, the oldest first (``_Unanswered``, at most ``depth`` kept).
     ``health`` may be a CPU tensor (tests): its copy is then synchronous."""
 
     def __init__(self, health: Any, depth: int = 64):
@@ -153,13 +193,11 @@ class CudaHealthSource:
 
         if health.numel() != HEALTH_WORDS or health.dtype != torch.int32:
             raise ValueError(f"health block must be int32 [{HEALTH_WORDS}], got {health.shape}")
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
         self.health = health
         mirror = torch.tensor(_health.health_init_words(), dtype=torch.int32)
         self._mirror = mirror.pin_memory() if health.is_cuda else mirror
         self._words = self._mirror.numpy()  # a view: reads see each landed copy
-        self._pending: collections.deque[int] = collections.deque(maxlen=depth)
+        self._unanswered = _Unanswered(depth)
 
     def copy(self) -> None:
         self._mirror.copy_(self.health, non_blocking=True)
@@ -167,16 +205,14 @@ class CudaHealthSource:
     def submit(self, step: int, copied: bool = False) -> None:
         if not copied:
             self.copy()
-        self._pending.append(step)
+        self._unanswered.add(step)
 
     def ready(self, until_step: int | None = None) -> list[tuple[int, Sequence[int]]]:
         if until_step is None:
             return []
-        steps = []
-        while self._pending and self._pending[0] <= until_step:
-            steps.append(self._pending.popleft())
+        steps = self._unanswered.take(until_step)
         words = self._snapshot()
-        return [(step, words) for step in steps or (until_step,)]
+        return [(step, words) for step in steps]
 
     def _snapshot(self) -> Sequence[int]:
         w = self._words
