@@ -15,6 +15,9 @@ graph; median of 20 replays), each variant checked against torch first:
   (scale = amax / 448, as vLLM's per-token-group quantization), an e4m3 x e4m3 MMA straight
   from shared memory, the partial times both scales. Its check is against the product with
   the dequantized activations (the quantization is the arm's numerics, not an error).
+- ``a8q``: ``a8`` with each chunk's activations quantized inside the loop from bf16 (amax
+  over the chunk's 128 columns per row, an IEEE division, e4m3 with saturation), as a K2
+  task would do it without a quantized copy of its input: what that costs over ``a8``.
 - ``bf16``: the same rows as a bf16 plane (twice the bytes), the yardstick per byte.
 
 Names: ``R`` rows per tile, ``bk`` K chunk (at most 128: a chunk stays in one scale block),
@@ -55,7 +58,7 @@ def fp8_flat_kernel(
     R: tl.constexpr,
     BK: tl.constexpr,
     NS: tl.constexpr,
-    MODE: tl.constexpr,  # 0 widen, 1 a8, 2 bf16 plane
+    MODE: tl.constexpr,  # 0 widen, 1 a8, 2 bf16 plane, 3 a8q
 ):
     pid = tl.program_id(0)
     r0 = pid * rows_per_cta
@@ -80,6 +83,11 @@ def fp8_flat_kernel(
                 xq = tl.load(XQ + bb[None, :] * K + cols[:, None])
                 xs = tl.load(XS + bb * KB + (kk * BK) // 128)
                 acc += tl.dot(w, xq) * s[:, None] * xs[None, :]
+            elif MODE == 3:
+                x = tl.load(X + bb[None, :] * K + cols[:, None]).to(tl.float32)
+                xs = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10), 448.0)
+                q = tl.clamp(tl.div_rn(x, xs[None, :]), -448.0, 448.0)
+                acc += tl.dot(w, q.to(tl.float8e4nv)) * s[:, None] * xs[None, :]
             else:
                 x = tl.load(X + bb[None, :] * K + cols[:, None])
                 acc += tl.dot(w.to(tl.bfloat16), x) * s[:, None]
@@ -88,7 +96,7 @@ def fp8_flat_kernel(
         acc = tl.where(last, 0.0, acc)
 
 
-MODES = {"widen": 0, "a8": 1, "bf16": 2}
+MODES = {"widen": 0, "a8": 1, "bf16": 2, "a8q": 3}
 VARIANTS = [
     # (mode, R, bk, ns, warps)
     ("widen", 64, 128, 4, 4),
@@ -98,6 +106,8 @@ VARIANTS = [
     ("a8", 64, 128, 6, 4),
     ("a8", 64, 128, 8, 4),
     ("a8", 128, 128, 4, 8),
+    ("a8q", 64, 128, 6, 4),
+    ("a8q", 64, 128, 8, 4),
     ("bf16", 64, 128, 4, 4),
     ("bf16", 64, 256, 3, 4),
 ]
@@ -136,7 +146,7 @@ def reference(p: dict[str, torch.Tensor], mode: str) -> torch.Tensor:
     else:
         full = p["s"].double().repeat_interleave(128, 0).repeat_interleave(128, 1)
         w = p["w"].double() * full
-    if mode == "a8":
+    if mode in ("a8", "a8q"):
         x = p["xq"].double() * p["xs"].double().repeat_interleave(128, 1)
     else:
         x = p["x"].double()

@@ -13,7 +13,9 @@
 #                                         $OUT/host_h200_profile.txt), ~15 s
 #   bash tools/gpu/run_kernels.sh stream  benchmarks/bench_stream.py: one weight plane streamed by plain
 #                                         Triton vs the Gluon TMA ring at 44/88/132 CTAs (writes
-#                                         $OUT/stream_h200.json), ~2 min
+#                                         $OUT/stream_h200.json), then bench_stream_fp8.py: one fp8
+#                                         block-128 plane widened vs e4m3 MMA (writes
+#                                         $OUT/stream_fp8_h200.json), ~2.5 min
 #   bash tools/gpu/run_kernels.sh bench   bench_k2 bf16 + fp8 block-128 (torch stock arm; add
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install for
 #                                         the vLLM arms) and the bench_k1 sweep, ~8 min
@@ -52,7 +54,9 @@ host)
 stream)
   # a ring that deadlocks must not take the rest of the call with it
   run stream timeout -s KILL 300 python3 benchmarks/bench_stream.py --json "$OUT/stream_h200.json" \
-    --only "flat R64 bk256 ns3 w4 c,flat R32 bk256 ns4 w4 c,tma R64 bk128 ns6 w4 c,ring" ;;
+    --only "flat R64 bk256 ns3 w4 c,flat R32 bk256 ns4 w4 c,tma R64 bk128 ns6 w4 c,ring"
+  run stream_fp8 timeout -s KILL 120 python3 benchmarks/bench_stream_fp8.py \
+    --json "$OUT/stream_fp8_h200.json" ;;
 bench)
   run k2_bf16 python3 benchmarks/bench_k2.py --widths 1,2,4,8,12,16 \
     --variants "k2,k2 gate_up_rows=32,k2 router_k_splits=8" \
