@@ -27,13 +27,11 @@ Names: ``R`` rows per tile, ``bk`` K chunk (at most 128: a chunk stays in one sc
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
 import triton.language as tl
-from _provenance import provenance
-from bench_stream import _copy_tbs, _time_graph
+from bench_stream import _copy_tbs, check_and_time, write_results
 
 DEV = torch.device("cuda")
 SMS = 132
@@ -181,14 +179,9 @@ def main() -> None:
         mb = n * K * (2 if mode == "bf16" else 1) / 1e6  # the plane's bytes (scales: 0.4%)
         try:
             launches = [launcher(p, mode, r, bk, ns, nw) for p in planes]
-            planes[0]["y"].fill_(float("nan"))
-            launches[0]()
-            torch.cuda.synchronize()
-            ref = reference(planes[0], mode)
-            rel = ((planes[0]["y"] - ref).norm() / ref.norm()).item()
-            if not rel < 1e-3:
-                raise AssertionError(f"wrong result: rel_l2 {rel:.3g}")
-            us = _time_graph(launches)
+            us, rel = check_and_time(
+                launches, planes[0]["y"], lambda m=mode: reference(planes[0], m), 1e-3
+            )
         except Exception as exc:  # one broken variant must not hide the others
             print(f"{name:28s} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             results.append({"name": name, "error": str(exc)[:300]})
@@ -204,10 +197,7 @@ def main() -> None:
              "rel_l2": rel}  # fmt: skip
         )
     if args.json:
-        with open(args.json, "w") as f:
-            meta = provenance(torch.cuda.get_device_name())
-            meta.update(torch=torch.__version__, triton=triton.__version__, copy_tbs=copy_tbs)
-            json.dump({**meta, "results": results}, f, indent=1)
+        write_results(args.json, copy_tbs, results)
 
 
 if __name__ == "__main__":
