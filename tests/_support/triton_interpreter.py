@@ -2,7 +2,7 @@
 
 With ``TRITON_INTERPRET=1`` (the ``interpreter`` run of tools/test.sh) the conftests of the
 folders holding Triton kernel tests (tests/kernels/triton, tests/models/qwen3_next/triton)
-call :func:`patch_triton_interpreter` before any kernel runs; it fills four gaps of Triton's
+call :func:`patch_triton_interpreter` before any kernel runs; it fills five gaps of Triton's
 stock interpreter (3.6 as released) that the kernels hit:
 
 - ``tl.dot`` on bfloat16 operands: the interpreter keeps bfloat16 as its uint16 bits and
@@ -12,6 +12,8 @@ stock interpreter (3.6 as released) that the kernels hit:
   they round to nearest even with NaN kept, as ``cvt.rn.bf16.f32`` does.
 - float8 e4m3fn -> bfloat16 / float32 casts turned the NaN codes (0x7F, 0xFF) into +-480 (the
   generic float conversion knows no e4m3fn NaN); they give NaN, as ``cvt`` does on the GPU.
+- float32 -> float8 e4m3fn casts rounded differently from the GPU's ``cvt.rn.satfinite`` (102
+  of 4096 random values); they round to nearest even and saturate at +-448, as it does.
 - a one-element tensor that is not 0-d (a value loaded as a 1-block) used as a Python int
   (``tl.range`` bounds) raised; it is taken by ``.item()`` (one element only, as in 3.8).
 """
@@ -25,6 +27,17 @@ def _rne_bf16_bits(x):
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     return np.where(nan, (u >> 16) | 0x0040, rounded).astype(np.uint16)
+
+
+def _satfinite_e4m3_bits(x):
+    """float32 array -> e4m3fn codes (uint8), round to nearest even, saturating at +-448 and
+    NaN kept, as ``cvt.rn.satfinite.e4m3x2.f32`` does on sm_90."""
+    import numpy as np
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    t = torch.where(t.isnan(), t, t.clamp(-448.0, 448.0))
+    return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
 
 
 def patch_triton_interpreter():
@@ -59,6 +72,8 @@ def patch_triton_interpreter():
     stock_fp_to_fp = builder.create_fp_to_fp
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            return ti.TensorHandle(_satfinite_e4m3_bits(src.data), dst_type.scalar)
         out = stock_fp_to_fp(self, src, dst_type, rounding_mode)
         if src.dtype.scalar != tl.float8e4nv:
             return out

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OfflineResources", "compile_offline", "normalised_ptx", "ptx_digest", "resources"]
+__all__ = [
+    "OfflineResources",
+    "compile_offline",
+    "normalised_ptx",
+    "ptx_digest",
+    "resources",
+    "sass_opcodes",
+]
 
 
 def compile_offline(kernel: Any, args: tuple, constexprs: dict, arch: int = 90) -> Any:
@@ -89,16 +96,20 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def resources(compiled: Any) -> OfflineResources:
-    """Resource facts of a compiled kernel from its cubin (``cuobjdump -res-usage`` and the
-    SASS), and the shared memory Triton allocates (its metadata)."""
+def _cuobjdump(compiled: Any, *flags: str) -> str:
+    """``cuobjdump`` of a compiled kernel's cubin, as text."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
         path.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", str(path)], check=True,
-                               capture_output=True, text=True).stdout  # fmt: skip
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", str(path)], check=True,
+        return subprocess.run([_tool("cuobjdump"), *flags, str(path)], check=True,
                               capture_output=True, text=True).stdout  # fmt: skip
+
+
+def resources(compiled: Any) -> OfflineResources:
+    """Resource facts of a compiled kernel from its cubin (``cuobjdump -res-usage`` and the
+    SASS), and the shared memory Triton allocates (its metadata)."""
+    usage = _cuobjdump(compiled, "-res-usage")
+    sass = _cuobjdump(compiled, "-sass")
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     return OfflineResources(
         regs=int(fields["REG"]),
@@ -108,3 +119,16 @@ def resources(compiled: Any) -> OfflineResources:
         shared=int(compiled.metadata.shared),
         num_warps=int(compiled.metadata.num_warps),
     )
+
+
+# one SASS instruction line: /*0a70*/ [@P0 | @!P1 | @UP2] OPCODE.MODIFIERS operands ;
+_SASS_OP = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+
+
+def sass_opcodes(compiled: Any) -> dict[str, int]:
+    """How often each SASS opcode (with its modifiers, e.g. ``QGMMA.64x16x32.F32.E4M3.E4M3``)
+    occurs in a compiled kernel: what a test asserts when a design relies on an instruction."""
+    counts: dict[str, int] = {}
+    for op in _SASS_OP.findall(_cuobjdump(compiled, "-sass")):
+        counts[op] = counts.get(op, 0) + 1
+    return counts

@@ -40,7 +40,9 @@ __all__ = [
     "format_code",
     "plane_reasons",
     "qdot",
+    "qdot_a8",
     "qdot_either",
+    "quantize_e4m3_cols",
     "row_scale",
     "scale_index",
     "scale_numel",
@@ -139,6 +141,31 @@ def qdot(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
     else:
         s = row_scale(scale_ptr, rows, rmask, k0, Q, N, K)
         return acc + tl.dot(w.to(tl.bfloat16), x) * s[:, None]
+
+
+@triton.jit
+def quantize_e4m3_cols(x):
+    """A K chunk of activations ``x`` [BK, BB] (one batch row per column) as e4m3 codes and
+    one fp32 scale per column: ``scale = max(amax, 1e-10) / 448`` over the chunk, codes =
+    ``x / scale`` rounded to nearest even, saturating (vLLM's per-token-group quantization of
+    the activations of an fp8 block-128 GEMM, groups of 128 columns = one chunk). IEEE
+    divisions, so the reference (``reference.convert.quantize_activations``) matches code for
+    code."""
+    xf = x.to(tl.float32)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-10), 448.0)
+    q = tl.clamp(tl.div_rn(xf, s[None, :]), -448.0, 448.0)
+    return q.to(tl.float8e4nv), s
+
+
+@triton.jit
+def qdot_a8(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
+    """``qdot`` of an fp8 plane on e4m3 activations: the chunk's activations ``x`` quantized
+    (:func:`quantize_e4m3_cols`), an e4m3 x e4m3 MMA read from shared memory (no widening),
+    its fp32 partial times the weight rows' and the activation columns' scales. The chunk is
+    the quantization group: the caller's chunks are 128 columns (or all of K below that)."""
+    s = row_scale(scale_ptr, rows, rmask, k0, Q, N, K)
+    xq, xs = quantize_e4m3_cols(x)
+    return acc + tl.dot(w, xq) * s[:, None] * xs[None, :]
 
 
 @triton.jit

@@ -129,7 +129,7 @@ def test_k2_tiny_matches_reference(tiny):
         o_in, res = tiny.inputs(b, gen)
         out_h, out_r = tiny.run(o_in, res)
         assert not torch.isnan(out_h).any() and not torch.isnan(out_r).any(), "unwritten output"
-        ref = layer_tail(o_in, res, tiny.w_ref, tiny.rdims)
+        ref = layer_tail(o_in, res, tiny.w_ref, tiny.rdims, a8_planes=tiny.k2.a8_planes)
         tracker.check("k2", "hidden", out_h, ref.hidden_out, skip_rows=ref.near_tie, where=f"w{b}")
         tracker.check("k2", "residual", out_r, ref.residual_out, where=f"w{b}")
     print(f"\n{tracker.summary()}")
@@ -258,3 +258,44 @@ def test_k2_tiny_launch_uses_the_constexprs_fixed_at_build(tiny, monkeypatch):
     monkeypatch.setattr(tiny.k2, "_constexprs", recomputed)
     h, r = tiny.run(o_all, r_all)
     assert torch.equal(h, h0) and torch.equal(r, r0)
+
+
+@pytest.fixture(scope="module")
+def tiny_a8():
+    return TinyTail(FP8_CONFIG, seed=6, formats=FP8_CASES["block128"], fp8_activations=True)
+
+
+def test_k2_tiny_fp8_activations_match_the_reference_that_quantizes_them(tiny_a8):
+    """With ``fp8_activations`` the expert planes multiply e4m3 activations (per row and 128
+    columns, as vLLM's fp8 MoE): K2 meets NUMERICS against the reference that quantizes the
+    same inputs, sits far closer to it than to the one that does not, and a row's output
+    stays independent of the batch."""
+    assert tiny_a8.k2.a8_planes == {"w13", "w2", "shared_gate_up", "shared_down"}
+    test_k2_tiny_matches_reference(tiny_a8)
+    gen = torch.Generator(device=DEV).manual_seed(25)
+    o_all, r_all = tiny_a8.inputs(BLOCK_B, gen)
+    h16, r16 = tiny_a8.run(o_all, r_all)
+    a8 = layer_tail(o_all, r_all, tiny_a8.w_ref, tiny_a8.rdims, a8_planes=tiny_a8.k2.a8_planes)
+    plain = layer_tail(o_all, r_all, tiny_a8.w_ref, tiny_a8.rdims)
+    ok = ~a8.near_tie
+    err_a8 = (h16.float() - a8.hidden_out)[ok].norm() / a8.hidden_out[ok].norm()
+    err_plain = (h16.float() - plain.hidden_out)[ok].norm() / plain.hidden_out[ok].norm()
+    assert err_a8 < 0.25 * err_plain, (err_a8.item(), err_plain.item())
+    h, r = tiny_a8.run(o_all[[9, 4]], r_all[[9, 4]])
+    assert torch.equal(h[0], h16[9]) and torch.equal(h[1], h16[4])
+    assert torch.equal(r[0], r16[9]) and torch.equal(r[1], r16[4])
+
+
+@pytest.mark.parametrize(
+    "formats, config, message",
+    [
+        (FP8_CASES["channel"], {}, "fp8_activations needs fp8_block128 expert planes"),
+        (FP8_CASES["routed_only"], {}, "shared_down, shared_gate_up are bf16"),
+        (FP8_CASES["block128"], {"gate_up_k_chunk": 64}, "gate_up_k_chunk >= 128, got 64"),
+    ],
+)
+def test_fp8_activations_refuse_what_they_cannot_quantize(formats, config, message):
+    dims = Dims.from_config(text_config(FP8_CONFIG), tp=1)
+    cfg = K2Config(grid=GRID, fp8_activations=True, **config)
+    with pytest.raises(ValueError, match=message):
+        K2Launch(K2Shape.from_dims(dims), cfg, formats=formats)

@@ -26,6 +26,7 @@ from mono_ext.kernels.triton.offline import (  # noqa: E402
     compile_offline,
     ptx_digest,
     resources,
+    sass_opcodes,
 )
 from mono_ext.models.qwen3_next.triton.offline import (  # noqa: E402
     DEFAULT_BUILDS,
@@ -87,3 +88,16 @@ def test_projections_on_wgmma(compiled, name, width):
 def test_one_compile_for_every_width(compiled, name):
     digests = {ptx_digest(compiled[name, w][1]) for w in WIDTHS}
     assert len(digests) == 1, f"{name}: widths {WIDTHS} compile to different code"
+
+
+def test_fp8_activations_build_multiplies_e4m3_on_e4m3():
+    """``fp8_activations``: the expert stages' MMAs are e4m3 x e4m3 (QGMMA on sm_90) beside
+    the bf16 ones of out_proj's widened codes and the router; no spills."""
+    b = offline_build("k2 gdn fp8_block128 a8", 1)
+    c = b.compile()
+    ops = sass_opcodes(c)
+    assert any(op.startswith("QGMMA") for op in ops), f"{b.label}: no e4m3 MMA"
+    assert any(op.startswith("HGMMA") for op in ops), f"{b.label}: no bf16 MMA"
+    r = resources(c)
+    assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
+    assert r.regs <= 255 and 0 < r.shared <= SHARED_PER_BLOCK, r

@@ -51,6 +51,7 @@ __all__ = [
     "dequantize",
     "dequantized_weights",
     "quantize",
+    "quantize_activations",
     "quantized_weights",
     "FP8_BLOCK",
     "FP8_MAX",
@@ -207,6 +208,22 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
             f"{fmt} scale {tuple(scale.shape)} does not fit a {tuple(w.shape)} plane"
         ) from exc
     return w.float() * s.float()
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """Activations [.., K] as an fp8 block-128 GEMM with e4m3 activations multiplies them, back
+    in fp32: per row and 128 columns (the last group cut), ``scale = max(amax, 1e-10) / 448``
+    and ``x / scale`` rounded to e4m3 (nearest even, saturating), times the scale. What vLLM's
+    per-token-group quantization hands its fp8 GEMMs; ``kernels.triton.planes.qdot_a8`` the
+    same, division for division."""
+    x = x.float()
+    k = x.shape[-1]
+    groups = -(-k // FP8_BLOCK)
+    pad = groups * FP8_BLOCK - k
+    g = torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], groups, FP8_BLOCK)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-10) / FP8_MAX
+    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * scale).reshape(*x.shape[:-1], groups * FP8_BLOCK)[..., :k]
 
 
 def dequantized_weights(

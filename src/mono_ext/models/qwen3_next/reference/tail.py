@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mono_ext.models.qwen3_next.reference.common import ModelDims, bf16_ulp, f32, gemma_rms_norm
+from mono_ext.models.qwen3_next.reference.convert import quantize_activations
 
 __all__ = ["TailOut", "route", "moe_forward", "dense_mlp", "layer_tail"]
 
@@ -72,21 +73,46 @@ def _swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def _a8(x: torch.Tensor, plane: str, a8_planes: frozenset[str]) -> torch.Tensor:
+    """The activations plane ``plane`` multiplies: where the build quantizes them
+    (``a8_planes``) the bf16 values it holds (K2 keeps its normed rows and expert activations
+    in bf16, as the engines do) quantized to e4m3 per 128 columns, else as they are. The bf16
+    rounding is kept because an e4m3 step is 2^-3 of a value: a code flipped by it would
+    cost more than the whole bf16 error budget."""
+    if plane not in a8_planes:
+        return x
+    return quantize_activations(x.to(torch.bfloat16))
+
+
 def moe_forward(
-    x: torch.Tensor, weights: dict[str, torch.Tensor], dims: ModelDims
+    x: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    dims: ModelDims,
+    a8_planes: frozenset[str] = frozenset(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse MoE block on normed input x [B, H]. Returns (out, ids, weights, near_tie)."""
+    """Sparse MoE block on normed input x [B, H]. Returns (out, ids, weights, near_tie).
+    ``a8_planes``: the fp8 planes whose inputs are quantized to e4m3 first (vLLM's fp8 MoE)."""
     x = f32(x)
     ids, tw, near_tie = route(x, weights["router"], dims.top_k, dims.norm_topk_prob)
     w13, w2 = weights["w13"], weights["w2"]
     out = torch.zeros_like(x)
+    x13 = _a8(x, "w13", a8_planes)
     for j in range(ids.shape[1]):  # one gathered expert per row at a time bounds memory
         e = ids[:, j]
-        h = _swiglu(x, f32(w13[e]))
-        out += tw[:, j : j + 1] * torch.einsum("bi,bhi->bh", h, f32(w2[e]))
+        h = _swiglu(x13, f32(w13[e]))
+        if "w2" in a8_planes:  # K2 weights the activations before down, then quantizes them
+            out += torch.einsum(
+                "bi,bhi->bh", _a8(tw[:, j : j + 1] * h, "w2", a8_planes), f32(w2[e])
+            )
+        else:
+            out += tw[:, j : j + 1] * torch.einsum("bi,bhi->bh", h, f32(w2[e]))
     if "shared_gate_up" in weights:
-        shared = _swiglu(x, f32(weights["shared_gate_up"])) @ f32(weights["shared_down"]).t()
-        out += torch.sigmoid(x @ f32(weights["shared_expert_gate"]).t()) * shared
+        hs = _swiglu(_a8(x, "shared_gate_up", a8_planes), f32(weights["shared_gate_up"]))
+        gate = torch.sigmoid(x @ f32(weights["shared_expert_gate"]).t())
+        if "shared_down" in a8_planes:
+            out += _a8(gate * hs, "shared_down", a8_planes) @ f32(weights["shared_down"]).t()
+        else:
+            out += gate * (hs @ f32(weights["shared_down"]).t())
     return out, ids, tw, near_tie
 
 
@@ -103,6 +129,7 @@ def layer_tail(
     eps: float | None = None,
     *,
     kind: str = "gdn",
+    a8_planes: frozenset[str] = frozenset(),
 ) -> TailOut:
     """K2 for one decode token per row, TP = 1 (the TP all-reduces are sums of rank partials).
 
@@ -116,6 +143,9 @@ def layer_tail(
             ``shared_gate_up`` [2*Is, H], ``shared_down`` [H, Is], ``shared_expert_gate`` [1, H];
             or the dense set ``gate_up`` [2I, H], ``down`` [H, I] (mlp_only_layers /
             decoder_sparse_step layers of Qwen3-Next).
+        a8_planes: expert planes (``w13``, ``w2``, ``shared_gate_up``, ``shared_down``) whose
+            inputs are quantized to e4m3 per 128 columns before the product, as vLLM's fp8 MoE
+            does and a K2 build with ``fp8_activations`` does.
     """
     if kind not in ("gdn", "attn"):
         raise ValueError(f"kind must be 'gdn' or 'attn', got {kind!r}")
@@ -124,6 +154,6 @@ def layer_tail(
     residual_out = f32(residual) + f32(o_in) @ f32(w_o).t()
     x = gemma_rms_norm(residual_out, weights["post_attention_layernorm"], eps)
     if "router" in weights:
-        out, ids, tw, near_tie = moe_forward(x, weights, dims)
+        out, ids, tw, near_tie = moe_forward(x, weights, dims, a8_planes)
         return TailOut(out, residual_out, ids, tw, near_tie)
     return TailOut(dense_mlp(x, weights), residual_out)

@@ -144,6 +144,12 @@ class K2Config:
     router_pipeline_stages: int = 3
     gate_up_pipeline_stages: int = 4
     down_pipeline_stages: int = 4
+    # fp8 block-128 expert planes (w13, w2 and the shared expert's) multiply e4m3
+    # activations, quantized per row and 128 columns as vLLM's fp8 MoE quantizes them, on an
+    # e4m3 MMA read from shared memory; off: the codes widen to bf16 for a bf16 MMA with bf16
+    # activations. One plane streamed twice as fast that way on the H200
+    # (docs/results/stream_fp8_h200.json); K2 with it has not run on a GPU.
+    fp8_activations: bool = False
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
     pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
 
@@ -220,6 +226,9 @@ def _interp() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: the expert planes whose inputs a build with ``fp8_activations`` quantizes to e4m3
+A8_PLANES = frozenset({"w13", "w2", "shared_gate_up", "shared_down"})
+
 #: planes K2 reads in any format of ``planes.READ_FORMATS``, besides out_proj / o_proj (the
 #: engines leave the router and shared_expert_gate bf16; a checkpoint could still quantize them)
 QUANTIZABLE = ("w13", "w2", "shared_gate_up", "shared_down", "router", "shared_expert_gate")
@@ -290,6 +299,26 @@ class K2Launch:
     def _check_formats(self) -> None:
         for plane in (self.w_o_name, *QUANTIZABLE):
             format_code(self.formats, plane)  # raises for a format the kernels do not read
+        c = self.config
+        if not c.fp8_activations:
+            return
+        bad = sorted(p for p in A8_PLANES if self.fmt(p) != "fp8_block128")
+        if bad:
+            raise ValueError(
+                f"fp8_activations needs fp8_block128 expert planes; {', '.join(bad)} "
+                f"{'is' if len(bad) == 1 else 'are'} "
+                f"{', '.join(sorted({self.fmt(p) for p in bad}))}"
+            )
+        # a K chunk is one quantization group: 128 columns (or all of a shorter K)
+        for name in ("gate_up_k_chunk", "down_i_chunk"):
+            if getattr(c, name) < 128:
+                raise ValueError(f"fp8_activations needs {name} >= 128, got {getattr(c, name)}")
+
+    @property
+    def a8_planes(self) -> frozenset[str]:
+        """The planes whose inputs this build quantizes to e4m3 (``K2Config.fp8_activations``;
+        the reference's ``layer_tail(a8_planes=...)``)."""
+        return A8_PLANES if self.config.fp8_activations else frozenset()
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -412,6 +441,7 @@ class K2Launch:
             SPE13=scale_numel(self.fmt("w13"), 2 * s.moe_inter, s.hidden),
             SPE2=scale_numel(self.fmt("w2"), s.hidden, s.moe_inter),
             INTERP=_interp(),
+            A8=c.fp8_activations,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

@@ -70,7 +70,7 @@ def k2_kernel(
     Q_13: tl.constexpr,
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, A8: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -161,7 +161,7 @@ def k2_kernel(
         s3_gate_up(
             w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, wsc_base, ppos_base, meta_base,
             act_ptr, pid, G, rows, rmask, n_u, tag, H, IR, ISR, BB, BN3, BK3, PIPE3, JM3, UM, IW,
-            IWR, IWS, Q_13, Q_SGU, SPE13, INTERP,
+            IWR, IWS, Q_13, Q_SGU, SPE13, INTERP, A8,
         )  # fmt: skip
     stamp(trace_ptr, 6, TRACE)
     if STAGES & 32:
@@ -169,7 +169,7 @@ def k2_kernel(
             w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base,
             ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H, IR, ISR, BB, BN4, BI4,
             JS, ACH, PIPE4, UM, M_U, IW, IWR, IWS, IWP, EB2, EBSD, RID_ACT, Q_2, Q_SD, SPE2,
-            PREFETCH, TRACE, INTERP,
+            PREFETCH, TRACE, INTERP, A8,
         )  # fmt: skip
     stamp(trace_ptr, 8, TRACE)
     if STAGES & 64:

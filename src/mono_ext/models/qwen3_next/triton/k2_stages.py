@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mono_ext.kernels.triton.planes import qdot, qdot_either, scale_index
+from mono_ext.kernels.triton.planes import qdot, qdot_a8, qdot_either, scale_index
 from mono_ext.kernels.triton.primitives import (
     global_timer_ns,
     pack_tagged,
@@ -427,10 +427,11 @@ def s3_gate_up(
     BB: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, PIPE3: tl.constexpr,
     JM3: tl.constexpr, UM: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr,
     IWS: tl.constexpr, Q_13: tl.constexpr, Q_SGU: tl.constexpr, SPE13: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, A8: tl.constexpr,
 ):  # fmt: skip
     """S3 gate_up: (shared or routed slot, row block) tasks of gate rows + the same up rows,
-    SiLU(g) * u * routing weight -> bf16 pairs in ``act`` per (slot, row)."""
+    SiLU(g) * u * routing weight -> bf16 pairs in ``act`` per (slot, row). ``A8``: fp8 planes
+    multiply e4m3 activations, each K chunk quantized (``planes.qdot_a8``)."""
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
     NB: tl.constexpr = (IR + BI3 - 1) // BI3
     NBS: tl.constexpr = (ISR + BI3 - 1) // BI3
@@ -481,7 +482,10 @@ def s3_gate_up(
         if Q_13 == Q_SGU:  # one format: one load through the task's plane
             w_t = tl.load(tl.where(sh, sgu_ptr, w13_e) + woff, mask=wm, other=0.0)
             sp3 = tl.where(sh, s_sgu_ptr, s13_e)
-            acc3 = qdot(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
+            if A8:
+                acc3 = qdot_a8(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
+            else:
+                acc3 = qdot(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
         else:
             w_r = tl.load(w13_e + woff, mask=wm & (sh == 0), other=0.0)
             w_s = tl.load(sgu_ptr + woff, mask=wm & sh, other=0.0)
@@ -515,9 +519,10 @@ def s4_down(
     M_U: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr, IWS: tl.constexpr,
     IWP: tl.constexpr, EB2: tl.constexpr, EBSD: tl.constexpr, RID_ACT: tl.constexpr,
     Q_2: tl.constexpr, Q_SD: tl.constexpr, SPE2: tl.constexpr, PREFETCH: tl.constexpr,
-    TRACE: tl.constexpr, INTERP: tl.constexpr,
+    TRACE: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
 ):  # fmt: skip
     # ------------------------------------- S4: down^T over (slot, H block) tasks -> pairs
+    # (A8: fp8 planes multiply e4m3 activations, each I chunk quantized, planes.qdot_a8)
     # Task t = slot ordinal * RB4 + H block over the routed slots then the shared expert;
     # each CTA takes a contiguous run of tasks (balanced to one task at any width; a run
     # touches at most JS slots) and writes one fp32 partial per (pair, H row). The sum over
@@ -608,7 +613,10 @@ def s4_down(
         s2_e = s_2_ptr + ex4.to(tl.int64) * SPE2
         if Q_2 == Q_SD:
             sp4 = tl.where(sh4, s_sd_ptr, s2_e)
-            acc4 = qdot(w4, a_m.to(tl.bfloat16), acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
+            if A8:
+                acc4 = qdot_a8(w4, a_m, acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
+            else:
+                acc4 = qdot(w4, a_m.to(tl.bfloat16), acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
         else:
             acc4 = qdot_either(acc4, w4, w4s, sh4, a_m.to(tl.bfloat16), s2_e, s_sd_ptr, hr, hm,
                                ic * BI4, Q_2, Q_SD, H, IR, H, ISR)  # fmt: skip

@@ -56,6 +56,14 @@ _BUILDS: dict[str, tuple[str, dict]] = {
         "k2",
         {"kind": "gdn", "formats": dict.fromkeys(FP8_K2, "fp8_block128")},
     ),
+    "k2 gdn fp8_block128 a8": (
+        "k2",
+        {
+            "kind": "gdn",
+            "formats": dict.fromkeys(FP8_K2, "fp8_block128"),
+            "config": {"fp8_activations": True},
+        },
+    ),
     "k2 attn gated bf16": ("k2", {"kind": "attn", "gated": True}),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
@@ -131,7 +139,9 @@ def _k2(kw: dict, width: int) -> OfflineBuild:
 
     from mono_ext.models.qwen3_next.triton import k2 as k2m
 
-    launch = k2m.K2Launch(k2m.K2Shape.from_dims(_dims(), kw["kind"]), k2m.K2Config(grid=GRID), **kw)
+    kw = dict(kw)
+    cfg = k2m.K2Config(grid=GRID, **kw.pop("config", {}))
+    launch = k2m.K2Launch(k2m.K2Shape.from_dims(_dims(), kw["kind"]), cfg, **kw)
     args = launch._warmup_args(torch.device("cpu"), n_rows=width)
     return OfflineBuild("", launch.label(), k2m.k2_kernel, args, launch._constexprs())
 
