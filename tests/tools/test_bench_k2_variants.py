@@ -45,3 +45,10 @@ def test_field_words_become_overrides():
 def test_bad_names_stop(name):
     with pytest.raises(SystemExit, match="unknown variant"):
         bench.variant_overrides(name)
+
+
+def test_the_fp8_activations_variant_runs_by_default_on_block128_planes_only():
+    assert "k2 a8" in bench.default_variants("fp8_block128")
+    for fmt in ("bf16", "fp8_channel"):
+        got = bench.default_variants(fmt)
+        assert "k2 a8" not in got and "k2" in got and len(got) == len(bench.VARIANTS) - 1

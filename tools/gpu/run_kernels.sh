@@ -62,7 +62,7 @@ bench)
     --variants "k2,k2 gate_up_rows=32,k2 router_k_splits=8" \
     --trace --csv "$OUT/k2_bf16.csv"
   run k2_fp8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,12,16 \
-    --variants "k2,k2 pipeline_stages=8" --csv "$OUT/k2_fp8.csv"
+    --variants "k2,k2 a8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 sweep)
   # the router (K splits around the default 2, chunks in flight per task) and the norm's rows
