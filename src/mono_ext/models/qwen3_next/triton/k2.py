@@ -148,7 +148,7 @@ class K2Config:
     # activations, quantized per row and 128 columns as vLLM's fp8 MoE quantizes them, on an
     # e4m3 MMA read from shared memory; off: the codes widen to bf16 for a bf16 MMA with bf16
     # activations. One plane streamed twice as fast that way on the H200
-    # (docs/results/stream_fp8_h200.json); K2 with it has not run on a GPU.
+    # (docs/results/stream_fp8_h200.json); off until K2 itself is timed so (docs/perf.md)
     fp8_activations: bool = False
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
     pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
