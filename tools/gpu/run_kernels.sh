@@ -25,6 +25,12 @@
 #                                         the stage traces $OUT/k2_trace.json, ~4 min
 #   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep at widths 1, 4, 16 (writes
 #                                         $OUT/k1_sweep.csv), ~1 min
+#   bash tools/gpu/run_kernels.sh a8      K2's fp8_activations build: the fp8 tests (its own
+#                                         included), the one-plane probe, then bench_k2 fp8
+#                                         block-128 "k2" vs "k2 a8" at widths 1-16 with both
+#                                         traced (writes $OUT/k2_a8.csv, $OUT/k2_a8_trace.json;
+#                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install adds
+#                                         the vLLM arms), ~5 min
 # Results go into docs/results/ (device, date, commit, command); docs/perf.md cites them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -76,7 +82,14 @@ sweep)
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --no-attn \
     --csv "$OUT/k1_sweep.csv" ;;
+a8)
+  bash "$0" fp8
+  run stream_fp8 timeout -s KILL 120 python3 benchmarks/bench_stream_fp8.py \
+    --json "$OUT/stream_fp8_h200.json"
+  run k2_a8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,16 \
+    --variants "k2,k2 a8" --trace --trace-variants "k2,k2 a8" --csv "$OUT/k2_a8.csv" \
+    --trace-json "$OUT/k2_a8_trace.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|a8" >&2
   exit 2 ;;
 esac
