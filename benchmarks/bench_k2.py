@@ -417,6 +417,49 @@ def k2_body(k2: K2Launch, su: Setup, b: int, state: RankState, ws):
     return body
 
 
+def host_launch_us(k2: K2Launch, su: Setup, state: RankState, ws, b: int = 1, reps: int = 200):
+    """Host microseconds per eager K2 launch, median over ``reps`` rounds of one launch per
+    rotation layer: ``checked``, planned on every launch with every tensor checked (what
+    ``launch()`` does, and a layer's first launch in the runtime); ``planned``, run from each
+    layer's plan after only ``fits`` (every later launch in the runtime). The GPU finishes
+    each round before the next, so no launch waits for room in the queue."""
+    lay = list(enumerate(su.rot))
+
+    def acts(w):
+        return w["o_in"][:b], w["residual"][:b], w["out_h"][:b], w["out_r"][:b]
+
+    plans = []
+    for layer, w in lay:
+        o, r, h, ro = acts(w)
+        plans.append(k2.plan(o, r, w, h, ro, ws=ws, ctrl=state.ctrl, health=state.health,
+                             layer=layer, layers_per_step=ROT))  # fmt: skip
+
+    def planned():
+        for p, (_, w) in zip(plans, lay, strict=True):
+            values = k2.live_values(*acts(w))
+            if not p.fits(values):
+                raise RuntimeError("a rotation layer's activations no longer fit its plan")
+            p.run(values)
+
+    def checked():
+        for layer, w in lay:
+            o, r, h, ro = acts(w)
+            k2.launch(o, r, w, h, ro, ws=ws, ctrl=state.ctrl, health=state.health, layer=layer,
+                      layers_per_step=ROT, validate=True)  # fmt: skip
+
+    out = {}
+    for name, body in (("checked", checked), ("planned", planned)):
+        times = []
+        for _ in range(reps + 5):
+            state.bump_epoch()
+            t0 = time.perf_counter_ns()
+            body()
+            times.append((time.perf_counter_ns() - t0) / 1e3 / len(lay))
+            torch.cuda.synchronize()
+        out[name] = round(statistics.median(times[5:]), 2)
+    return out
+
+
 TRACE_POINTS = (
     "start", "S1 pushed", "S1 reduced", "norm done", "router done", "top-k done",
     "gate_up done", "act waited", "down partials", "end", "top-k rows out",
@@ -553,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--trace-json", default=None, help="with --trace: write the traces here")
     ap.add_argument(
+        "--host-json", default=None,
+        help="also time the host side of one eager K2 launch at width 1, planned every launch "
+             "vs run from its plan, and write it here",
+    )  # fmt: skip
+    ap.add_argument(
         "--stock", choices=("vllm", "torch", "both"), default=None,
         help="stock arms: vLLM 0.26's own ops, the torch op chain, or both (default: both where "
              "vllm is installed, else torch)",
@@ -600,6 +648,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"k2 build: {k2.label()} regs {k2.resources.regs_per_thread} "
           f"smem {k2.resources.shared_bytes} out_proj_k_splits {k2.out_proj_k_splits}")  # fmt: skip
 
+    if args.host_json:
+        host = host_launch_us(k2, su, state, ws)
+        print(f"host us per K2 launch (width 1): {host}")
+        with open(args.host_json, "w") as f:
+            json.dump({**provenance(name), "label": k2.label(), "host_us_per_launch": host}, f,
+                      indent=1)  # fmt: skip
     for vname in args.variants.split(","):
         k = k2 if vname == "k2" else build_k2(su, sms, **variant_overrides(vname))
         wsv = ws if k is k2 else k.workspace("cuda")

@@ -66,7 +66,7 @@ stream)
 bench)
   run k2_bf16 python3 benchmarks/bench_k2.py --widths 1,2,4,8,12,16 \
     --variants "k2,k2 gate_up_rows=32,k2 router_k_splits=8" \
-    --trace --csv "$OUT/k2_bf16.csv"
+    --trace --csv "$OUT/k2_bf16.csv" --host-json "$OUT/k2_host_launch.json"
   run k2_fp8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,12,16 \
     --variants "k2,k2 a8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;

@@ -15,7 +15,7 @@ from tests._support.markers import mark_folder
 from tests._support.triton_interpreter import patch_triton_interpreter
 
 HERE = Path(__file__).parent
-INTERPRETED = ("test_fp8_planes.py",)
+INTERPRETED = ("test_fp8_planes.py", "test_launcher_run.py")
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     patch_triton_interpreter()

@@ -476,6 +476,51 @@ def test_launches_adapter_matches_direct_launch():
     assert_healthy(st)
 
 
+def test_launches_adapter_plans_each_layer_once(monkeypatch):
+    """``K1Launches`` plans a layer's launch (every tensor checked, the table frozen) at its
+    first launch, runs later steps' new buffers and widths from that plan, plans again for a
+    new bound layer object, and a tensor that no longer fits gets the full check's error."""
+    from mono_ext.models.qwen3_next.launches import BoundLayer
+    from mono_ext.models.qwen3_next.triton.k1 import K1Launches
+
+    md = ModelDims.from_config(_cfg(TINY))
+    gdn = gdn_build(TINY, "bfloat16")
+    plans = []
+    plan = gdn.plan
+    monkeypatch.setattr(gdn, "plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    gen = new_gen(23)
+    st = rank_state()
+    adapter = K1Launches(gdn, None, gdn.workspace(DEV), None, st.ctrl, st.health,
+                         layers_per_step=1, null_slot=0)  # fmt: skip
+    w = gdn_weights(md, "interleaved", gen)
+    conv, ssm = gdn_states(md, "time_chan", "bfloat16", gen)
+    layer = BoundLayer(0, "linear_attention", w, conv, ssm)
+
+    def step(bound, width, o_dtype=torch.bfloat16):
+        slots = step_slots(width, 0, gen)
+        hid, res = step_inputs(md, width, gen)
+        o_in = torch.full((width, md.value_dim), float("nan"), dtype=o_dtype, device=DEV)
+        r_out = torch.full_like(hid, float("nan"))
+        conv_r, ssm_r = conv.clone(), ssm.clone()
+        st.bump_epoch()
+        adapter.k1_gdn(bound, hid, res, slots, o_in=o_in, residual_out=r_out)
+        ref = run_ref_gdn(md, hid, res, w, conv_r, ssm_r, slots, "interleaved", "time_chan", 0,
+                          "vk")  # fmt: skip
+        ok = _valid(slots, 0)
+        assert_close("out", o_in[ok].float(), ref.o_in[ok])
+
+    step(layer, 3)
+    step(layer, 2)  # other buffers, another width: the same plan
+    assert len(plans) == 1
+    again = BoundLayer(0, "linear_attention", w, conv, ssm)
+    step(again, 2)  # the layer bound again
+    assert len(plans) == 2
+    with pytest.raises(ValueError, match="o_in is torch.float32"):
+        step(again, 2, o_dtype=torch.float32)
+    assert len(plans) == 3  # the misfit was planned (and checked) again, and refused
+    assert_healthy(st)
+
+
 # ---------------------------------------------------------------------------- fp8 planes
 
 

@@ -211,7 +211,7 @@ class FlyDSLRuntime(PersistentRuntime):
             dims=d,
             grid=grid,
             null_slot=ctx.null_slot,
-            validate=bool(extra.get("validate", True)),
+            validate=bool(extra.get("validate", False)),
             dry_run=dry,
             state=state,
             failstop=failstop,

@@ -29,7 +29,10 @@ config's ``mamba_ssm_dtype``, else the activation dtype), ``a_log_dtype`` ("floa
 ``dt_bias_dtype`` (the activation dtype), ``positions_dtype`` ("int64"), ``max_positions``
 (RoPE table rows; default ``max_position_embeddings``), ``deadline_s`` (default
 ``MONO_EXT_DEADLINE_S``), ``k1_config`` / ``k2_config`` (tiles and grid), ``validate``
-(check every launch's tensors, default True).
+(check every tensor of every launch, default False: each layer's launches are planned at its
+first launch, every tensor checked and the argument table frozen
+(``kernels.triton.launcher``), and a later launch checks only that its activations fit the
+plan: rows, dtype, trailing shape, contiguity, 16-byte alignment).
 
 Triton and torch are imported when a runtime is built, so :meth:`TritonBuilder.refusals` works
 (and names the missing piece) on a box without them.
@@ -84,6 +87,7 @@ class TritonRuntime(PersistentRuntime):
     k2_attn_ws: Any
     cache: Any  # runtime.build_cache.BuildCache of TritonLaunches
     steps: int = 0  # host-side count of finished steps (FailStop's step numbers)
+    frozen: Any = None  # kernels.triton.launcher.FrozenLaunches of the K2 launches, per layer
     compiled: dict[str, Any] = field(default_factory=dict)  # label -> KernelResources
 
     @property
@@ -95,6 +99,7 @@ class TritonRuntime(PersistentRuntime):
         import torch
 
         from mono_ext.core.settings import load_settings
+        from mono_ext.kernels.triton.launcher import FrozenLaunches
         from mono_ext.models.qwen3_next.dims import Dims
         from mono_ext.models.qwen3_next.triton import k1 as k1m
         from mono_ext.models.qwen3_next.triton import k1_kernel, k2_kernel
@@ -161,7 +166,7 @@ class TritonRuntime(PersistentRuntime):
             agree_every=settings.agree_every,
             name_of=wait_namer(layouts_of),
         )
-        validate = bool(extra.get("validate", True))
+        validate = bool(extra.get("validate", False))
         k1 = k1m.K1Launches(
             gdn,
             attn,
@@ -189,6 +194,7 @@ class TritonRuntime(PersistentRuntime):
             cache=None,
             compiled=compiled,
         )
+        rt.frozen = FrozenLaunches()
         rt.cache = BuildCache(
             lambda k: TritonLaunches(k, rt), sources=(k1m, k1_kernel, k2m, k2_kernel)
         )
@@ -228,10 +234,18 @@ class TritonLaunches(PersistentLaunches):
             launch, ws = rt.k2_attn, rt.k2_attn_ws
         if launch is None:
             raise RuntimeError(f"{self.key.label()}: no K2 build for layer {layer.index}")
-        launch.launch(o_in, residual, layer.weights, hidden_out, residual_out, ws=ws,
-                      ctrl=rt.state.ctrl, health=rt.state.health, layer=layer.index,
-                      layers_per_step=rt.layers_per_step, validate=rt.validate,
-                      gate=gate)  # fmt: skip
+        if rt.validate:
+            launch.check(o_in, residual, layer.weights, hidden_out, residual_out, gate)
+        values = launch.live_values(o_in, residual, hidden_out, residual_out, gate)
+        planned = rt.frozen.get(
+            ("k2", layer.index),
+            layer,
+            values,
+            lambda: launch.plan(o_in, residual, layer.weights, hidden_out, residual_out, ws=ws,
+                                ctrl=rt.state.ctrl, health=rt.state.health, layer=layer.index,
+                                layers_per_step=rt.layers_per_step, gate=gate),  # fmt: skip
+        )
+        planned.run(values)
 
 
 class TritonBuilder:

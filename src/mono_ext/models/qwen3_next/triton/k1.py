@@ -22,6 +22,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mono_ext.kernels.triton.launcher import (
+    ROWS,
+    FrozenLaunch,
+    FrozenLaunches,
+    Live,
+    live_template,
+    live_values,
+)
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, pdl_options
 from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reasons
 from mono_ext.models.qwen3_next.triton.k1_kernel import (
@@ -159,6 +167,7 @@ class _K1LaunchBase:
     _KERNEL: Any = None
     _PROGRAM: Any = None
     _PLANES: tuple[str, ...] = ()
+    _LIVE_AT: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         bad = self.shape.refusals() + self._refusals() + self._format_refusals()
@@ -294,20 +303,34 @@ class _K1LaunchBase:
         self.resources = res
         self._built = True
 
-    def _launch(self, tensors: tuple, validate: bool, ws: K1Workspace, ctrl, health,
-                **step) -> None:  # fmt: skip
-        """``tensors``: ``check``'s arguments; ``step``: ``_args``' keywords after n_rows."""
+    def plan(self, tensors: tuple, ws: K1Workspace, ctrl, health, *, check: bool = True,
+             **step) -> FrozenLaunch:  # fmt: skip
+        """The launch for ``tensors`` (``check``'s arguments) planned once: every tensor checked
+        (unless ``check`` is False), the argument table frozen with the per-step tensors
+        (``_LIVE_AT``) and the row count live; ``step``: ``_args``' keywords after n_rows."""
         if not self._built:
             raise RuntimeError(f"{self.label()}: build() at startup before launching")
-        n = self.check(*tensors) if validate else tensors[0].shape[0]
-        args = self._args(*tensors, ws, ctrl, health, n, **step)
-        grid = (self.config.grid,)
+        if check:
+            self.check(*tensors)
+        template, names, values = live_template(tensors, self._LIVE_AT)
+        args = self._args(*template, ws, ctrl, health, Live(ROWS), **step)
         cx = self._cx
+        passes = [cx]
         if self._split():  # interpreter: programs run in turn; S2 would wait on later ones
-            for st in (S1, S2):
-                self._KERNEL[grid](*args, **{**cx, "STAGES": st & self.stages})
-        else:
-            self._KERNEL[grid](*args, **cx)
+            passes = [{**cx, "STAGES": st & self.stages} for st in (S1, S2)]
+        return FrozenLaunch(self._KERNEL, self.config.grid, args, names, values, passes,
+                            compiled=not _interp(), max_rows=BLOCK_B)  # fmt: skip
+
+    def live_values(self, tensors: tuple) -> list:
+        """What a planned launch (:meth:`plan`) takes per step from ``check``'s arguments."""
+        return live_values(tensors, self._LIVE_AT)
+
+    def _launch(self, tensors: tuple, validate: bool, ws: K1Workspace, ctrl, health,
+                **step) -> None:  # fmt: skip
+        """Plan and run once: ``tensors``: ``check``'s arguments (checked when
+        ``validate``); ``step``: ``_args``' keywords after n_rows."""
+        planned = self.plan(tensors, ws, ctrl, health, check=validate, **step)
+        planned.run(self.live_values(tensors))
 
     def _split(self) -> bool:
         """Run S1 and S2 as two launches: the interpreter with more than one program."""
@@ -345,6 +368,8 @@ class K1GdnLaunch(_K1LaunchBase):
     _KERNEL = k1_gdn_kernel
     _PROGRAM = staticmethod(k1_gdn_program)
     _PLANES = ("in_proj_qkvz", "in_proj_ba")
+    # check()'s per-step arguments: hidden, residual, slots, o_in, residual_out
+    _LIVE_AT = (0, 1, 5, 6, 7)
 
     def _refusals(self) -> list[str]:
         bad = []
@@ -500,6 +525,8 @@ class K1AttnLaunch(_K1LaunchBase):
     _KERNEL = k1_attn_kernel
     _PROGRAM = staticmethod(k1_attn_program)
     _PLANES = ("qkv_proj",)
+    # check()'s per-step arguments: hidden, residual, positions, q, k, v, gate, residual_out
+    _LIVE_AT = (0, 1, 3, 4, 5, 6, 7, 8)
 
     def _refusals(self) -> list[str]:
         rows = self.shape.qkv_rows
@@ -585,7 +612,10 @@ class K1Launches:
     with the Protocol's signatures) over built :class:`K1GdnLaunch` / :class:`K1AttnLaunch`.
 
     A Triton ``LayerLaunches`` delegates its ``k1_*`` methods here; ``layer.index`` is the
-    tag's layer id, ``layers_per_step`` the number of decoder layers.
+    tag's layer id, ``layers_per_step`` the number of decoder layers. Each layer's launch is
+    planned (every tensor checked, the argument table frozen) at its first launch, and again
+    only when a step's tensors no longer fit the plan; ``validate`` also checks every tensor
+    of every launch.
     """
 
     gdn: K1GdnLaunch | None
@@ -596,21 +626,33 @@ class K1Launches:
     health: Any
     layers_per_step: int
     null_slot: int | None = None
-    validate: bool = True
+    validate: bool = False
+    frozen: FrozenLaunches = field(default_factory=FrozenLaunches)
+
+    def _run(self, kind: str, launch: Any, ws: Any, layer: Any, tensors: tuple, **step) -> None:
+        if self.validate:
+            launch.check(*tensors)
+        values = launch.live_values(tensors)
+        planned = self.frozen.get(
+            (kind, layer.index, tensors[1] is None),
+            layer,
+            values,
+            lambda: launch.plan(tensors, ws, self.ctrl, self.health, layer=layer.index,
+                                layers_per_step=self.layers_per_step, **step),  # fmt: skip
+        )
+        planned.run(values)
 
     def k1_gdn(self, layer, hidden, residual, slots, *, o_in, residual_out) -> None:
         if self.gdn is None or self.gdn_ws is None:
             raise RuntimeError("K1Launches: no GDN build")
-        self.gdn.launch(hidden, residual, layer.weights, layer.conv_state, layer.ssm_state,
-                        slots, o_in, residual_out, ws=self.gdn_ws, ctrl=self.ctrl,
-                        health=self.health, null_slot=self.null_slot, layer=layer.index,
-                        layers_per_step=self.layers_per_step, validate=self.validate)  # fmt: skip
+        self._run("gdn", self.gdn, self.gdn_ws, layer,
+                  (hidden, residual, layer.weights, layer.conv_state, layer.ssm_state, slots,
+                   o_in, residual_out), null_slot=self.null_slot)  # fmt: skip
 
     def k1_attn(self, layer, hidden, residual, positions, *, q, k, v, gate,
                 residual_out) -> None:  # fmt: skip
         if self.attn is None or self.attn_ws is None:
             raise RuntimeError("K1Launches: no attention build")
-        self.attn.launch(hidden, residual, layer.weights, positions, q, k, v, gate,
-                         residual_out, ws=self.attn_ws, ctrl=self.ctrl, health=self.health,
-                         layer=layer.index, layers_per_step=self.layers_per_step,
-                         validate=self.validate)  # fmt: skip
+        self._run("attn", self.attn, self.attn_ws, layer,
+                  (hidden, residual, layer.weights, positions, q, k, v, gate,
+                   residual_out))  # fmt: skip

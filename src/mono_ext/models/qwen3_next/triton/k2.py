@@ -70,6 +70,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mono_ext.kernels.triton.launcher import ROWS, FrozenLaunch, Live, live_template, live_values
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, pdl_options
 from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reasons, scale_numel
 from mono_ext.models.qwen3_next.shapes import TailShape
@@ -581,6 +582,40 @@ class K2Launch:
         self.resources = res
         self._compiled = compiled
 
+    # check()'s per-step arguments: o_in, residual, out_hidden, out_residual, gate
+    _LIVE_AT = (0, 1, 3, 4, 5)
+
+    def plan(self, o_in, residual, weights: dict, out_hidden, out_residual, *,
+             ws: K2Workspace, ctrl, health, peers=None, layer: int = 0,
+             layers_per_step: int = 1, gate=None, check: bool = True) -> FrozenLaunch:  # fmt: skip
+        """One layer's K2 planned once: every tensor checked (unless ``check`` is False), the
+        argument table frozen with the activations and the row count live (``live_values``).
+        The caller bumps the epoch once per step. ``gate``: the pre-sigmoid output gate, for
+        (and only for) a ``gated`` build."""
+        if self._compiled is None:
+            raise RuntimeError(f"{self.label()}: build() at startup before launching")
+        if check:
+            self.check(o_in, residual, weights, out_hidden, out_residual, gate)
+        elif self.gated != (gate is not None):
+            raise ValueError(f"{self.label()}: gate must be given exactly for gated builds")
+        if self.shape.tp > 1 and peers is None:
+            raise ValueError(f"{self.label()}: TP {self.shape.tp} needs the peer table")
+        tensors = (o_in, residual, weights, out_hidden, out_residual, gate)
+        t, names, values = live_template(tensors, self._LIVE_AT)
+        args = self._args(t[0], t[1], weights, t[3], t[4], ws, ctrl, health, peers, Live(ROWS),
+                          layer, layers_per_step, t[5])  # fmt: skip
+        cx = self._cx
+        if cx["INTERP"]:  # one stage per launch: every hand-off is written before it is read
+            passes = [{**cx, "STAGES": st} for st in STAGE_ORDER if st & self.stages]
+        else:
+            passes = [cx]
+        return FrozenLaunch(k2_kernel, self.config.grid, args, names, values, passes,
+                            compiled=not cx["INTERP"], max_rows=BLOCK_B)  # fmt: skip
+
+    def live_values(self, o_in, residual, out_hidden, out_residual, gate=None) -> list:
+        """What a planned launch (:meth:`plan`) takes per step."""
+        return live_values((o_in, residual, None, out_hidden, out_residual, gate), self._LIVE_AT)
+
     def launch(
         self,
         o_in,
@@ -598,27 +633,13 @@ class K2Launch:
         validate: bool = True,
         gate=None,
     ) -> None:
-        """One K2 for ``o_in.shape[0]`` rows. The caller bumps the epoch once per step.
-        ``gate``: the pre-sigmoid output gate, for (and only for) a ``gated`` build."""
-        if self._compiled is None:
-            raise RuntimeError(f"{self.label()}: build() at startup before launching")
-        if validate:
-            n_rows = self.check(o_in, residual, weights, out_hidden, out_residual, gate)
-        else:
-            if self.gated != (gate is not None):
-                raise ValueError(f"{self.label()}: gate must be given exactly for gated builds")
-            n_rows = o_in.shape[0]
-        if self.shape.tp > 1 and peers is None:
-            raise ValueError(f"{self.label()}: TP {self.shape.tp} needs the peer table")
-        args = self._args(o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health,
-                          peers, n_rows, layer, layers_per_step, gate)  # fmt: skip
-        cx = self._cx
-        if cx["INTERP"]:  # one stage per launch: every hand-off is written before it is read
-            for st in STAGE_ORDER:
-                if st & self.stages:
-                    k2_kernel[(self.config.grid,)](*args, **{**cx, "STAGES": st})
-        else:
-            k2_kernel[(self.config.grid,)](*args, **cx)
+        """Plan (:meth:`plan`; tensors checked when ``validate``) and run one K2 for
+        ``o_in.shape[0]`` rows."""
+        planned = self.plan(o_in, residual, weights, out_hidden, out_residual, ws=ws, ctrl=ctrl,
+                            health=health, peers=peers, layer=layer,
+                            layers_per_step=layers_per_step, gate=gate,
+                            check=validate)  # fmt: skip
+        planned.run(self.live_values(o_in, residual, out_hidden, out_residual, gate))
 
 
 def shard_tail_weights(
