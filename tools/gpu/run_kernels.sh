@@ -31,6 +31,10 @@
 #                                         traced (writes $OUT/k2_a8.csv, $OUT/k2_a8_trace.json;
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install adds
 #                                         the vLLM arms), ~5 min
+#   bash tools/gpu/run_kernels.sh layer   benchmarks/bench_layer.py: eight decoder layers per step,
+#                                         K1 + K2 vs vLLM's own layer code, eager and compiled,
+#                                         widths 1-16 (needs PYTHONPATH=/tmp/site after
+#                                         run_vllm_e2e.sh install; writes $OUT/layer_vllm.json)
 # Results go into docs/results/ (device, date, commit, command); docs/perf.md cites them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -89,7 +93,9 @@ a8)
   run k2_a8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,16 \
     --variants "k2,k2 a8" --trace --trace-variants "k2,k2 a8" --csv "$OUT/k2_a8.csv" \
     --trace-json "$OUT/k2_a8_trace.json" ;;
+layer)
+  run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|a8" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|a8|layer" >&2
   exit 2 ;;
 esac
