@@ -47,21 +47,39 @@ def expected_distinct(experts: int, top_k: int, rows: int) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** rows)
 
 
+def _plane_bytes(shape: tuple[int, ...], wbytes: int, fp8: bool) -> float:
+    """Bytes of one weight plane: ``wbytes`` per weight, or (``fp8``) one byte per e4m3 code
+    plus an fp32 scale per 128x128 block of its last two dims."""
+    n = math.prod(shape)
+    if not fp8:
+        return n * wbytes
+    *lead, rows, cols = shape
+    return n + math.prod(lead) * math.ceil(rows / 128) * math.ceil(cols / 128) * 4
+
+
 def layer_bytes(
-    dims: Any, kind: str, rows: int, ctx: float, wbytes: int = 2, state_bytes: int = 2
+    dims: Any,
+    kind: str,
+    rows: int,
+    ctx: float,
+    wbytes: int = 2,
+    state_bytes: int = 2,
+    fp8_planes: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, float]:
     """Bytes one decoder layer of ``kind`` must move for one decode step of ``rows`` rows
-    (TP 1), by component. ``ctx``: mean context length (KV positions read per row)."""
+    (TP 1), by component. ``ctx``: mean context length (KV positions read per row);
+    ``fp8_planes``: the planes stored as fp8 block-128 codes and scales."""
     h = dims.hidden
-    dense_params = 0
+    dense = 0.0
     for name, shape in dims.planes(kind).items():
-        if name in ("w13", "w2"):
-            continue
-        dense_params += math.prod(shape)
-    expert_params = 3 * dims.moe_inter * h  # gate + up + down of one routed expert
+        if name not in ("w13", "w2"):
+            dense += _plane_bytes(shape, wbytes, name in fp8_planes)
+    # one routed expert: its slices of w13 [2I, H] and w2 [H, I]
+    expert = _plane_bytes((2 * dims.moe_inter, h), wbytes, "w13" in fp8_planes)
+    expert += _plane_bytes((h, dims.moe_inter), wbytes, "w2" in fp8_planes)
     out = {
-        "dense_weights": dense_params * wbytes,
-        "experts": expected_distinct(dims.experts, dims.top_k, rows) * expert_params * wbytes,
+        "dense_weights": dense,
+        "experts": expected_distinct(dims.experts, dims.top_k, rows) * expert,
         "gdn_state": 0.0,
         "kv": 0.0,
     }
@@ -183,11 +201,13 @@ def tpot_rows(
     bw: float | None,
     ctx: float,
     state_bytes: int = 2,
+    fp8_planes: frozenset[str] | set[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Summary rows per (arm, batch) from TPOT seconds per (arm, layers, batch) (every run's
     value; the median is taken): TPOT per layer count, and with two or more layer counts the
     per-layer slope, intercept and TPOT at ``dims.num_layers``; with the copy bandwidth
-    ``bw`` also the floor per layer, its fraction reached and the full-model floor."""
+    ``bw`` also the floor per layer, its fraction reached and the full-model floor
+    (``fp8_planes`` as in :func:`layer_bytes`)."""
     rows = []
     arms = sorted({k[0] for k in tp}, key=lambda s: (s != "off", s))
     batches = sorted({k[2] for k in tp})
@@ -210,7 +230,8 @@ def tpot_rows(
                     tpot_L48_ms=(icpt + dims.num_layers * slope) * 1e3,
                 )
                 if bw:
-                    fl = floor_per_layer(dims, layers, b, ctx, bw, state_bytes=state_bytes)
+                    fl = floor_per_layer(dims, layers, b, ctx, bw, state_bytes=state_bytes,
+                                         fp8_planes=fp8_planes)  # fmt: skip
                     row.update(
                         floor_per_layer_us=fl["s_per_layer"] * 1e6,
                         floor_bytes_per_layer_MB=fl["bytes_per_layer"] / 1e6,

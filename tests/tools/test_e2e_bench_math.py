@@ -202,3 +202,51 @@ def test_profile_steps_counts_calls_per_decode_step():
     assert step["cumtime_us_per_step"] >= step["tottime_us_per_step"] > 0
     own = [r["tottime_us_per_step"] for r in rows]
     assert own == sorted(own, reverse=True)
+
+
+def test_fp8_planes_count_one_byte_and_a_scale_per_block():
+    bf16 = bench.layer_bytes(DIMS, "linear_attention", rows=1, ctx=700)
+    fp8_planes = frozenset({"in_proj_qkvz", "out_proj", "w13", "w2"})
+    fp8 = bench.layer_bytes(DIMS, "linear_attention", rows=1, ctx=700, fp8_planes=fp8_planes)
+    h, qkvz = 2048, 2 * 16 * 128 + 2 * 32 * 128
+
+    def saved(n, k):  # a bf16 plane's bytes minus its fp8 codes and block scales
+        return 2 * n * k - (n * k + math.ceil(n / 128) * math.ceil(k / 128) * 4)
+
+    assert bf16["dense_weights"] - fp8["dense_weights"] == saved(qkvz, h) + saved(h, 4096)
+    per_expert = saved(2 * 512, h) + saved(h, 512)
+    assert bf16["experts"] - fp8["experts"] == pytest.approx(10 * per_expert)
+    assert fp8["gdn_state"] == bf16["gdn_state"]  # states are no weights
+
+
+def test_result_names_per_model_and_format():
+    assert bench.names() == ("e2e_vllm.json", "e2e_vllm.csv", "e2e_vllm.png")
+    assert bench.names("q35")[0] == "e2e_vllm_q35.json"
+    assert bench.names("next", "fp8_block128")[0] == "e2e_vllm_fp8.json"
+
+
+def test_model_and_format_arguments(capsys):
+    q35 = bench.parse_args(["--out", "/tmp/x", "--quick", "--model", "q35"])
+    assert q35.preset == "qwen3.5-35b-a3b" and q35.formats == "bf16"
+    fp8 = bench.parse_args(["--out", "/tmp/x", "--quick", "--formats", "fp8_block128"])
+    assert fp8.preset == "qwen3-next-80b-a3b" and fp8.check is False
+    assert "no check entry" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "/tmp/x", "--model", "q35", "--formats", "fp8_block128"])
+    assert "Qwen3-Next (--model next) only" in capsys.readouterr().err
+
+
+def test_fp8_config_keeps_the_official_bf16_modules(tmp_path):
+    import json
+
+    path = bench.write_config(tmp_path, "qwen3-next-80b-a3b", 8, formats="fp8_block128")
+    q = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert (q["quant_method"], q["weight_block_size"]) == ("fp8", [128, 128])
+    keep = set(q["modules_to_not_convert"])
+    assert {"lm_head", "model.embed_tokens"} <= keep
+    assert "model.layers.0.linear_attn.in_proj_ba" in keep
+    assert not any(k.startswith("model.layers.3.linear_attn") for k in keep)  # attention
+    assert {f"model.layers.{i}.mlp.gate" for i in range(8)} <= keep
+    assert not any(k.startswith("model.layers.8.") for k in keep)
+    with pytest.raises(ValueError, match="dummy weights only"):
+        bench.write_config(tmp_path, "qwen3-next-80b-a3b", 4, "checkpoint", "fp8_block128")

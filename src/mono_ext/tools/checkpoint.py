@@ -124,6 +124,36 @@ def checkpoint_config(
     }
 
 
+#: the planes an FP8 block-128 checkpoint of Qwen3-Next stores as e4m3 codes with one fp32
+#: ``weight_scale_inv`` per 128x128 block (docs/quantized_planes.md): the rest stay bf16
+FP8_BLOCK128_PLANES = frozenset(
+    {"in_proj_qkvz", "out_proj", "qkv_proj", "o_proj", "w13", "w2", "shared_gate_up",
+     "shared_down"}
+)  # fmt: skip
+
+
+def fp8_block128_quantization(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``quantization_config`` of an FP8 block-128 checkpoint of the Qwen3-Next
+    ``config`` (a ``checkpoint_config`` dict), as Qwen's FP8 release declares it: e4m3,
+    dynamic activation scales, 128x128 weight blocks, and bf16 (``modules_to_not_convert``)
+    for the embeddings, lm_head, every layer's router and shared-expert gate and every GDN
+    layer's ``in_proj_ba`` (vLLM refuses blocks of its 64 rows)."""
+    if family(config) != "qwen3_next":
+        raise ValueError("fp8_block128_quantization: a Qwen3-Next config only")
+    keep = ["lm_head", "model.embed_tokens"]
+    for i, kind in enumerate(layer_types(config)[: int(config["num_hidden_layers"])]):
+        keep += [f"model.layers.{i}.{m}" for m in ("mlp.gate", "mlp.shared_expert_gate")]
+        if kind == "linear_attention":
+            keep.append(f"model.layers.{i}.linear_attn.in_proj_ba")
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": keep,
+    }
+
+
 def _vision_shapes(v: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
     h, inter, m = v["hidden_size"], v["intermediate_size"], v["spatial_merge_size"]
     p, tp, cin = v["patch_size"], v["temporal_patch_size"], v["in_channels"]

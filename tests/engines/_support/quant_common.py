@@ -32,7 +32,7 @@ def make_fp8_block_checkpoint(out: Path, config: dict[str, Any]) -> Path:
     from safetensors.torch import load_file, save_file
 
     from mono_ext.models.qwen3_next.reference.convert import quantize
-    from mono_ext.tools.checkpoint import make_checkpoint
+    from mono_ext.tools.checkpoint import fp8_block128_quantization, make_checkpoint
 
     make_checkpoint(out, config, seed=0)
     tensors = {}
@@ -44,18 +44,7 @@ def make_fp8_block_checkpoint(out: Path, config: dict[str, Any]) -> Path:
         tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    keep = ["lm_head", "model.embed_tokens"]
-    for i in range(cfg["num_hidden_layers"]):
-        keep += [f"model.layers.{i}.{m}" for m in ("mlp.gate", "mlp.shared_expert_gate")]
-        if cfg["layer_types"][i] == "linear_attention":
-            keep.append(f"model.layers.{i}.linear_attn.in_proj_ba")
-    cfg["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        "modules_to_not_convert": keep,
-    }
+    cfg["quantization_config"] = fp8_block128_quantization(cfg)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 
