@@ -10,6 +10,10 @@ graph per arm and width:
 - ``k1+k2``: per layer one K1 (GDN or attention front) and one K2 (tail; the attention
   layers' build is ``gated``), the way the triton backend launches them: one epoch per step,
   the layer index as the tag, every layer its own weights and states.
+- ``k1+k2 pdl``: the same builds with programmatic dependent launch (``pdl`` in K1Config and
+  K2Config), so each launch starts while the one before drains: the boundary cost of a step
+  is the difference (``--no-pdl`` leaves it out). It must leave a step bit-identical to
+  ``k1+k2``'s from the same states, or it is not timed.
 - ``vllm`` / ``vllm-compiled``: vLLM's modules for the same work (benchmarks/_vllm_front.py
   for the fronts, benchmarks/_vllm_chain.py for the tails; both name every file and function
   they run), eager (``enforce_eager`` dispatch) and under vLLM's default compilation.
@@ -63,6 +67,7 @@ STOCK_COSINE = 0.999  # what bench_k1 and bench_k2 hold vLLM's arms to, per laun
 BF = torch.bfloat16
 KV_BLOCK = 16
 ARM = "k1+k2"
+PDL_ARM = "k1+k2 pdl"  # every launch of the step with programmatic dependent launch
 
 
 # ------------------------------------------------------------------ sizes (no device)
@@ -198,7 +203,7 @@ def write_kv(d: Dims, k, v, cache, slot_mapping) -> None:
 class MonoArm:
     """K1 + K2 builds of the deployment (one per kind), their workspaces and the rank state."""
 
-    def __init__(self, d: Dims, kinds, layers, states, caches, bufs, kv: bool):
+    def __init__(self, d: Dims, kinds, layers, states, caches, bufs, kv: bool, pdl: bool = False):
         from mono_ext.models.qwen3_next.triton.k1 import (
             K1AttnLaunch,
             K1AttnShape,
@@ -210,18 +215,20 @@ class MonoArm:
         from mono_ext.runtime.peers import RankState
 
         sm = torch.cuda.get_device_properties(0).multi_processor_count
+        self.arm = PDL_ARM if pdl else ARM
+        k1c, k2c = K1Config(grid=sm, pdl=pdl), K2Config(grid=sm, pdl=pdl)
         self.d, self.kinds, self.layers, self.states = d, kinds, layers, states
         self.caches, self.bufs, self.kv = caches, bufs, kv
         self.k1 = {
-            "gdn": K1GdnLaunch(K1GdnShape.from_dims(d), K1Config(grid=sm), packing="interleaved",
+            "gdn": K1GdnLaunch(K1GdnShape.from_dims(d), k1c, packing="interleaved",
                                state_dtype="float32", ssm_layout="vk", conv_dtype="bfloat16",
                                a_log_dtype="float32", dt_bias_dtype="bfloat16"),
-            "attn": K1AttnLaunch(K1AttnShape.from_dims(d), K1Config(grid=sm), max_positions=8192,
+            "attn": K1AttnLaunch(K1AttnShape.from_dims(d), k1c, max_positions=8192,
                                  positions_dtype="int64"),
         }  # fmt: skip
         self.k2 = {
-            "gdn": K2Launch(K2Shape.from_dims(d, "gdn"), K2Config(grid=sm), kind="gdn"),
-            "attn": K2Launch(K2Shape.from_dims(d, "attn"), K2Config(grid=sm), kind="attn",
+            "gdn": K2Launch(K2Shape.from_dims(d, "gdn"), k2c, kind="gdn"),
+            "attn": K2Launch(K2Shape.from_dims(d, "attn"), k2c, kind="attn",
                              gated=True),
         }  # fmt: skip
         for launch in (*self.k1.values(), *self.k2.values()):
@@ -346,6 +353,24 @@ def check_vllm(mono: MonoArm, arm: VllmArm, bufs: Buffers, start) -> dict:
     return {k: round(v, 6) for k, v in lows.items()}
 
 
+def same_step(ref: MonoArm, other: MonoArm, bufs: Buffers) -> bool:
+    """Whether ``other`` leaves the bit-identical last hidden and residual that ``ref`` does,
+    each from the same states (PDL changes when a launch starts, never what it computes)."""
+    b, last = CHECK_WIDTH, len(ref.kinds)
+    snap = [None if s is None else (s[0].clone(), s[1].clone()) for s in ref.states]
+    ref.step(b)
+    want = (bufs.hidden[last][:b].clone(), bufs.residual[last][:b].clone())
+    for s, saved in zip(ref.states, snap, strict=True):
+        if s is not None:
+            s[0].copy_(saved[0])
+            s[1].copy_(saved[1])
+    other.step(b)
+    torch.cuda.synchronize()
+    return torch.equal(bufs.hidden[last][:b], want[0]) and torch.equal(
+        bufs.residual[last][:b], want[1]
+    )
+
+
 def experts_hit(d: Dims, layers, bufs: Buffers, b: int) -> list[int]:
     """Distinct experts each layer's rows route to, from K1 + K2's last step's own tail inputs
     (torch: out_proj, add, Gemma RMSNorm, router logits, top-k)."""
@@ -407,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     ap.add_argument("--vllm-modes", default="eager,compiled")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-pdl", action="store_true", help=f"leave out the {PDL_ARM!r} arm")
     ap.add_argument("--json", default=None, help="default docs/results/layer_<device>.json")
     args = ap.parse_args(argv)
     widths = [int(x) for x in args.widths.split(",")]
@@ -431,8 +457,17 @@ def main(argv: list[str] | None = None) -> int:
     mono.step(CHECK_WIDTH)
     torch.cuda.synchronize()
     mono.healthy()
+    monos, checks = [mono], {}
+    if not args.no_pdl:
+        pdl = MonoArm(d, kinds, layers, states, mono.caches, bufs, kv=mono.kv, pdl=True)
+        same = same_step(mono, pdl, bufs)
+        pdl.healthy()
+        checks[PDL_ARM] = {"bit_identical_to": ARM, "ok": same}
+        print(f"  {PDL_ARM}: bit-identical to {ARM} at width {CHECK_WIDTH}: {same}")
+        if same:
+            monos.append(pdl)
 
-    arms, checks = [], {}
+    arms = []
     modes = [m for m in args.vllm_modes.split(",") if m]
     if problem is not None:
         print(f"vllm arms skipped: vLLM does not import ({problem})")
@@ -461,11 +496,13 @@ def main(argv: list[str] | None = None) -> int:
         hit = experts_hit(d, layers, bufs, b)
         nbytes = sum(layer_bytes(d, k, b, n) for k, n in zip(kinds, hit, strict=True))
         floor_us = nbytes / bw * 1e6
-        timed = {ARM: time_graph(lambda b=b: mono.step(b), args.reps)}
-        mono.healthy()
+        timed = {}
+        for m in monos:
+            timed[m.arm] = time_graph(lambda b=b, m=m: m.step(b), args.reps)
+            m.healthy()
         for arm in arms:
             timed[arm.arm] = time_graph(lambda b=b, arm=arm: arm.step(b, bufs), args.reps)
-        stock = min((us for a, us in timed.items() if a != ARM), default=None)
+        stock = min((us for a, us in timed.items() if a not in (ARM, PDL_ARM)), default=None)
         for a, us in timed.items():
             row = {
                 "width": b,
@@ -486,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         **provenance(name),
         "layers": list(kinds),
         "copy_tb_per_s": round(bw / 1e12, 3),
-        "builds": mono.labels(),
+        "builds": [x for m in monos for x in m.labels()],
         "kv_write": problem is None,
         "checks": {"width": CHECK_WIDTH, "min_cosine": STOCK_COSINE, "arms": checks},
         "rows": rows,
