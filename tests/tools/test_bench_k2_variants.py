@@ -52,3 +52,13 @@ def test_the_fp8_activations_variant_runs_by_default_on_block128_planes_only():
     for fmt in ("bf16", "fp8_channel"):
         got = bench.default_variants(fmt)
         assert "k2 a8" not in got and "k2" in got and len(got) == len(bench.VARIANTS) - 1
+
+
+def test_down_prefetch_budget_variant_and_its_refusals():
+    from mono_ext.models.qwen3_next.triton.k2 import K2Launch
+
+    got = bench.variant_overrides("k2 down_prefetch_bytes=262144")
+    assert K2Launch(SHAPE, K2Config(grid=132, **got)).config.down_prefetch_bytes == 262144
+    for bad in (-16, 100):
+        with pytest.raises(ValueError, match="down_prefetch_bytes"):
+            K2Launch(SHAPE, K2Config(grid=132, down_prefetch_bytes=bad))

@@ -81,7 +81,8 @@ sweep)
     --trace-variants "k2,k2 router_k_splits=8" \
     --variants "k2,k2 norm_rows_per_wait=1,k2 pdl,k2 router_k_splits=8,k2 router_k_splits=4,$(
       )k2 router_k_splits=1,k2 router_pipeline_stages=1,k2 router_pipeline_stages=2,$(
-      )k2 router_pipeline_stages=4,k2 router_k_splits=8 router_pipeline_stages=2" \
+      )k2 router_pipeline_stages=4,k2 router_k_splits=8 router_pipeline_stages=2,$(
+      )k2 no-prefetch,k2 down_prefetch_bytes=262144" \
     --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --no-attn \

@@ -101,3 +101,16 @@ def test_fp8_activations_build_multiplies_e4m3_on_e4m3():
     r = resources(c)
     assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
     assert r.regs <= 255 and 0 < r.shared <= SHARED_PER_BLOCK, r
+
+
+def test_bounded_down_prefetch_build():
+    """``down_prefetch_bytes``: the bulk L2 prefetch stays (its byte counts from the budget),
+    the build keeps the default's resources: no spills, one CTA per SM."""
+    b = offline_build("k2 gdn bf16 down-prefetch-256k", 1)
+    c = b.compile()
+    assert "cp.async.bulk.prefetch.L2" in c.asm["ptx"], f"{b.label}: no L2 prefetch"
+    assert ptx_digest(c) != ptx_digest(offline_build("k2 gdn bf16", 1).compile())
+    r = resources(c)
+    assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
+    res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
+    assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1

@@ -138,6 +138,9 @@ class K2Config:
     # at every width on the H200 (docs/results/k2_vllm_norm_pdl.csv); 4 spills
     norm_rows_per_wait: int = 2
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
+    # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
+    # whole runs add up to several times the L2, so early lines can be evicted before use
+    down_prefetch_bytes: int = 0
     # weight chunks in flight (Triton pipeline stages) of each streamed GEMV
     out_proj_pipeline_stages: int = 4
     # router K chunks in flight per task: 3 was faster than 1 and 2 at every width (2-6%) in
@@ -285,6 +288,11 @@ class K2Launch:
         for name in ("gate_up_rows", "down_rows"):
             if not 16 <= getattr(c, name) <= 64:
                 raise ValueError(f"{name}={getattr(c, name)} must be 16, 32 or 64 (MMA rows)")
+        if c.down_prefetch_bytes < 0 or c.down_prefetch_bytes % 16:
+            raise ValueError(
+                f"down_prefetch_bytes={c.down_prefetch_bytes} must be 0 or a positive multiple "
+                "of 16 (bulk prefetch sizes)"
+            )
         self.out_proj_k_splits = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
         self._check_formats()
@@ -422,6 +430,7 @@ class K2Launch:
             RN=c.norm_rows_per_wait,
             HP=_next_pow2(s.hidden),
             PREFETCH=c.prefetch and not _interp(),
+            PF4=c.down_prefetch_bytes,
             GATED=self.gated,
             NPP=_next_pow2(s.pairs + BLOCK_B),
             IWPOW=_next_pow2(s.act_words),

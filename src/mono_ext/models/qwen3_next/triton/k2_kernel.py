@@ -63,7 +63,8 @@ def k2_kernel(
     KSPL1: tl.constexpr, KS2: tl.constexpr, BK2: tl.constexpr, BK3: tl.constexpr, BI4: tl.constexpr,
     JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RN: tl.constexpr, TKP: tl.constexpr,
     PKWP: tl.constexpr,
-    HP: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr, NPP: tl.constexpr,
+    HP: tl.constexpr, PREFETCH: tl.constexpr, PF4: tl.constexpr, GATED: tl.constexpr,
+    NPP: tl.constexpr,
     IWPOW: tl.constexpr, STAGES: tl.constexpr, PIPE1: tl.constexpr, PIPE2: tl.constexpr,
     PIPE3: tl.constexpr,
     PIPE4: tl.constexpr, JM3: tl.constexpr, TRACE: tl.constexpr, Q_O: tl.constexpr,
@@ -169,7 +170,7 @@ def k2_kernel(
             w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base,
             ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H, IR, ISR, BB, BN4, BI4,
             JS, ACH, PIPE4, UM, M_U, IW, IWR, IWS, IWP, EB2, EBSD, RID_ACT, Q_2, Q_SD, SPE2,
-            PREFETCH, TRACE, INTERP, A8,
+            PREFETCH, PF4, TRACE, INTERP, A8,
         )  # fmt: skip
     stamp(trace_ptr, 8, TRACE)
     if STAGES & 64:

@@ -519,7 +519,7 @@ def s4_down(
     M_U: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr, IWS: tl.constexpr,
     IWP: tl.constexpr, EB2: tl.constexpr, EBSD: tl.constexpr, RID_ACT: tl.constexpr,
     Q_2: tl.constexpr, Q_SD: tl.constexpr, SPE2: tl.constexpr, PREFETCH: tl.constexpr,
-    TRACE: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
+    PF4: tl.constexpr, TRACE: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
 ):  # fmt: skip
     # ------------------------------------- S4: down^T over (slot, H block) tasks -> pairs
     # (A8: fp8 planes multiply e4m3 activations, each I chunk quantized, planes.qdot_a8)
@@ -555,6 +555,10 @@ def s4_down(
                           (w2_ptr + ex_j.to(tl.int64) * (H * IR)).to(I8))  # fmt: skip
         eb_j = tl.where(sh_j, EBSD, EB2)
         nb_j = (h_hi - h_lo) * isl_j * eb_j
+        if PF4 > 0:  # the run's first PF4 bytes only, in task order: all runs fit in L2
+            live_nb = tl.where(s_live, nb_j, 0)
+            before = tl.cumsum(live_nb, 0) - live_nb
+            nb_j = tl.minimum(nb_j, tl.maximum(PF4 - before, 0)) // 16 * 16
         _prefetch_l2(base_j + h_lo.to(tl.int64) * isl_j * eb_j, nb_j,
                      s_live & (nb_j > 0) & (nb_j % 16 == 0))  # fmt: skip
     # the activation rows this run reads: one bounded wait per ACH of (slot, row)

@@ -18,6 +18,7 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k2 gdn bf16           | default (out_proj)                                                 |
 | k2 gdn fp8_block128   | out_proj, w13, w2 and the shared expert fp8 block-128              |
 | k2 attn gated bf16    | the attention layers' build (o_proj, output gate folded into S1)   |
+| k2 gdn bf16 down-prefetch-256k | each CTA prefetches the first 256 KB of its down rows only |
 
 Torch and Triton are imported inside the functions.
 """
@@ -65,6 +66,10 @@ _BUILDS: dict[str, tuple[str, dict]] = {
         },
     ),
     "k2 attn gated bf16": ("k2", {"kind": "attn", "gated": True}),
+    "k2 gdn bf16 down-prefetch-256k": (
+        "k2",
+        {"kind": "gdn", "config": {"down_prefetch_bytes": 256 * 1024}},
+    ),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
 DEFAULT_BUILDS = ("k1 gdn", "k1 attn", "k2 gdn bf16")
