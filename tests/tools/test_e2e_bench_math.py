@@ -250,3 +250,48 @@ def test_fp8_config_keeps_the_official_bf16_modules(tmp_path):
     assert not any(k.startswith("model.layers.8.") for k in keep)
     with pytest.raises(ValueError, match="dummy weights only"):
         bench.write_config(tmp_path, "qwen3-next-80b-a3b", 4, "checkpoint", "fp8_block128")
+
+
+def test_latency_entries_run_vllms_own_benchmark_per_arm(tmp_path):
+    a = bench.parse_args(["--out", str(tmp_path), "--latency", "on", "--latency-batches", "1,4"])
+    plan = bench.build_plan(
+        a.layers, a.order, check=False, server=False, server_layers=[], server_order=[],
+        latency_layers=a.latency_layers, latency_batches=a.latency_batches,
+    )  # fmt: skip
+    ids = [e["id"] for e in plan if e["kind"] == "latency"]
+    assert ids == ["latency/L32/b1/off", "latency/L32/b1/on", "latency/L32/b4/off",
+                   "latency/L32/b4/on"]  # fmt: skip
+    model = bench.write_config(tmp_path, a.preset, 4, min_vocab=bench.LATENCY_VOCAB)
+    off = bench.latency_args(a, model, "off", 4, tmp_path / "r.json")
+    on = bench.latency_args(a, model, "on", 4, tmp_path / "r.json")
+    assert on[: len(off)] == off and on[len(off)] == "--additional-config"
+    assert "--additional-config" not in off
+    i = off.index("--batch-size")
+    assert off[i + 1] == "4" and off[off.index("--output-json") + 1] == str(tmp_path / "r.json")
+    quick = bench.parse_args(["--out", str(tmp_path), "--quick"])
+    assert quick.latency is False
+
+
+def test_latency_vocab_covers_the_prompt_ids(tmp_path):
+    import json
+
+    tiny = bench.write_config(tmp_path, "qwen3-next-tiny", 4, min_vocab=bench.LATENCY_VOCAB)
+    assert json.loads((tiny / "config.json").read_text())["vocab_size"] == bench.LATENCY_VOCAB
+    big = bench.write_config(tmp_path, "qwen3-next-80b-a3b", 4, min_vocab=bench.LATENCY_VOCAB)
+    assert json.loads((big / "config.json").read_text())["vocab_size"] == 151936
+
+
+def test_latency_rows_put_each_on_run_over_its_off_run():
+    def run(arm, b, s):
+        e = {"kind": "latency", "arm": arm, "layers": 32, "batch": b}
+        return {"entry": e, "avg_latency_s": s, "output_len": 128}
+
+    runs = {
+        "latency/L32/b1/off": run("off", 1, 0.64),
+        "latency/L32/b1/on": run("on", 1, 0.48),
+        "latency/L32/b4/on": run("on", 4, 0.9),
+    }
+    rows = {r["run"]: r for r in bench.latency_rows(runs)}
+    assert rows["latency/L32/b1/on"]["on_over_off"] == pytest.approx(0.75)
+    assert rows["latency/L32/b1/off"]["ms_per_output_token"] == pytest.approx(5.0)
+    assert rows["latency/L32/b4/on"]["on_over_off"] is None  # no off run of that batch

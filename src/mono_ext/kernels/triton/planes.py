@@ -3,8 +3,8 @@
 (docs/quantized_planes.md).
 
 A launch is compiled for one format per plane (``core.spec.BuildKey.formats``); each plane's
-format is a constexpr ``Q`` code, so a bf16 plane compiles to the same code as before formats
-existed. A quantized plane ``name`` comes with its scale tensor as ``weights[name + ".scale"]``
+format is a constexpr ``Q`` code, so a bf16 plane compiles to the same code as a build that
+names no format. A quantized plane ``name`` comes with its scale tensor as ``weights[name + ".scale"]``
 (fp32, dense, the engine's own tensor):
 
 | format        | Q | weight                     | scale (per expert for w13/w2)           |
