@@ -390,6 +390,30 @@ def scale_floating(model: Any, scale: float) -> int:
     return n
 
 
+def write_word_tokenizer(path: Path, vocab_size: int) -> Path:
+    """A tokenizer for a dummy model at ``path`` that vLLM's serving and ``vllm bench serve``
+    load: token ``i`` is the word ``t<i>`` (ids 0 and 1 the unknown and end tokens), words
+    split at spaces, so any id sequence decodes and re-encodes to itself; nothing of a real
+    tokenizer's cost or vocabulary, only what the tools need to turn ids into text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(2, vocab_size)}
+    vocab.update({"<unk>": 0, "</s>": 1})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "eos_token": "</s>",
+        "model_max_length": 1 << 30,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 FP8_DUMMY_RANGE = 1e-3  # dummy loading's bf16 weights are uniform in +-1e-3
 
 

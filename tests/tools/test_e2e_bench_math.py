@@ -295,3 +295,14 @@ def test_latency_rows_put_each_on_run_over_its_off_run():
     assert rows["latency/L32/b1/on"]["on_over_off"] == pytest.approx(0.75)
     assert rows["latency/L32/b1/off"]["ms_per_output_token"] == pytest.approx(5.0)
     assert rows["latency/L32/b4/on"]["on_over_off"] is None  # no off run of that batch
+
+
+def test_bench_serve_runs_random_prompts_of_the_servers_lengths(tmp_path):
+    a = bench.parse_args(["--out", str(tmp_path)])
+    args = bench.bench_serve_args(a)
+    assert args[args.index("--dataset-name") + 1] == "random"
+    assert args[args.index("--random-input-len") + 1] == str(a.prompt_len)
+    assert args[args.index("--random-output-len") + 1] == str(a.server_tokens)
+    assert "--ignore-eos" in args and a.bench_serve is True
+    off = bench.parse_args(["--out", str(tmp_path), "--bench-serve", "off"])
+    assert off.bench_serve is False

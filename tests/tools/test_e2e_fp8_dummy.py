@@ -63,3 +63,18 @@ def test_scaling_scales_everything_but_the_codes():
     assert runner.scale_floating(m, 16.0) == 4  # two scales, two norms
     assert torch.equal(m.a.weight.view(torch.uint8), codes)
     assert torch.allclose(m.a.weight_scale_inv, torch.tensor(16 * runner.FP8_DUMMY_RANGE))
+
+
+def test_the_word_tokenizer_round_trips_every_id(tmp_path):
+    """What vllm bench serve does with it: ids -> text -> the same ids, specials apart."""
+    pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    import random
+
+    path = runner.write_word_tokenizer(tmp_path / "tok", 151936)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    assert len(tok) == 151936 and tok.eos_token_id == 1 and tok.unk_token_id == 0
+    rng = random.Random(0)
+    ids = [rng.randrange(2, 151936) for _ in range(200)] + [2, 151935, 10, 100, 1000]
+    text = tok.decode(ids)
+    assert tok.encode(text, add_special_tokens=False) == ids
