@@ -85,6 +85,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _vllm_chain as vc  # noqa: E402  (imports vLLM only when its arms run)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _cuda_timing import copy_bandwidth, event_times_us, graph_times_us  # noqa: E402
 from _provenance import provenance  # noqa: E402
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
@@ -171,25 +172,6 @@ PREFIXES = {  # stage bits: S1 (+reduce), +norm/router, +top-k/gate_up, +down (a
     "+S3 topk+gate_up": 31,
     "+S4 down (+reduce = all)": STAGES_ALL,
 }
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 10)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    a.random_()
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * nbytes / statistics.median(times)
 
 
 def plane_bytes(w: dict, name: str) -> int:
@@ -334,37 +316,16 @@ def torch_loop_chain(w: dict, b: int, d: Dims) -> None:
 
 
 def time_graph(body, reps: int = 10) -> tuple[float, float]:
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / ROT)
-    del graph
+    """(median, best) microseconds per rotation layer of ``body`` replayed as a CUDA graph."""
+    times = [t / ROT for t in graph_times_us(body, reps)]
     return statistics.median(times), min(times)
 
 
 def time_eager(body, reps: int = 5) -> tuple[float, float]:
+    """(median, best) microseconds per rotation layer of ``body`` launched eagerly."""
     body()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        body()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / ROT)
+    times = [t / ROT for t in event_times_us(body, reps)]
     return statistics.median(times), min(times)
 
 

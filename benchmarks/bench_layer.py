@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _cuda_timing import copy_bandwidth, graph_times_us  # noqa: E402
 from _provenance import provenance  # noqa: E402
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
@@ -390,41 +391,7 @@ def experts_hit(d: Dims, layers, bufs: Buffers, b: int) -> list[int]:
 
 def time_graph(body, reps: int) -> float:
     """Median microseconds of one replay of ``body`` captured in a CUDA graph."""
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    del graph
-    return statistics.median(times)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bytes per second, read + write counted (median of 20)."""
-    x = torch.empty(nbytes // 2, dtype=BF, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        y.copy_(x)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * nbytes / statistics.median(times)
+    return statistics.median(graph_times_us(body, reps))
 
 
 def main(argv: list[str] | None = None) -> int:
