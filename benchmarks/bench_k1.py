@@ -60,22 +60,11 @@ from mono_ext.runtime.health import H_FAILED
 from mono_ext.runtime.peers import RankState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cuda_timing import event_times_us  # noqa: E402
 from _provenance import provenance  # noqa: E402
 
 DEV = torch.device("cuda")
 PRESET = "qwen3-next-80b-a3b"
-
-
-def _events_ms(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
 
 
 def hbm_bandwidth() -> tuple[float, float]:
@@ -84,10 +73,10 @@ def hbm_bandwidth() -> tuple[float, float]:
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    copy_ms = statistics.median(_events_ms(lambda: y.copy_(x), 20))
+    copy_ms = statistics.median(event_times_us(lambda: y.copy_(x), 20)) / 1e3
     for _ in range(3):
         x.sum(dtype=torch.float32)
-    read_ms = statistics.median(_events_ms(lambda: x.sum(dtype=torch.float32), 20))
+    read_ms = statistics.median(event_times_us(lambda: x.sum(dtype=torch.float32), 20)) / 1e3
     nbytes = x.numel() * 2
     return 2 * nbytes / copy_ms / 1e6, nbytes / read_ms / 1e6
 
@@ -293,7 +282,7 @@ def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too, v
                           validate=i == 0)  # fmt: skip
 
         g = _graph(body)
-        results[f"k1_stages{stages}"] = statistics.median(_events_ms(g.replay, reps)) * 1e3 / copies
+        results[f"k1_stages{stages}"] = statistics.median(event_times_us(g.replay, reps)) / copies
     assert int(st.health[H_FAILED].item()) == 0, "a K1 wait gave up during the benchmark"
     k1_us = results[f"k1_stages{STAGES_ALL}"]
     row = {
@@ -312,7 +301,7 @@ def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too, v
                 torch_chain_gdn(md, hid, res, w, conv, ssm, slots, o_in, r_out_f)
 
         g = _graph(chain)
-        chain_us = statistics.median(_events_ms(g.replay, reps)) * 1e3 / copies
+        chain_us = statistics.median(event_times_us(g.replay, reps)) / copies
         row["torch_chain_us"] = round(chain_us, 2)
         row["speedup"] = round(chain_us / k1_us, 2)
     if f"k1_stages{S1}" in results:
@@ -368,7 +357,7 @@ def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=Fals
                       layer=i, layers_per_step=copies, validate=i == 0)  # fmt: skip
 
     g = _graph(body)
-    us = statistics.median(_events_ms(g.replay, reps)) * 1e3 / copies
+    us = statistics.median(event_times_us(g.replay, reps)) / copies
     assert int(st.health[H_FAILED].item()) == 0, "a K1 wait gave up during the benchmark"
     nbytes = rows * h * 2 + width * (3 * h * 2 + 2 * (qd + kvd) * 2)
     row = {
@@ -445,7 +434,7 @@ def vllm_gdn_rows(md, width, layers, slots, hid, res, k1_ref, copies, reps, nbyt
 
 def _timed_row(kind, width, arm, body, copies, reps, nbytes, bw_copy) -> dict:
     """``body`` (``copies`` layers) captured in one graph, timed per layer, as a results row."""
-    us = statistics.median(_events_ms(_graph(body).replay, reps)) * 1e3 / copies
+    us = statistics.median(event_times_us(_graph(body).replay, reps)) / copies
     print(f"  {arm:<14} {kind} w{width:<2} {us:8.2f} us", flush=True)
     return {"kind": kind, "width": width, "arm": arm, "median_us": round(us, 2),
             "bytes": nbytes, "pct_hbm": round(100 * nbytes / us / 1e3 / bw_copy, 1)}  # fmt: skip
