@@ -484,7 +484,11 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
     if e["kind"] == "bw":
         return spec, {}
     vocab = preset_dims(a.preset).vocab
-    model = write_config(work / "configs", a.preset, e["layers"], formats=a.formats)
+    check = e["kind"] == "check"
+    weights = "checkpoint" if check and a.check_weights == "checkpoint" else "dummy"
+    # vllm bench latency draws its prompt ids below LATENCY_VOCAB
+    min_vocab = LATENCY_VOCAB if e["kind"] == "latency" else 0
+    model = write_config(work / "configs", a.preset, e["layers"], weights, a.formats, min_vocab)
     if e["kind"] == "server":
         # the word tokenizer: vllm bench serve sends text, and the server detokenizes
         runner.write_word_tokenizer(model, vocab)
@@ -504,9 +508,6 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
         )
         return spec, {}
     if e["kind"] == "latency":
-        # vllm bench latency draws its prompt ids below LATENCY_VOCAB
-        model = write_config(work / "configs", a.preset, e["layers"], formats=a.formats,
-                             min_vocab=LATENCY_VOCAB)  # fmt: skip
         stem = work / e["id"].replace("/", "_")
         spec.update(
             backend=a.backend,
@@ -518,11 +519,8 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
             args=latency_args(a, model, e["arm"], e["batch"], stem.with_suffix(".latency.json")),
         )
         return spec, {}
-    check = e["kind"] == "check"
-    if check and a.check_weights == "checkpoint":
-        model = write_config(work / "configs", a.preset, e["layers"], "checkpoint")
     llm = llm_kwargs(a, model, eager=check)
-    if check and a.check_weights == "checkpoint":
+    if weights == "checkpoint":
         llm.pop("load_format")
     arm = "on" if check else e["arm"]
     if arm == "on":
@@ -539,9 +537,7 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace, work: Path) -> tuple[di
         reps=a.reps,
         acc_tokens=a.check_tokens if check else a.acc_tokens,
         logprobs=a.logprobs,
-        weight_scale=(
-            1.0 if a.cpu_smoke or (check and a.check_weights == "checkpoint") else a.weight_scale
-        ),
+        weight_scale=1.0 if a.cpu_smoke or weights == "checkpoint" else a.weight_scale,
         fill_fp8=a.formats == "fp8_block128",
     )
     env = arm_env(a, arm, check=check)
