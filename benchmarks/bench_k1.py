@@ -45,7 +45,6 @@ import torch.nn.functional as F
 
 from mono_ext.models.qwen3_next.configs import get_preset
 from mono_ext.models.qwen3_next.dims import Dims, text_config
-from mono_ext.models.qwen3_next.reference.common import ModelDims
 from mono_ext.models.qwen3_next.reference.gdn import split_ba, split_qkvz
 from mono_ext.models.qwen3_next.triton.k1 import (
     S1,
@@ -84,7 +83,7 @@ def hbm_bandwidth() -> tuple[float, float]:
 # ------------------------------------------------------------------------ setup factory
 
 
-def make_gdn_layers(md: ModelDims, width: int, copies: int, gen):
+def make_gdn_layers(md: Dims, width: int, copies: int, gen):
     """``copies`` layers of random bf16 weights and caches; slots 1..width (0: null)."""
     h, slots_n = md.hidden, width + 1
 
@@ -96,16 +95,15 @@ def make_gdn_layers(md: ModelDims, width: int, copies: int, gen):
         w = {
             "input_layernorm": rnd(h, scale=0.2),
             "in_proj_qkvz": rnd(md.qkvz_dim, h, scale=h**-0.5),
-            "in_proj_ba": rnd(2 * md.num_v_heads, h, scale=h**-0.5),
-            "conv1d": rnd(md.conv_dim, 1, md.conv_kernel, scale=0.5),
-            "A_log": torch.log(torch.empty(md.num_v_heads, device=DEV).uniform_(0.1, 4)),
-            "dt_bias": rnd(md.num_v_heads, scale=0.5),
-            "norm": (1 + rnd(md.head_v_dim, scale=0.1, dtype=torch.float32)).to(torch.bfloat16),
+            "in_proj_ba": rnd(2 * md.hv, h, scale=h**-0.5),
+            "conv1d": rnd(md.conv_dim, 1, md.conv_k, scale=0.5),
+            "A_log": torch.log(torch.empty(md.hv, device=DEV).uniform_(0.1, 4)),
+            "dt_bias": rnd(md.hv, scale=0.5),
+            "norm": (1 + rnd(md.dv, scale=0.1, dtype=torch.float32)).to(torch.bfloat16),
         }
         w["conv1d_t"] = w["conv1d"].reshape(md.conv_dim, -1).t().float().contiguous()  # chain
-        conv = rnd(slots_n, md.conv_kernel - 1, md.conv_dim)
-        ssm = rnd(slots_n, md.num_v_heads, md.head_v_dim, md.head_k_dim, scale=0.1,
-                  dtype=torch.float32)  # fmt: skip
+        conv = rnd(slots_n, md.conv_k - 1, md.conv_dim)
+        ssm = rnd(slots_n, md.hv, md.dv, md.dk, scale=0.1, dtype=torch.float32)
         layers.append((w, conv, ssm))
     slots = torch.arange(1, width + 1, dtype=torch.int32, device=DEV)
     hid = rnd(width, h)
@@ -113,18 +111,18 @@ def make_gdn_layers(md: ModelDims, width: int, copies: int, gen):
     return layers, slots, hid, res
 
 
-def gdn_bytes(md: ModelDims, width: int, state_bytes: int = 4) -> int:
-    w = (md.qkvz_dim + 2 * md.num_v_heads) * md.hidden * 2
-    w += md.hidden * 2 + md.conv_dim * md.conv_kernel * 2 + md.num_v_heads * 6 + md.head_v_dim * 2
-    state = 2 * width * md.num_v_heads * md.head_v_dim * md.head_k_dim * state_bytes
-    conv = 2 * width * (md.conv_kernel - 1) * md.conv_dim * 2
+def gdn_bytes(md: Dims, width: int, state_bytes: int = 4) -> int:
+    w = (md.qkvz_dim + 2 * md.hv) * md.hidden * 2
+    w += md.hidden * 2 + md.conv_dim * md.conv_k * 2 + md.hv * 6 + md.dv * 2
+    state = 2 * width * md.hv * md.dv * md.dk * state_bytes
+    conv = 2 * width * (md.conv_k - 1) * md.conv_dim * 2
     act = width * (3 * md.hidden * 2 + md.value_dim * 2)
     return w + state + conv + act
 
 
-def torch_chain_gdn(md: ModelDims, hid, res, w, conv, ssm, slots, o_in, r_out):
+def torch_chain_gdn(md: Dims, hid, res, w, conv, ssm, slots, o_in, r_out):
     """The GDN front's math as plain torch ops (interleaved packing, time_chan conv state)."""
-    eps = md.rms_norm_eps
+    eps = md.eps
     s = hid.float() + res.float()
     r_out.copy_(s)
     x = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * (1 + w["input_layernorm"].float())
@@ -138,13 +136,13 @@ def torch_chain_gdn(md: ModelDims, hid, res, w, conv, ssm, slots, o_in, r_out):
     conv_out = F.silu((window * w["conv1d_t"][None]).sum(1))
     conv.index_copy_(0, idx, window[:, 1:].to(conv.dtype))
     qc, kc, vc = torch.split(conv_out, [md.key_dim, md.key_dim, md.value_dim], dim=-1)
-    qc = qc.reshape(n, md.num_k_heads, -1)
-    kc = kc.reshape(n, md.num_k_heads, -1)
-    qc = qc * torch.rsqrt(qc.pow(2).sum(-1, keepdim=True) + 1e-6) * md.head_k_dim**-0.5
+    qc = qc.reshape(n, md.hk, -1)
+    kc = kc.reshape(n, md.hk, -1)
+    qc = qc * torch.rsqrt(qc.pow(2).sum(-1, keepdim=True) + 1e-6) * md.dk**-0.5
     kc = kc * torch.rsqrt(kc.pow(2).sum(-1, keepdim=True) + 1e-6)
     qc = qc.repeat_interleave(md.ratio, dim=1)
     kc = kc.repeat_interleave(md.ratio, dim=1)
-    vc = vc.reshape(n, md.num_v_heads, -1)
+    vc = vc.reshape(n, md.hv, -1)
     g = -torch.exp(w["A_log"]) * F.softplus(a.float() + w["dt_bias"].float())
     beta = torch.sigmoid(b.float())
     st = ssm.index_select(0, idx) * torch.exp(g)[..., None, None]
@@ -189,9 +187,9 @@ def _conf(grid: int, over: dict) -> K1Config:
 def sweep(widths, copies, reps, cfg, bw_copy, rows_out) -> dict:
     """Time each SWEEP config (GDN and attention K1) at ``widths``; returns the overrides with
     the lowest 3 x GDN + attention time at the first width."""
-    md = ModelDims.from_config(cfg)
-    gshape = K1GdnShape.from_dims(Dims.from_config(cfg))
-    ashape = K1AttnShape.from_dims(Dims.from_config(cfg))
+    md = Dims.from_config(cfg)
+    gshape = K1GdnShape.from_dims(md)
+    ashape = K1AttnShape.from_dims(md)
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
     gen = torch.Generator(device=DEV).manual_seed(2)
     st = RankState.create(0, DEV, float(os.environ.get("MONO_EXT_DEADLINE_S", "2")))
@@ -233,8 +231,8 @@ def sweep(widths, copies, reps, cfg, bw_copy, rows_out) -> dict:
 
 def bench_gdn(widths, copies, reps, cfg, stages_variants, bw_copy, rows_out, conf=None,
               vllm_too=False):  # fmt: skip
-    md = ModelDims.from_config(cfg)
-    shape = K1GdnShape.from_dims(Dims.from_config(cfg))
+    md = Dims.from_config(cfg)
+    shape = K1GdnShape.from_dims(md)
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
     conf = conf or K1Config(grid=grid)
     launches = {}
@@ -314,8 +312,8 @@ def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too, v
 
 
 def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too=False):
-    md = ModelDims.from_config(cfg)
-    shape = K1AttnShape.from_dims(Dims.from_config(cfg))
+    md = Dims.from_config(cfg)
+    shape = K1AttnShape.from_dims(md)
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
     k1 = K1AttnLaunch(shape, conf or K1Config(grid=grid), max_positions=8192)
     k1.build(DEV)
@@ -330,8 +328,8 @@ def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too
 
 def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=False) -> dict:
     h, d = md.hidden, md.head_dim
-    rows = (2 * md.num_heads + 2 * md.num_kv_heads) * d
-    qd, kvd = md.num_heads * d, md.num_kv_heads * d
+    rows = (2 * md.hq + 2 * md.hkv) * d
+    qd, kvd = md.hq * d, md.hkv * d
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device=DEV, generator=gen) * scale).bfloat16()
@@ -491,9 +489,9 @@ def results_rows(rows: list[dict], meta: dict) -> list[dict]:
 
 def ncu_target(cfg) -> int:
     """A few eager GDN K1 launches at width 1 on rotating copies (profile the last one)."""
-    md = ModelDims.from_config(cfg)
+    md = Dims.from_config(cfg)
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
-    k1 = K1GdnLaunch(K1GdnShape.from_dims(Dims.from_config(cfg)), K1Config(grid=grid))
+    k1 = K1GdnLaunch(K1GdnShape.from_dims(md), K1Config(grid=grid))
     k1.build(DEV)
     layers, slots, hid, res = make_gdn_layers(md, 1, 3, torch.Generator(device=DEV).manual_seed(5))
     st = RankState.create(0, DEV, 2.0)

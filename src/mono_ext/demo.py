@@ -29,8 +29,8 @@ def run_demo(preset: str = "qwen3-next-tiny", steps: int = 8, batch: int = 3, se
 
     from .core import get_registry
     from .models.qwen3_next.configs import family, get_preset, layer_types
+    from .models.qwen3_next.dims import Dims
     from .models.qwen3_next.reference import (
-        ModelDims,
         decoder_layer_step,
         gdn_state_from_hf,
         layer_weights_from_hf,
@@ -52,7 +52,7 @@ def run_demo(preset: str = "qwen3-next-tiny", steps: int = 8, batch: int = 3, se
         make_checkpoint(tmp, cfg, seed=seed, dtype="float32", arch=arch)
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     model.eval()
-    dims = ModelDims.from_config(cfg)
+    dims = Dims.from_config(cfg)
     kinds = layer_types(cfg)
     packing = "interleaved" if fam == "qwen3_next" else "contiguous"
     layers = model.model.layers
@@ -61,7 +61,7 @@ def run_demo(preset: str = "qwen3-next-tiny", steps: int = 8, batch: int = 3, se
     print(
         f"mono-ext demo: {preset} ({arch}), {len(kinds)} layers "
         f"({len(kinds) - n_attn} Gated DeltaNet + {n_attn} attention), hidden {dims.hidden}, "
-        f"{dims.num_experts} experts top-{dims.top_k}; batch {batch}, {steps} decode steps"
+        f"{dims.experts} experts top-{dims.top_k}; batch {batch}, {steps} decode steps"
     )
     for name, b in sorted(get_registry().backends.items()):
         ok, why = b.probe()
@@ -85,7 +85,7 @@ def run_demo(preset: str = "qwen3-next-tiny", steps: int = 8, batch: int = 3, se
             ssm[i] = torch.zeros(batch + 1, *s.shape[1:])
             conv[i][slots], ssm[i][slots] = c, s
         else:
-            kcache[i] = torch.zeros(batch + 1, t_max, dims.num_kv_heads, dims.head_dim)
+            kcache[i] = torch.zeros(batch + 1, t_max, dims.hkv, dims.head_dim)
             vcache[i] = torch.zeros_like(kcache[i])
             kcache[i][slots, :prompt_len] = lc.keys.transpose(1, 2)
             vcache[i][slots, :prompt_len] = lc.values.transpose(1, 2)

@@ -98,13 +98,13 @@ def assert_bound_planes_dequantize_to_the_checkpoint(
     import torch
 
     from mono_ext.core.views import MATRIX_PLANES
+    from mono_ext.models.qwen3_next.dims import Dims
     from mono_ext.models.qwen3_next.reference import (
-        ModelDims,
         dequantized_weights,
         layer_weights_from_state_dict,
     )
 
-    dims = ModelDims.from_config(config)
+    dims = Dims.from_config(config)
     kinds = config["layer_types"]
     for i, bound in enumerate(weights):
         p = f"{prefix}{i}."

@@ -56,8 +56,8 @@ from mono_ext.engines.sglang.qwen3_next import bind_caches, step_slots  # noqa: 
 from mono_ext.engines.sglang.serving import Serving  # noqa: E402
 from mono_ext.engines.sglang.views import step_view  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.reference import (  # noqa: E402
-    ModelDims,
     attn_front,
     decode_attention,
     decoder_layer_step,
@@ -116,7 +116,7 @@ def test_planes_are_the_engine_tensors_and_equal_the_reference_view(which, reque
     env = request.getfixturevalue(which)
     sv = _serving(env)
     assert not sv.off, sv.refusal.message()
-    dims = ModelDims.from_config(env.mc.hf_config.to_dict())
+    dims = Dims.from_config(env.mc.hf_config.to_dict())
     prefix = "model.language_model." if which == "q35" else "model."
     storages = _storage_of(env.model)
     packing = "contiguous" if which == "q35" else "interleaved"
@@ -135,7 +135,7 @@ def test_planes_are_the_engine_tensors_and_equal_the_reference_view(which, reque
         assert b.facts["shared_expert"] == want
     if which == "qn_fused":
         experts = sv.model.layers[0].module.mlp.experts
-        assert experts.w13_weight.shape[0] == dims.num_experts + 1  # SGLang's extra slot
+        assert experts.w13_weight.shape[0] == dims.experts + 1  # SGLang's extra slot
         assert sv.model.layers[0].module.mlp.shared_expert is None
 
 
@@ -363,7 +363,7 @@ class FakeAttention:
 
 
 def _oracle_weights(env, prefix):
-    dims = ModelDims.from_config(env.mc.hf_config.to_dict())
+    dims = Dims.from_config(env.mc.hf_config.to_dict())
     per_layer = []
     for i, kind in enumerate(env.mc.hf_text_config.layers_block_type):
         p = f"{prefix}layers.{i}."
@@ -465,7 +465,7 @@ def test_routed_steps_match_the_oracle_and_spare_padded_rows(which, slot_source,
                 packing="contiguous" if which == "q35" else "interleaved",
             )
             hidden, residual = tail.hidden_out, tail.residual_out
-        want = gemma_rms_norm(hidden + residual, norm_w, dims.rms_norm_eps) @ lm_head.float().t()
+        want = gemma_rms_norm(hidden + residual, norm_w, dims.eps) @ lm_head.float().t()
         assert rel_l2(logits[:real].float(), want[:real]) < TOL, step
         for i in sv.caches.conv:
             got_c, got_s = sv.caches.conv[i], sv.caches.ssm[i]
@@ -566,7 +566,7 @@ def test_check_mode_drives_sglangs_own_layer_code(q35):
     assert stock is not None and sv.driver.checking
     attn_i = next(b.index for b in sv.model.layers if b.kind == "full_attention")
     w = sv.model.layers[attn_i].planes
-    dims = ModelDims.from_config(q35.mc.hf_config.to_dict())
+    dims = Dims.from_config(q35.mc.hf_config.to_dict())
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(3, dims.hidden, generator=g).to(BF16)
     residual = torch.randn(3, dims.hidden, generator=g).to(BF16)
@@ -580,7 +580,7 @@ def test_check_mode_drives_sglangs_own_layer_code(q35):
     assert rel_l2(r.float(), ref.residual_out) < 2**-8
     for got, want in ((q, ref.q), (k, ref.k), (v, ref.v), (gate, ref.gate)):
         assert rel_l2(got.float().reshape(want.shape), want) < 1e-2
-    o = torch.randn(3, dims.num_heads * dims.head_dim, generator=g).to(BF16)
+    o = torch.randn(3, dims.hq * dims.head_dim, generator=g).to(BF16)
     y = stock.out_proj(attn_i, o)
     assert rel_l2(y.float(), o.float() @ w["o_proj"].float().t()) < 1e-2
 

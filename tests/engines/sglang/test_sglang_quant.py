@@ -202,13 +202,14 @@ def _k2_equals_the_reference_on(sv, ckpt, config, width=3):
     checkpoint dequantized independently, fp32 planes): the same values, so the same outputs,
     bit for bit. Yields (binding, BoundLayer, reference weights, dims, the K2 inputs) per
     layer, for more launches."""
+    from mono_ext.models.qwen3_next.dims import Dims
     from mono_ext.models.qwen3_next.launches import BoundLayer
-    from mono_ext.models.qwen3_next.reference import ModelDims, attn_out_input, layer_tail
+    from mono_ext.models.qwen3_next.reference import attn_out_input, layer_tail
     from mono_ext.models.qwen3_next.reference import layer_weights_from_state_dict as weights_of
 
     launches = sv.launches[width]
     assert dict(launches.key.formats) == _formats(sv)
-    dims = ModelDims.from_config(config)
+    dims = Dims.from_config(config)
     g = torch.Generator().manual_seed(0)
     bf16 = torch.bfloat16
     for b in sv.model.layers:
@@ -216,7 +217,7 @@ def _k2_equals_the_reference_on(sv, ckpt, config, width=3):
         ref = weights_of({k[len(p) :]: v for k, v in ckpt.items() if k.startswith(p)}, dims)
         layer = BoundLayer(b.index, b.kind, b.planes)
         gdn = b.kind == "linear_attention"
-        in_dim = dims.value_dim if gdn else dims.num_heads * dims.head_dim
+        in_dim = dims.value_dim if gdn else dims.hq * dims.head_dim
         o_in = torch.randn(width, in_dim, generator=g).to(bf16)
         res = torch.randn(width, dims.hidden, generator=g).to(bf16)
         gate = None if gdn else torch.randn(width, in_dim, generator=g).to(bf16)
@@ -245,9 +246,9 @@ def test_reference_launches_on_the_bound_fp8_planes_equal_the_dequantized_checkp
         width, in_dim = o_in.shape
         pos = torch.tensor([0, 5, 17])
         outs = {
-            "q": torch.empty(width, dims.num_heads * dims.head_dim, dtype=bf16),
-            "k": torch.empty(width, dims.num_kv_heads * dims.head_dim, dtype=bf16),
-            "v": torch.empty(width, dims.num_kv_heads * dims.head_dim, dtype=bf16),
+            "q": torch.empty(width, dims.hq * dims.head_dim, dtype=bf16),
+            "k": torch.empty(width, dims.hkv * dims.head_dim, dtype=bf16),
+            "v": torch.empty(width, dims.hkv * dims.head_dim, dtype=bf16),
             "gate": torch.empty(width, in_dim, dtype=bf16),
             "residual_out": torch.empty_like(res),
         }

@@ -23,8 +23,8 @@ vllm = pytest.importorskip("vllm")
 from safetensors.torch import load_file  # noqa: E402
 
 from mono_ext.models.qwen3_next.configs import get_preset, layer_types  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.reference import (  # noqa: E402
-    ModelDims,
     attn_front,
     gdn_front,
     layer_tail,
@@ -148,7 +148,7 @@ def test_gdn_layer_decode_matches_vllm_cpu(tmp_path, name, monkeypatch):
     gc.collect()
     assert rec, "no pure-decode step was recorded"
 
-    dims = ModelDims.from_config(get_preset(name))
+    dims = Dims.from_config(get_preset(name))
     files = load_file(str(path / "model.safetensors"))
     pre = "model.language_model.layers.0." if q35 else "model.layers.0."
     sd = {k[len(pre) :]: v for k, v in files.items() if k.startswith(pre)}

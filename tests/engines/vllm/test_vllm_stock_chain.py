@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
-from mono_ext.models.qwen3_next.reference.common import ModelDims  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.reference.convert import (  # noqa: E402
     dequantized_weights,
     quantized_weights,
@@ -64,7 +64,7 @@ def vc():
 
 @pytest.fixture(scope="module")
 def dims():
-    return ModelDims.from_config(get_preset(PRESET))
+    return Dims.from_config(get_preset(PRESET))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def planes(dims):
 
 @pytest.fixture(scope="module")
 def fp8_dims():
-    return ModelDims.from_config(FP8_PRESET)
+    return Dims.from_config(FP8_PRESET)
 
 
 def _planes(dims):
@@ -84,8 +84,8 @@ def _planes(dims):
     def r(*shape, scale):
         return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
-    h, e, i, s, k = (dims.hidden, dims.num_experts, dims.moe_intermediate,
-                     dims.shared_intermediate, dims.value_dim)  # fmt: skip
+    h, e, i, s, k = (dims.hidden, dims.experts, dims.moe_inter,
+                     dims.shared_inter, dims.value_dim)  # fmt: skip
     w13, w2 = r(e, 2 * i, h, scale=h**-0.5), r(e, h, i, scale=i**-0.5)
     return [
         {

@@ -28,7 +28,6 @@ from mono_ext.models.qwen3_next.launches import (  # noqa: E402
     LayerLaunches,
 )
 from mono_ext.models.qwen3_next.reference import (  # noqa: E402
-    ModelDims,
     decode_attention,
     decoder_layer_step,
     rel_l2,
@@ -73,7 +72,6 @@ class FakeEngine:
     def __init__(self, preset: str, seed: int = 0):
         self.cfg = get_preset(preset)
         self.dims = Dims.from_config(self.cfg)
-        self.mdims = ModelDims.from_config(self.cfg)
         self.packing = "interleaved" if self.dims.family == "qwen3_next" else "contiguous"
         g = torch.Generator().manual_seed(seed)
         d = self.dims
@@ -174,7 +172,7 @@ def _oracle_step(eng, caches, hidden, positions, requests):
             hidden,
             residual,
             dict(layer.weights),
-            eng.mdims,
+            eng.dims,
             positions=positions,
             packing=eng.packing,
             null_slot=NULL,
@@ -262,14 +260,14 @@ class ReferenceStock:
 
     def gdn_mixer(self, i, x):
         layer, w = self.eng.layers[i], self._w(i)
-        f = gdn_front(*self._raw, w["input_layernorm"], w, self.eng.mdims, layer.conv_state,
+        f = gdn_front(*self._raw, w["input_layernorm"], w, self.eng.dims, layer.conv_state,
                       layer.ssm_state, self.slots[i], packing=self.eng.packing,
                       null_slot=NULL)  # fmt: skip
         return f.o_in.to(BF16)
 
     def attn_qkv(self, i, x, positions):
         w = self._w(i)
-        f = attn_front(*self._raw, w["input_layernorm"], w, self.eng.mdims, positions)
+        f = attn_front(*self._raw, w["input_layernorm"], w, self.eng.dims, positions)
         b = x.shape[0]
         return tuple(t.reshape(b, -1).to(BF16) for t in (f.q, f.k, f.v, f.gate))
 
@@ -282,7 +280,7 @@ class ReferenceStock:
         w = self._w(i)
         r = residual.float() + y.float()
         x = gemma_rms_norm(r, w["post_attention_layernorm"], self.eng.dims.eps)
-        out, *_ = moe_forward(x, w, self.eng.mdims)
+        out, *_ = moe_forward(x, w, self.eng.dims)
         return out.to(BF16), r.to(BF16)
 
 

@@ -71,7 +71,7 @@ class Dims:
     @classmethod
     def from_config(cls, cfg: Any, tp: int = 1) -> Dims:
         """From a text config dict, a wrapped (``text_config``) dict or an HF config object;
-        the one place a config's sizes are read (the reference's ModelDims comes from here)."""
+        the one place a config's sizes are read."""
         cfg = text_config(cfg)
         theta, factor = rope_params(dict(cfg))
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
@@ -102,6 +102,32 @@ class Dims:
             dense_inter=int(cfg.get("intermediate_size") or 0),
         )
 
+    # -- whole-model sizes (all ranks together, whatever ``tp``) ------------------
+    @property
+    def key_dim(self) -> int:
+        """Whole-model q (and k) channels of a GDN layer: Hk * Dk."""
+        return self.hk * self.dk
+
+    @property
+    def value_dim(self) -> int:
+        """Whole-model v (and z) channels of a GDN layer: Hv * Dv, out_proj's input."""
+        return self.hv * self.dv
+
+    @property
+    def conv_dim(self) -> int:
+        """Whole-model conv channels of a GDN layer (q, k, v)."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def qkvz_dim(self) -> int:
+        """Whole-model rows of ``in_proj_qkvz`` (q, k, v, z)."""
+        return 2 * self.key_dim + 2 * self.value_dim
+
+    @property
+    def ratio(self) -> int:
+        """Whole-model value heads per key head, Hv // Hk (each rank's too: TP splits both)."""
+        return self.hv // self.hk
+
     # -- per-rank shares (valid only when the divisibility refusals passed) ---
     @property
     def hk_r(self) -> int:
@@ -121,7 +147,7 @@ class Dims:
 
     @property
     def conv_dim_r(self) -> int:
-        return (2 * self.hk * self.dk + self.hv * self.dv) // self.tp
+        return self.conv_dim // self.tp
 
     @property
     def moe_inter_r(self) -> int:
@@ -145,10 +171,9 @@ class Dims:
             "shared_expert_gate": (1, h),
         }
         if kind == "linear_attention":
-            qkvz = (2 * self.hk * self.dk + 2 * self.hv * self.dv) // self.tp
             return {
                 **common,
-                "in_proj_qkvz": (qkvz, h),
+                "in_proj_qkvz": (self.qkvz_dim // self.tp, h),
                 "in_proj_ba": (2 * self.hv_r, h),
                 "conv1d": (self.conv_dim_r, 1, self.conv_k),  # engines keep nn.Conv1d's [C, 1, K]
                 "A_log": (self.hv_r,),

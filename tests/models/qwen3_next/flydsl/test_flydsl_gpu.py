@@ -34,7 +34,6 @@ from mono_ext.models.qwen3_next.driver import DecodeDriver, StepInputs
 from mono_ext.models.qwen3_next.flydsl.backend import FlyDSLBuilder  # imports no flydsl
 from mono_ext.models.qwen3_next.launches import BoundLayer
 from mono_ext.models.qwen3_next.reference import (
-    ModelDims,
     attn_front,
     attn_out_input,
     decode_attention,
@@ -82,7 +81,7 @@ class Model:
 
     def __init__(self, dev, seed: int = 0):
         self.cfg = _config()
-        self.d, self.md = Dims.from_config(self.cfg), ModelDims.from_config(self.cfg)
+        self.d = Dims.from_config(self.cfg)
         self.dev = torch.device(dev)
         g = self.gen(seed)
         self.layers = [BoundLayer(i, kind, self.planes(kind, g), *self.states(kind, g))
@@ -152,7 +151,7 @@ def check_k1_gdn(tracker, m, layer, hidden, residual, slots, *, before, where, o
     the launch; padding rows give o_in 0 and every slot not in the step is bit-untouched."""
     conv, ssm = (t.clone() for t in before)
     w = layer.weights
-    ref = gdn_front(hidden, residual, w["input_layernorm"], w, m.md, conv, ssm, slots,
+    ref = gdn_front(hidden, residual, w["input_layernorm"], w, m.d, conv, ssm, slots,
                     null_slot=NULL)  # fmt: skip
     ok = valid_rows(slots, NULL)
     idx = slots[ok].long()
@@ -171,7 +170,7 @@ def check_k1_gdn(tracker, m, layer, hidden, residual, slots, *, before, where, o
 def check_k1_attn(tracker, m, layer, hidden, residual, positions, *, where, q, k, v, gate,
                   residual_out):  # fmt: skip
     w, rows = layer.weights, hidden.shape[0]
-    ref = attn_front(hidden, residual, w["input_layernorm"], w, m.md, positions)
+    ref = attn_front(hidden, residual, w["input_layernorm"], w, m.d, positions)
     outs = (q, k, v, gate, residual_out)  # AttnFrontOut's order
     for name, got, want in zip(("q", "k", "v", "gate", "residual"), outs, ref, strict=True):
         tracker.check("k1", name, got, want.reshape(rows, -1), where=where)
@@ -179,7 +178,7 @@ def check_k1_attn(tracker, m, layer, hidden, residual, positions, *, where, q, k
 
 def check_k2(tracker, m, layer, o_in, residual, gate, *, where, hidden_out, residual_out):
     x = o_in if gate is None else attn_out_input(o_in, gate)  # the gated build's input
-    ref = layer_tail(x, residual, layer.weights, m.md, kind="gdn" if layer.is_gdn else "attn")
+    ref = layer_tail(x, residual, layer.weights, m.d, kind="gdn" if layer.is_gdn else "attn")
     tracker.check("k2", "hidden", hidden_out, ref.hidden_out, skip_rows=ref.near_tie, where=where)
     tracker.check("k2", "residual", residual_out, ref.residual_out, where=where)
 

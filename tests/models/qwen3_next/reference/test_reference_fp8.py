@@ -14,9 +14,9 @@ from mono_ext.core import BuildKey, ConfigView, Deployment  # noqa: E402
 from mono_ext.core.spec import BuildContext  # noqa: E402
 from mono_ext.core.views import PlaneView, ScaleView  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.launches import BoundLayer  # noqa: E402
 from mono_ext.models.qwen3_next.reference import (  # noqa: E402
-    ModelDims,
     dequantize,
     dequantized_weights,
 )
@@ -95,14 +95,14 @@ def test_dequantized_weights_follow_the_formats_and_refuse_silent_mistakes():
 # -- the backend -----------------------------------------------------------------------------
 def _tail_weights(dims, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    h, i, e = dims.hidden, dims.moe_intermediate, dims.num_experts
+    h, i, e = dims.hidden, dims.moe_inter, dims.experts
     shapes = {
         "out_proj": (h, dims.value_dim),
         "router": (e, h),
         "w13": (e, 2 * i, h),
         "w2": (e, h, i),
-        "shared_gate_up": (2 * dims.shared_intermediate, h),
-        "shared_down": (h, dims.shared_intermediate),
+        "shared_gate_up": (2 * dims.shared_inter, h),
+        "shared_down": (h, dims.shared_inter),
         "shared_expert_gate": (1, h),
     }
     w = {n: (torch.randn(*s, generator=g) * 0.05).to(dtype) for n, s in shapes.items()}
@@ -122,7 +122,7 @@ def _block_quantize(t):
 def test_reference_k2_reads_fp8_planes_through_their_scales():
     """K2 on fp8 planes + scales equals K2 on the same values given as fp32 planes, and differs
     from reading the codes without their scales (the scales are applied, not ignored)."""
-    dims = ModelDims.from_config(TINY_FP8)
+    dims = Dims.from_config(TINY_FP8)
     w = _tail_weights(dims)
     quantized = ("out_proj", "w13", "w2", "shared_gate_up", "shared_down")
     fmts = tuple(sorted((n, "fp8_block128") for n in quantized))

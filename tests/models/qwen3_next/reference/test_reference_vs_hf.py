@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from mono_ext.models.qwen3_next.configs import get_preset, layer_types  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
 from mono_ext.models.qwen3_next.reference import (  # noqa: E402
-    ModelDims,
     attn_front,
     attn_out_input,
     decode_attention,
@@ -127,7 +127,7 @@ class _Recorder:
 def _run_case(name: str, *, conv_layout: str, packing: str | None, seed: int, steps: int = 2):
     torch.manual_seed(seed + 1)
     model, hf_cfg = _build(name, seed)
-    dims = ModelDims.from_config(hf_cfg)
+    dims = Dims.from_config(hf_cfg)
     kinds = layer_types(get_preset(name))
     layers = model.model.layers
     bsz, t0 = 3, 5
@@ -155,7 +155,7 @@ def _run_case(name: str, *, conv_layout: str, packing: str | None, seed: int, st
             pools[i] = (conv_pool, ssm_pool)
         else:
             keys, values = cache.layers[i].keys, cache.layers[i].values  # [B, Hkv, T, D]
-            kc = torch.randn(n_slots, t0 + steps, dims.num_kv_heads, dims.head_dim, generator=g)
+            kc = torch.randn(n_slots, t0 + steps, dims.hkv, dims.head_dim, generator=g)
             vc = torch.randn_like(kc)
             kc[slots, :t0], vc[slots, :t0] = keys.transpose(1, 2), values.transpose(1, 2)
             kv[i] = (kc, vc)
@@ -233,7 +233,7 @@ def test_moe_block_alone_matches_hf():
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
     hf_cfg = _hf_config("qwen3-next-tiny-b")  # norm_topk_prob False
-    dims = ModelDims.from_config(hf_cfg)
+    dims = Dims.from_config(hf_cfg)
     torch.manual_seed(0)
     block = Qwen3NextSparseMoeBlock(hf_cfg).eval()
     _randomize(block, 7)
@@ -260,14 +260,12 @@ def test_moe_block_alone_matches_hf():
 
 def _gdn_setup(name="qwen3-next-tiny", seed=0, ssm_dtype=torch.float32):
     model, hf_cfg = _build(name, seed)
-    dims = ModelDims.from_config(hf_cfg)
+    dims = Dims.from_config(hf_cfg)
     w = layer_weights_from_hf(model.model.layers[0], dims)
     g = torch.Generator().manual_seed(seed)
     n_slots = 6
-    conv = torch.randn(n_slots, dims.conv_kernel - 1, dims.conv_dim, generator=g)
-    ssm = (
-        torch.randn(n_slots, dims.num_v_heads, dims.head_v_dim, dims.head_k_dim, generator=g)
-    ).to(ssm_dtype)
+    conv = torch.randn(n_slots, dims.conv_k - 1, dims.conv_dim, generator=g)
+    ssm = torch.randn(n_slots, dims.hv, dims.dv, dims.dk, generator=g).to(ssm_dtype)
     h = torch.randn(4, dims.hidden, generator=g)
     return dims, w, conv, ssm, h
 

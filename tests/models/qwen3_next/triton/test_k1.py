@@ -28,7 +28,6 @@ if not torch.cuda.is_available() and not INTERP:
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
 from mono_ext.models.qwen3_next.reference import attn_front, gdn_front, rel_l2  # noqa: E402
-from mono_ext.models.qwen3_next.reference.common import ModelDims  # noqa: E402
 from mono_ext.models.qwen3_next.reference.convert import (  # noqa: E402
     dequantized_weights,
     quantized_weights,
@@ -140,7 +139,7 @@ def assert_healthy(st):
 # ------------------------------------------------------------------------------------ GDN
 
 
-def gdn_weights(md: ModelDims, packing, gen):
+def gdn_weights(md: Dims, packing, gen):
     h = md.hidden
 
     def rnd(*shape, scale=1.0):
@@ -152,28 +151,28 @@ def gdn_weights(md: ModelDims, packing, gen):
     qkvz = pack_qkvz(rnd(md.key_dim, h, scale=s), rnd(md.key_dim, h, scale=s),
                      rnd(md.value_dim, h, scale=s), rnd(md.value_dim, h, scale=s),
                      md, packing)  # fmt: skip
-    ba = pack_ba(rnd(md.num_v_heads, h, scale=s), rnd(md.num_v_heads, h, scale=s), md, packing)
+    ba = pack_ba(rnd(md.hv, h, scale=s), rnd(md.hv, h, scale=s), md, packing)
     # Decay A in [0.1, 4] and a unit-scale state keep o = S q well-conditioned. With strong
     # decay (A up to 16) and a small state, o ~ delta * (k . q) and a head's sign follows
     # k . q ~ 0, which bf16 rounding flips (seen on H200: rel_l2 4e-2..1e-1 from a few of
     # 512 heads; the fp32 reference itself flips under a 2^-9 weight perturbation).
-    a = torch.empty(md.num_v_heads, device=DEV).uniform_(0.1, 4.0, generator=gen)
+    a = torch.empty(md.hv, device=DEV).uniform_(0.1, 4.0, generator=gen)
     return {
         "input_layernorm": rnd(h, scale=0.2),
         "in_proj_qkvz": qkvz.contiguous(),
         "in_proj_ba": ba.contiguous(),
-        "conv1d": rnd(md.conv_dim, 1, md.conv_kernel, scale=0.5),
+        "conv1d": rnd(md.conv_dim, 1, md.conv_k, scale=0.5),
         "A_log": torch.log(a),
-        "dt_bias": rnd(md.num_v_heads, scale=0.5),
-        "norm": (1.0 + randn(gen, md.head_v_dim) * 0.1).to(torch.bfloat16),
+        "dt_bias": rnd(md.hv, scale=0.5),
+        "norm": (1.0 + randn(gen, md.dv) * 0.1).to(torch.bfloat16),
     }
 
 
-def gdn_states(md: ModelDims, conv_layout, state_dtype, gen):
-    k1 = md.conv_kernel - 1
+def gdn_states(md: Dims, conv_layout, state_dtype, gen):
+    k1 = md.conv_k - 1
     shp = (SLOTS, k1, md.conv_dim) if conv_layout == "time_chan" else (SLOTS, md.conv_dim, k1)
     conv = randn(gen, *shp).to(torch.bfloat16)
-    ssm = randn(gen, SLOTS, md.num_v_heads, md.head_v_dim, md.head_k_dim) * 0.5
+    ssm = randn(gen, SLOTS, md.hv, md.dv, md.dk) * 0.5
     return conv, ssm.to(getattr(torch, state_dtype))
 
 
@@ -231,7 +230,7 @@ ATTN_PRESETS = PRESETS + [TINY_B] if INTERP else PRESETS
 
 @pytest.mark.parametrize("preset,packing,conv_layout,state_dtype,ssm_layout", CASES)
 def test_gdn_front_matches_reference(preset, packing, conv_layout, state_dtype, ssm_layout):
-    md = ModelDims.from_config(_cfg(preset))
+    md = Dims.from_config(_cfg(preset))
     k1 = gdn_build(preset, state_dtype, ssm_layout, packing)
     gen = new_gen(sum(map(ord, f"{preset}{packing}{conv_layout}{state_dtype}{ssm_layout}")))
     w = gdn_weights(md, packing, gen)
@@ -275,8 +274,8 @@ def test_gdn_row_map_matches_reference_packing():
     from mono_ext.models.qwen3_next.reference.gdn import split_ba, split_qkvz
 
     for preset in (TINY, TINY_B):
-        md = ModelDims.from_config(_cfg(preset))
-        shape = K1GdnShape.from_dims(Dims.from_config(_cfg(preset)))
+        md = Dims.from_config(_cfg(preset))
+        shape = K1GdnShape.from_dims(md)
         for packing in ("interleaved", "contiguous"):
             rmap = torch.tensor(gdn_row_map(shape, packing))
             rows = torch.arange(md.qkvz_dim, dtype=torch.float64)
@@ -285,9 +284,9 @@ def test_gdn_row_map_matches_reference_packing():
             got = torch.empty(md.qkvz_dim, dtype=torch.float64)
             got[rmap[: md.qkvz_dim].long()] = rows
             assert torch.equal(got, want), packing
-            brow = torch.arange(2 * md.num_v_heads, dtype=torch.float64)
+            brow = torch.arange(2 * md.hv, dtype=torch.float64)
             b, a = split_ba(brow, md, packing)
-            got = torch.empty(2 * md.num_v_heads, dtype=torch.float64)
+            got = torch.empty(2 * md.hv, dtype=torch.float64)
             got[rmap[md.qkvz_dim :].long() - md.qkvz_dim] = brow
             assert torch.equal(got, torch.cat([b, a])), packing
 
@@ -295,7 +294,7 @@ def test_gdn_row_map_matches_reference_packing():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_gdn_switching_k1_reference_k1(preset):
     """K1 for some steps, the reference for some, K1 again == a run that never switched."""
-    md = ModelDims.from_config(_cfg(preset))
+    md = Dims.from_config(_cfg(preset))
     k1 = gdn_build(preset, "float32")
     gen = new_gen(7)
     w = gdn_weights(md, "interleaved", gen)
@@ -329,7 +328,7 @@ def test_launches_use_the_constexprs_fixed_at_build(monkeypatch):
     preset = PRESETS[0]
     gdn, attn = gdn_build(preset, "float32"), attn_build(preset)
     assert gdn._cx == gdn._constexprs() and attn._cx == attn._constexprs()
-    md = ModelDims.from_config(_cfg(preset))
+    md = Dims.from_config(_cfg(preset))
     gen = new_gen(9)
     w = gdn_weights(md, "interleaved", gen)
     conv, ssm = gdn_states(md, "time_chan", "float32", gen)
@@ -352,7 +351,7 @@ def test_launches_use_the_constexprs_fixed_at_build(monkeypatch):
 @pytest.mark.skipif(DEV.type != "cuda", reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("preset", PRESETS)
 def test_gdn_graph_replay_bit_identical(preset):
-    md = ModelDims.from_config(_cfg(preset))
+    md = Dims.from_config(_cfg(preset))
     k1 = gdn_build(preset, "float32")
     gen = new_gen(11)
     w = gdn_weights(md, "interleaved", gen)
@@ -391,9 +390,9 @@ def test_gdn_graph_replay_bit_identical(preset):
 # ------------------------------------------------------------------------------ attention
 
 
-def attn_weights(md: ModelDims, gen):
+def attn_weights(md: Dims, gen):
     h, d = md.hidden, md.head_dim
-    rows = (2 * md.num_heads + 2 * md.num_kv_heads) * d
+    rows = (2 * md.hq + 2 * md.hkv) * d
 
     def rnd(*shape, scale=1.0):
         return (randn(gen, *shape) * scale).to(torch.bfloat16)
@@ -408,7 +407,7 @@ def attn_weights(md: ModelDims, gen):
 
 @pytest.mark.parametrize("preset", ATTN_PRESETS)
 def test_attn_front_matches_reference(preset):
-    md = ModelDims.from_config(_cfg(preset))
+    md = Dims.from_config(_cfg(preset))
     k1 = attn_build(preset)
     gen = new_gen(3)
     w = attn_weights(md, gen)
@@ -418,7 +417,7 @@ def test_attn_front_matches_reference(preset):
 def check_attn_steps(k1, md, w, w_ref, gen, widths):
     """K1 with weights ``w`` against the reference with ``w_ref``, one step per width."""
     st, ws = rank_state(), k1.workspace(DEV)
-    qd, kvd = md.num_heads * md.head_dim, md.num_kv_heads * md.head_dim
+    qd, kvd = md.hq * md.head_dim, md.hkv * md.head_dim
     n_jit = jit_cache_size(k1_attn_kernel)
     for width in widths:
         hid, res = step_inputs(md, width, gen, residual=width != 2)
@@ -444,7 +443,7 @@ def test_launches_adapter_matches_direct_launch():
     from mono_ext.models.qwen3_next.launches import BoundLayer
     from mono_ext.models.qwen3_next.triton.k1 import K1Launches
 
-    md = ModelDims.from_config(_cfg(TINY))
+    md = Dims.from_config(_cfg(TINY))
     gdn, attn = gdn_build(TINY, "bfloat16"), attn_build(TINY)
     gen = new_gen(21)
     st = rank_state()
@@ -465,7 +464,7 @@ def test_launches_adapter_matches_direct_launch():
     assert_close("out", o_in[ok].float(), ref.o_in[ok])
     aw = attn_weights(md, gen)
     pos = torch.randint(0, 4096, (3,), generator=gen, device=DEV)
-    qd, kvd = md.num_heads * md.head_dim, md.num_kv_heads * md.head_dim
+    qd, kvd = md.hq * md.head_dim, md.hkv * md.head_dim
     q, k, v, gate = (torch.full((3, n), float("nan"), dtype=torch.bfloat16, device=DEV)
                      for n in (qd, kvd, kvd, qd))  # fmt: skip
     adapter.k1_attn(BoundLayer(1, "full_attention", aw), hid, res, pos, q=q, k=k, v=v, gate=gate,
@@ -483,7 +482,7 @@ def test_launches_adapter_plans_each_layer_once(monkeypatch):
     from mono_ext.models.qwen3_next.launches import BoundLayer
     from mono_ext.models.qwen3_next.triton.k1 import K1Launches
 
-    md = ModelDims.from_config(_cfg(TINY))
+    md = Dims.from_config(_cfg(TINY))
     gdn = gdn_build(TINY, "bfloat16")
     plans = []
     plan = gdn.plan
@@ -546,7 +545,7 @@ FP8_WIDTHS = [1, 16] if INTERP else WIDTHS_GPU
 
 @pytest.mark.parametrize("formats", FP8_GDN, ids=lambda f: "+".join(f.values()))
 def test_gdn_front_fp8_planes_match_reference(formats):
-    md = ModelDims.from_config(_cfg(FP8_TINY))
+    md = Dims.from_config(_cfg(FP8_TINY))
     k1 = gdn_build(FP8_TINY, "float32", formats=formats)
     gen = new_gen(sum(map(ord, str(formats))))
     w, w_ref = quantize_planes(gdn_weights(md, "interleaved", gen), formats, gen)
@@ -555,7 +554,7 @@ def test_gdn_front_fp8_planes_match_reference(formats):
 
 @pytest.mark.parametrize("fmt", ["fp8_block128", "fp8_channel", "fp8_tensor"])
 def test_attn_front_fp8_planes_match_reference(fmt):
-    md = ModelDims.from_config(_cfg(FP8_TINY))
+    md = Dims.from_config(_cfg(FP8_TINY))
     k1 = attn_build(FP8_TINY, {"qkv_proj": fmt})
     gen = new_gen(sum(map(ord, fmt)))
     w, w_ref = quantize_planes(attn_weights(md, gen), {"qkv_proj": fmt}, gen)
@@ -565,7 +564,7 @@ def test_attn_front_fp8_planes_match_reference(fmt):
 def test_fp8_planes_refused_by_name():
     """A plane or scale that does not match the build is refused before anything runs, with
     the plane's name; an unknown format is refused at construction."""
-    md = ModelDims.from_config(_cfg(FP8_TINY))
+    md = Dims.from_config(_cfg(FP8_TINY))
     formats = {"in_proj_qkvz": "fp8_block128"}
     k1 = gdn_build(FP8_TINY, "float32", formats=formats)
     gen = new_gen(5)
@@ -600,7 +599,7 @@ def test_fp8_planes_refused_by_name():
     ka = attn_build(FP8_TINY, {"qkv_proj": "fp8_channel"})
     aw, _ = quantize_planes(attn_weights(md, gen), {"qkv_proj": "fp8_channel"}, gen)
     del aw["qkv_proj.scale"]
-    qd, kvd = md.num_heads * md.head_dim, md.num_kv_heads * md.head_dim
+    qd, kvd = md.hq * md.head_dim, md.hkv * md.head_dim
     outs = [torch.empty((2, n), dtype=torch.bfloat16, device=DEV) for n in (qd, kvd, kvd, qd)]
     pos = torch.zeros(2, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match="missing qkv_proj.scale"):

@@ -24,7 +24,6 @@ if not torch.cuda.is_available() and not INTERP:
 from mono_ext.core.numerics import CheckTracker  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
-from mono_ext.models.qwen3_next.reference.common import ModelDims  # noqa: E402
 from mono_ext.models.qwen3_next.reference.convert import (  # noqa: E402
     dequantized_weights,
     quantized_weights,
@@ -87,7 +86,6 @@ class TinyTail:
         full = get_preset(preset) if isinstance(preset, str) else preset
         cfg = text_config(full)
         self.dims = Dims.from_config(cfg, tp=1)
-        self.rdims = ModelDims.from_config(full)
         self.k2 = K2Launch(K2Shape.from_dims(self.dims), K2Config(grid=GRID, **config),
                            formats=formats or {})  # fmt: skip
         self.k2.build(DEV)
@@ -129,7 +127,7 @@ def test_k2_tiny_matches_reference(tiny):
         o_in, res = tiny.inputs(b, gen)
         out_h, out_r = tiny.run(o_in, res)
         assert not torch.isnan(out_h).any() and not torch.isnan(out_r).any(), "unwritten output"
-        ref = layer_tail(o_in, res, tiny.w_ref, tiny.rdims, a8_planes=tiny.k2.a8_planes)
+        ref = layer_tail(o_in, res, tiny.w_ref, tiny.dims, a8_planes=tiny.k2.a8_planes)
         tracker.check("k2", "hidden", out_h, ref.hidden_out, skip_rows=ref.near_tie, where=f"w{b}")
         tracker.check("k2", "residual", out_r, ref.residual_out, where=f"w{b}")
     print(f"\n{tracker.summary()}")
@@ -275,8 +273,8 @@ def test_k2_tiny_fp8_activations_match_the_reference_that_quantizes_them(tiny_a8
     gen = torch.Generator(device=DEV).manual_seed(25)
     o_all, r_all = tiny_a8.inputs(BLOCK_B, gen)
     h16, r16 = tiny_a8.run(o_all, r_all)
-    a8 = layer_tail(o_all, r_all, tiny_a8.w_ref, tiny_a8.rdims, a8_planes=tiny_a8.k2.a8_planes)
-    plain = layer_tail(o_all, r_all, tiny_a8.w_ref, tiny_a8.rdims)
+    a8 = layer_tail(o_all, r_all, tiny_a8.w_ref, tiny_a8.dims, a8_planes=tiny_a8.k2.a8_planes)
+    plain = layer_tail(o_all, r_all, tiny_a8.w_ref, tiny_a8.dims)
     ok = ~a8.near_tie
     err_a8 = (h16.float() - a8.hidden_out)[ok].norm() / a8.hidden_out[ok].norm()
     err_plain = (h16.float() - plain.hidden_out)[ok].norm() / plain.hidden_out[ok].norm()

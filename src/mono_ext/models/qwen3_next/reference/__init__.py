@@ -57,7 +57,7 @@ from mono_ext.models.qwen3_next.reference.attention import (
     attn_out_input,
     decode_attention,
 )
-from mono_ext.models.qwen3_next.reference.common import ModelDims, bf16_ulp, gemma_rms_norm, rel_l2
+from mono_ext.models.qwen3_next.reference.common import bf16_ulp, gemma_rms_norm, rel_l2
 from mono_ext.models.qwen3_next.reference.convert import (
     conv_state_to_layout,
     dequantize,
@@ -81,7 +81,6 @@ from mono_ext.models.qwen3_next.reference.tail import TailOut, layer_tail, route
 __all__ = [
     "AttnFrontOut",
     "FrontOut",
-    "ModelDims",
     "TailOut",
     "apply_neox_rope",
     "attn_front",

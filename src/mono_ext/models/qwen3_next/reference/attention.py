@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from mono_ext.models.qwen3_next.dims import Dims
 from mono_ext.models.qwen3_next.reference.common import (
-    ModelDims,
     add_gemma_rms_norm,
     f32,
     gemma_rms_norm,
@@ -75,7 +75,7 @@ def attn_front(
     residual: torch.Tensor | None,
     input_norm_w: torch.Tensor,
     weights: dict[str, torch.Tensor],
-    dims: ModelDims,
+    dims: Dims,
     positions: torch.Tensor,
     *,
     eps: float | None = None,
@@ -89,21 +89,19 @@ def attn_front(
         positions: [B] int token positions (0-based).
     """
     d = dims
-    eps = d.rms_norm_eps if eps is None else eps
+    eps = d.eps if eps is None else eps
     x, residual_out = add_gemma_rms_norm(hidden, residual, input_norm_w, eps)
     qkv = x @ f32(weights["qkv_proj"]).t()
     bsz, hd = x.shape[0], d.head_dim
-    q_gate, k, v = torch.split(
-        qkv, [2 * d.num_heads * hd, d.num_kv_heads * hd, d.num_kv_heads * hd], dim=-1
-    )
-    q_gate = q_gate.reshape(bsz, d.num_heads, 2 * hd)
-    q, gate = q_gate[..., :hd], q_gate[..., hd:].reshape(bsz, d.num_heads * hd)
+    q_gate, k, v = torch.split(qkv, [2 * d.hq * hd, d.hkv * hd, d.hkv * hd], dim=-1)
+    q_gate = q_gate.reshape(bsz, d.hq, 2 * hd)
+    q, gate = q_gate[..., :hd], q_gate[..., hd:].reshape(bsz, d.hq * hd)
     q = gemma_rms_norm(q, weights["q_norm"], eps)
-    k = gemma_rms_norm(k.reshape(bsz, d.num_kv_heads, hd), weights["k_norm"], eps)
+    k = gemma_rms_norm(k.reshape(bsz, d.hkv, hd), weights["k_norm"], eps)
     cos, sin = rope_cos_sin(positions, d.rotary_dim, d.rope_theta)
     q = apply_neox_rope(q, cos, sin, d.rotary_dim)
     k = apply_neox_rope(k, cos, sin, d.rotary_dim)
-    return AttnFrontOut(q, k, v.reshape(bsz, d.num_kv_heads, hd), gate, residual_out)
+    return AttnFrontOut(q, k, v.reshape(bsz, d.hkv, hd), gate, residual_out)
 
 
 def decode_attention(

@@ -22,9 +22,9 @@ import torch
 
 from mono_ext.core.spec import BuildContext, BuildKey
 from mono_ext.core.views import ConfigView
+from mono_ext.models.qwen3_next.dims import Dims
 from mono_ext.models.qwen3_next.launches import DEFAULT_LAYOUTS, LAYOUT_KEYS, BoundLayer
 from mono_ext.models.qwen3_next.reference.attention import attn_front, attn_out_input
-from mono_ext.models.qwen3_next.reference.common import ModelDims
 from mono_ext.models.qwen3_next.reference.convert import dequantized_weights
 from mono_ext.models.qwen3_next.reference.gdn import gdn_front
 from mono_ext.models.qwen3_next.reference.tail import layer_tail
@@ -45,7 +45,7 @@ class ReferenceLaunches:
     """K1/K2 of one build key through the fp32 reference (TP = 1)."""
 
     key: BuildKey
-    dims: ModelDims
+    dims: Dims
     layouts: Mapping[str, str]
     null_slot: int | None = None
 
@@ -161,7 +161,7 @@ class ReferenceBuilder:
             raise ValueError(f"{key.label()}: the reference backend runs TP 1 only")
         return ReferenceLaunches(
             key=key,
-            dims=ModelDims.from_config(dict(ctx.text_config)),
+            dims=Dims.from_config(dict(ctx.text_config)),
             layouts=_layouts(key),
             null_slot=ctx.null_slot,
         )

@@ -1,17 +1,11 @@
-"""Shared fp32 building blocks and the model dimensions the reference works from."""
+"""Shared fp32 building blocks of the reference."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mono_ext.models.qwen3_next.dims import Dims
-
 __all__ = [
-    "ModelDims",
     "f32",
     "gemma_rms_norm",
     "add_gemma_rms_norm",
@@ -24,82 +18,6 @@ __all__ = [
 # FLA's l2norm and vLLM's packed decode kernel use x / sqrt(sum(x^2) + 1e-6)
 # (vllm/third_party/flash_linear_attention/ops/fused_recurrent.py, 0.26.0).
 L2NORM_EPS = 1e-6
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Text-model sizes K1/K2 need, read from an HF-style config (TP = 1)."""
-
-    hidden: int
-    rms_norm_eps: float
-    # Gated DeltaNet
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int
-    # gated full attention
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    # MLP / MoE
-    num_experts: int
-    top_k: int
-    norm_topk_prob: bool
-    moe_intermediate: int
-    shared_intermediate: int
-    intermediate: int
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
-
-    @property
-    def ratio(self) -> int:
-        """r = Hv / Hk: value heads per key head."""
-        return self.num_v_heads // self.num_k_heads
-
-    @property
-    def qkvz_dim(self) -> int:
-        return 2 * self.key_dim + 2 * self.value_dim
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ModelDims:
-        """From a config dict (flat text config or a wrapper with ``text_config``) or an
-        HF config object; the sizes are read once, by the spec's ``Dims`` (at TP 1)."""
-        d = Dims.from_config(cfg, tp=1)
-        if d.hv % d.hk:
-            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-        return cls(
-            hidden=d.hidden,
-            rms_norm_eps=d.eps,
-            num_k_heads=d.hk,
-            num_v_heads=d.hv,
-            head_k_dim=d.dk,
-            head_v_dim=d.dv,
-            conv_kernel=d.conv_k,
-            num_heads=d.hq,
-            num_kv_heads=d.hkv,
-            head_dim=d.head_dim,
-            rotary_dim=d.rotary_dim,
-            rope_theta=d.rope_theta,
-            num_experts=d.experts,
-            top_k=d.top_k,
-            norm_topk_prob=d.norm_topk,
-            moe_intermediate=d.moe_inter,
-            shared_intermediate=d.shared_inter,
-            intermediate=d.dense_inter,
-        )
 
 
 def f32(x: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 import torch
 
 from mono_ext.core.views import SCALE_SUFFIX, scale_key
-from mono_ext.models.qwen3_next.reference.common import ModelDims
+from mono_ext.models.qwen3_next.dims import Dims
 from mono_ext.models.qwen3_next.reference.gdn import pack_ba, pack_qkvz, repack_ba, repack_qkvz
 
 __all__ = [
@@ -70,11 +70,11 @@ def _get(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         raise KeyError(f"missing tensor {name!r}") from None
 
 
-def _experts(sd: Mapping[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
+def _experts(sd: Mapping[str, torch.Tensor], dims: Dims) -> dict[str, torch.Tensor]:
     if "mlp.experts.gate_up_proj" in sd:
         return {"w13": sd["mlp.experts.gate_up_proj"], "w2": sd["mlp.experts.down_proj"]}
     w13, w2 = [], []
-    for e in range(dims.num_experts):
+    for e in range(dims.experts):
         p = f"mlp.experts.{e}."
         w13.append(torch.cat([_get(sd, p + "gate_proj.weight"), _get(sd, p + "up_proj.weight")]))
         w2.append(_get(sd, p + "down_proj.weight"))
@@ -83,7 +83,7 @@ def _experts(sd: Mapping[str, torch.Tensor], dims: ModelDims) -> dict[str, torch
 
 def layer_weights_from_state_dict(
     sd: Mapping[str, torch.Tensor],
-    dims: ModelDims,
+    dims: Dims,
     *,
     packing: str | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -148,7 +148,7 @@ def layer_weights_from_state_dict(
 
 
 def layer_weights_from_hf(
-    layer: torch.nn.Module, dims: ModelDims, *, packing: str | None = None
+    layer: torch.nn.Module, dims: Dims, *, packing: str | None = None
 ) -> dict[str, torch.Tensor]:
     """Same as ``layer_weights_from_state_dict`` for an HF decoder-layer module (detached)."""
     sd = {k: v.detach() for k, v in layer.state_dict().items()}
@@ -164,7 +164,7 @@ def conv_state_to_layout(state_cd: torch.Tensor, conv_layout: str) -> torch.Tens
 def gdn_state_from_hf(
     conv_hf: torch.Tensor,
     recurrent_hf: torch.Tensor,
-    dims: ModelDims,
+    dims: Dims,
     conv_layout: str = "time_chan",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HF cache tensors -> engine layouts.
@@ -173,7 +173,7 @@ def gdn_state_from_hf(
     oldest one no longer reaches the kernel). HF's recurrent state is [B, Hv, Dk, Dv]; the
     engines' is [B, Hv, Dv, Dk]. Returned tensors are new (contiguous) copies.
     """
-    conv = conv_hf[..., -(dims.conv_kernel - 1) :]
+    conv = conv_hf[..., -(dims.conv_k - 1) :]
     return (
         conv_state_to_layout(conv, conv_layout).contiguous(),
         recurrent_hf.transpose(-1, -2).contiguous(),

@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mono_ext.models.qwen3_next.dims import Dims
 from mono_ext.models.qwen3_next.reference.common import (
-    ModelDims,
     add_gemma_rms_norm,
     f32,
     gated_rms_norm,
@@ -65,37 +65,44 @@ def _check_packing(packing: str) -> None:
         raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
 
 
+def _ratio(dims: Dims) -> int:
+    """r = Hv / Hk. Value head h reads key head h // r, which needs Hv a multiple of Hk; the
+    spec refuses other configs, so this only guards direct callers of the reference."""
+    if dims.hv % dims.hk:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    return dims.ratio
+
+
 def split_qkvz(
-    proj: torch.Tensor, dims: ModelDims, packing: str
+    proj: torch.Tensor, dims: Dims, packing: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(..., P) -> q, k (..., Hk, Dk) and v, z (..., Hv, Dv)."""
     _check_packing(packing)
     d = dims
     lead = proj.shape[:-1]
     if packing == "interleaved":
-        rdv = d.ratio * d.head_v_dim
-        g = proj.reshape(*lead, d.num_k_heads, 2 * d.head_k_dim + 2 * rdv)
-        q, k, v, z = torch.split(g, [d.head_k_dim, d.head_k_dim, rdv, rdv], dim=-1)
+        rdv = _ratio(d) * d.dv
+        g = proj.reshape(*lead, d.hk, 2 * d.dk + 2 * rdv)
+        q, k, v, z = torch.split(g, [d.dk, d.dk, rdv, rdv], dim=-1)
     else:
         q, k, v, z = torch.split(proj, [d.key_dim, d.key_dim, d.value_dim, d.value_dim], dim=-1)
     return (
-        q.reshape(*lead, d.num_k_heads, d.head_k_dim),
-        k.reshape(*lead, d.num_k_heads, d.head_k_dim),
-        v.reshape(*lead, d.num_v_heads, d.head_v_dim),
-        z.reshape(*lead, d.num_v_heads, d.head_v_dim),
+        q.reshape(*lead, d.hk, d.dk),
+        k.reshape(*lead, d.hk, d.dk),
+        v.reshape(*lead, d.hv, d.dv),
+        z.reshape(*lead, d.hv, d.dv),
     )
 
 
-def split_ba(
-    proj: torch.Tensor, dims: ModelDims, packing: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def split_ba(proj: torch.Tensor, dims: Dims, packing: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., 2*Hv) -> b, a (..., Hv)."""
     _check_packing(packing)
     lead = proj.shape[:-1]
     if packing == "interleaved":
-        g = proj.reshape(*lead, dims.num_k_heads, 2 * dims.ratio)
-        b, a = torch.split(g, [dims.ratio, dims.ratio], dim=-1)
-        return b.reshape(*lead, dims.num_v_heads), a.reshape(*lead, dims.num_v_heads)
+        r = _ratio(dims)
+        g = proj.reshape(*lead, dims.hk, 2 * r)
+        b, a = torch.split(g, [r, r], dim=-1)
+        return b.reshape(*lead, dims.hv), a.reshape(*lead, dims.hv)
     b, a = proj.chunk(2, dim=-1)
     return b, a
 
@@ -105,7 +112,7 @@ def pack_qkvz(
     k_w: torch.Tensor,
     v_w: torch.Tensor,
     z_w: torch.Tensor,
-    dims: ModelDims,
+    dims: Dims,
     packing: str,
 ) -> torch.Tensor:
     """Row blocks (Hk*Dk, H), (Hk*Dk, H), (Hv*Dv, H), (Hv*Dv, H) -> in_proj_qkvz (P, H)."""
@@ -113,33 +120,33 @@ def pack_qkvz(
     if packing == "contiguous":
         return torch.cat([q_w, k_w, v_w, z_w], dim=0)
     d, h = dims, q_w.shape[-1]
-    rdv = d.ratio * d.head_v_dim
+    rdv = _ratio(d) * d.dv
     parts = [
-        q_w.reshape(d.num_k_heads, d.head_k_dim, h),
-        k_w.reshape(d.num_k_heads, d.head_k_dim, h),
-        v_w.reshape(d.num_k_heads, rdv, h),
-        z_w.reshape(d.num_k_heads, rdv, h),
+        q_w.reshape(d.hk, d.dk, h),
+        k_w.reshape(d.hk, d.dk, h),
+        v_w.reshape(d.hk, rdv, h),
+        z_w.reshape(d.hk, rdv, h),
     ]
     return torch.cat(parts, dim=1).reshape(d.qkvz_dim, h)
 
 
-def pack_ba(b_w: torch.Tensor, a_w: torch.Tensor, dims: ModelDims, packing: str) -> torch.Tensor:
+def pack_ba(b_w: torch.Tensor, a_w: torch.Tensor, dims: Dims, packing: str) -> torch.Tensor:
     """Row blocks (Hv, H), (Hv, H) -> in_proj_ba (2*Hv, H)."""
     _check_packing(packing)
     if packing == "contiguous":
         return torch.cat([b_w, a_w], dim=0)
-    h, g, r = b_w.shape[-1], dims.num_k_heads, dims.ratio
+    h, g, r = b_w.shape[-1], dims.hk, _ratio(dims)
     return torch.cat([b_w.reshape(g, r, h), a_w.reshape(g, r, h)], dim=1).reshape(2 * g * r, h)
 
 
-def repack_qkvz(w: torch.Tensor, dims: ModelDims, src: str, dst: str) -> torch.Tensor:
+def repack_qkvz(w: torch.Tensor, dims: Dims, src: str, dst: str) -> torch.Tensor:
     """Convert an in_proj_qkvz weight (P, H) between packings."""
     q, k, v, z = split_qkvz(w.t(), dims, src)  # columns of w.t() are output rows
     h = w.shape[1]
     return pack_qkvz(*(t.reshape(h, -1).t() for t in (q, k, v, z)), dims=dims, packing=dst)
 
 
-def repack_ba(w: torch.Tensor, dims: ModelDims, src: str, dst: str) -> torch.Tensor:
+def repack_ba(w: torch.Tensor, dims: Dims, src: str, dst: str) -> torch.Tensor:
     b, a = split_ba(w.t(), dims, src)
     return pack_ba(b.t(), a.t(), dims, dst)
 
@@ -158,7 +165,7 @@ def gdn_front(
     residual: torch.Tensor | None,
     input_norm_w: torch.Tensor,
     weights: dict[str, torch.Tensor],
-    dims: ModelDims,
+    dims: Dims,
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
@@ -213,7 +220,8 @@ def gdn_front(
     if ssm_layout not in SSM_LAYOUTS:
         raise ValueError(f"ssm_layout must be one of {SSM_LAYOUTS}, got {ssm_layout!r}")
     d = dims
-    eps = d.rms_norm_eps if eps is None else eps
+    r = _ratio(d)  # refused before any state is updated
+    eps = d.eps if eps is None else eps
     x, residual_out = add_gemma_rms_norm(hidden, residual, input_norm_w, eps)
     q, k, v, z = split_qkvz(x @ f32(weights["in_proj_qkvz"]).t(), d, packing)
     b, a = split_ba(x @ f32(weights["in_proj_ba"]).t(), d, packing)
@@ -229,7 +237,7 @@ def gdn_front(
         raise ValueError("two valid rows share a state slot")
 
     # causal conv1d update on the cached window
-    conv_w = f32(weights["conv1d"]).reshape(d.conv_dim, d.conv_kernel)
+    conv_w = f32(weights["conv1d"]).reshape(d.conv_dim, d.conv_k)
     prev = conv_state[idx]
     prev = f32(prev.transpose(1, 2) if conv_layout == "time_chan" else prev)  # [n, C, K-1]
     window = torch.cat([prev, mixed[ok].unsqueeze(-1)], dim=-1)  # [n, C, K]
@@ -239,18 +247,18 @@ def gdn_front(
 
     qc, kc, vc = torch.split(conv_out, [d.key_dim, d.key_dim, d.value_dim], dim=-1)
     n = idx.numel()
-    qc = l2_normalize(qc.reshape(n, d.num_k_heads, d.head_k_dim)) * d.head_k_dim**-0.5
-    kc = l2_normalize(kc.reshape(n, d.num_k_heads, d.head_k_dim))
-    qc = qc.repeat_interleave(d.ratio, dim=1)  # [n, Hv, Dk]
-    kc = kc.repeat_interleave(d.ratio, dim=1)
-    vc = vc.reshape(n, d.num_v_heads, d.head_v_dim)
+    qc = l2_normalize(qc.reshape(n, d.hk, d.dk)) * d.dk**-0.5
+    kc = l2_normalize(kc.reshape(n, d.hk, d.dk))
+    qc = qc.repeat_interleave(r, dim=1)  # [n, Hv, Dk]
+    kc = kc.repeat_interleave(r, dim=1)
+    vc = vc.reshape(n, d.hv, d.dv)
 
     g = -torch.exp(f32(weights["A_log"])) * F.softplus(f32(a[ok]) + f32(weights["dt_bias"]))
     beta = torch.sigmoid(f32(b[ok]))
 
     ssm = ssm_state
     if ssm_layout == "kv":
-        ssm = ssm_state.view(ssm_state.shape[0], d.num_v_heads, d.head_k_dim, d.head_v_dim)
+        ssm = ssm_state.view(ssm_state.shape[0], d.hv, d.dk, d.dv)
     prev_s = f32(ssm[idx])
     prev_s = prev_s.transpose(-1, -2) if ssm_layout == "kv" else prev_s
     s = prev_s * torch.exp(g)[..., None, None]  # [n, Hv, Dv, Dk]

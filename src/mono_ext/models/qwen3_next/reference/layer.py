@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from mono_ext.models.qwen3_next.dims import Dims
 from mono_ext.models.qwen3_next.reference.attention import (
     attn_front,
     attn_out_input,
     decode_attention,
 )
-from mono_ext.models.qwen3_next.reference.common import ModelDims
 from mono_ext.models.qwen3_next.reference.gdn import gdn_front, valid_rows
 from mono_ext.models.qwen3_next.reference.tail import TailOut, layer_tail
 
@@ -20,7 +20,7 @@ def decoder_layer_step(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     weights: dict[str, torch.Tensor],
-    dims: ModelDims,
+    dims: Dims,
     *,
     kind: str,
     slots: torch.Tensor,

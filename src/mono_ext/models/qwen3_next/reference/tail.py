@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mono_ext.models.qwen3_next.reference.common import ModelDims, bf16_ulp, f32, gemma_rms_norm
+from mono_ext.models.qwen3_next.dims import Dims
+from mono_ext.models.qwen3_next.reference.common import bf16_ulp, f32, gemma_rms_norm
 from mono_ext.models.qwen3_next.reference.convert import quantize_activations
 
 __all__ = ["TailOut", "route", "moe_forward", "dense_mlp", "layer_tail"]
@@ -87,13 +88,13 @@ def _a8(x: torch.Tensor, plane: str, a8_planes: frozenset[str]) -> torch.Tensor:
 def moe_forward(
     x: torch.Tensor,
     weights: dict[str, torch.Tensor],
-    dims: ModelDims,
+    dims: Dims,
     a8_planes: frozenset[str] = frozenset(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MoE block on normed input x [B, H]. Returns (out, ids, weights, near_tie).
     ``a8_planes``: the fp8 planes whose inputs are quantized to e4m3 first (vLLM's fp8 MoE)."""
     x = f32(x)
-    ids, tw, near_tie = route(x, weights["router"], dims.top_k, dims.norm_topk_prob)
+    ids, tw, near_tie = route(x, weights["router"], dims.top_k, dims.norm_topk)
     w13, w2 = weights["w13"], weights["w2"]
     out = torch.zeros_like(x)
     x13 = _a8(x, "w13", a8_planes)
@@ -125,7 +126,7 @@ def layer_tail(
     o_in: torch.Tensor,
     residual: torch.Tensor,
     weights: dict[str, torch.Tensor],
-    dims: ModelDims,
+    dims: Dims,
     eps: float | None = None,
     *,
     kind: str = "gdn",
@@ -149,7 +150,7 @@ def layer_tail(
     """
     if kind not in ("gdn", "attn"):
         raise ValueError(f"kind must be 'gdn' or 'attn', got {kind!r}")
-    eps = dims.rms_norm_eps if eps is None else eps
+    eps = dims.eps if eps is None else eps
     w_o = weights["out_proj" if kind == "gdn" else "o_proj"]
     residual_out = f32(residual) + f32(o_in) @ f32(w_o).t()
     x = gemma_rms_norm(residual_out, weights["post_attention_layernorm"], eps)
