@@ -263,22 +263,53 @@ def tiny_a8():
     return TinyTail(FP8_CONFIG, seed=6, formats=FP8_CASES["block128"], fp8_activations=True)
 
 
+#: hidden rel_l2 of the fp8_activations build against the reference that quantizes the same
+#: activations. That reference multiplies the e4m3 codes exactly; the H200's e4m3 MMA does not
+#: (rel_l2 1.2e-4 on one plane, against 8e-8 for the same codes widened onto a bf16 MMA:
+#: docs/results/stream_fp8_h200.json), and a perturbation that small moves some activations
+#: across an e4m3 rounding boundary when they are quantized again before down (a step is 2^-3
+#: of a value): up to 1.6% at the tiny shapes on the H200 (docs/results/kernel_tests_h200.log).
+#: The quantization itself moves the output by ~4.5% at these shapes, so a build that did not
+#: quantize, or quantized with other scales, lands far outside.
+A8_HIDDEN_REL_L2 = 0.03
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def test_k2_tiny_fp8_activations_match_the_reference_that_quantizes_them(tiny_a8):
     """With ``fp8_activations`` the expert planes multiply e4m3 activations (per row and 128
-    columns, as vLLM's fp8 MoE): K2 meets NUMERICS against the reference that quantizes the
-    same inputs, sits far closer to it than to the one that does not, and a row's output
-    stays independent of the batch."""
+    columns, as vLLM's fp8 MoE). At every width: the residual meets NUMERICS (no fp8
+    activations on its path); the hidden output is within ``A8_HIDDEN_REL_L2`` of the
+    reference that quantizes the same inputs, much closer to it than to the reference that
+    does not, and no further from that exact one than exact e4m3 arithmetic is (within 25%).
+    A row's output stays independent of the batch."""
     assert tiny_a8.k2.a8_planes == {"w13", "w2", "shared_gate_up", "shared_down"}
-    test_k2_tiny_matches_reference(tiny_a8)
-    gen = torch.Generator(device=DEV).manual_seed(25)
-    o_all, r_all = tiny_a8.inputs(BLOCK_B, gen)
+    tracker = CheckTracker(Qwen3NextSpec.NUMERICS)
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    print("\nwidth: hidden rel_l2 to the quantizing reference, to the exact one, and the "
+          "quantizing reference's own to the exact one")  # fmt: skip
+    for b in WIDTHS:
+        o_in, res = tiny_a8.inputs(b, gen)
+        out_h, out_r = tiny_a8.run(o_in, res)
+        assert not torch.isnan(out_h).any() and not torch.isnan(out_r).any(), "unwritten output"
+        a8 = layer_tail(o_in, res, tiny_a8.w_ref, tiny_a8.dims, a8_planes=tiny_a8.k2.a8_planes)
+        exact = layer_tail(o_in, res, tiny_a8.w_ref, tiny_a8.dims)
+        tracker.check("k2", "residual", out_r, a8.residual_out, where=f"w{b}")
+        ok = ~(a8.near_tie | exact.near_tie)
+        if not ok.any():
+            continue
+        to_a8 = rel_l2(out_h[ok], a8.hidden_out[ok])
+        to_exact = rel_l2(out_h[ok], exact.hidden_out[ok])
+        a8_own = rel_l2(a8.hidden_out[ok], exact.hidden_out[ok])
+        print(f"  {b:2d}: {to_a8:.4f} {to_exact:.4f} {a8_own:.4f}")
+        assert to_a8 <= A8_HIDDEN_REL_L2, f"w{b}: {to_a8:.4f} from the quantizing reference"
+        assert to_a8 < 0.5 * to_exact, f"w{b}: {to_a8:.4f} vs {to_exact:.4f}: not quantized?"
+        assert to_exact <= 1.25 * a8_own, f"w{b}: {to_exact:.4f} > 1.25 x {a8_own:.4f}"
+    assert not tracker.problems(), tracker.problems()
+    o_all, r_all = tiny_a8.inputs(BLOCK_B, torch.Generator(device=DEV).manual_seed(25))
     h16, r16 = tiny_a8.run(o_all, r_all)
-    a8 = layer_tail(o_all, r_all, tiny_a8.w_ref, tiny_a8.dims, a8_planes=tiny_a8.k2.a8_planes)
-    plain = layer_tail(o_all, r_all, tiny_a8.w_ref, tiny_a8.dims)
-    ok = ~a8.near_tie
-    err_a8 = (h16.float() - a8.hidden_out)[ok].norm() / a8.hidden_out[ok].norm()
-    err_plain = (h16.float() - plain.hidden_out)[ok].norm() / plain.hidden_out[ok].norm()
-    assert err_a8 < 0.25 * err_plain, (err_a8.item(), err_plain.item())
     h, r = tiny_a8.run(o_all[[9, 4]], r_all[[9, 4]])
     assert torch.equal(h[0], h16[9]) and torch.equal(h[1], h16[4])
     assert torch.equal(r[0], r16[9]) and torch.equal(r[1], r16[4])
