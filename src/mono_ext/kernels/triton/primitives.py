@@ -47,7 +47,6 @@ __all__ = [
     "unpack_tag",
     "unpack_value",
     "wait_tagged",
-    "wait_tagged_from",
 ]
 
 # Offsets into the control / health blocks (the layout lives in runtime/health.py).
@@ -166,19 +165,6 @@ def wait_tagged(ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id):
     deadline = tl.load(ctrl_ptr + CTRL_DEADLINE_NS)
     failed = tl.load(health_ptr + H_FAILED, volatile=True)
     words = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    return wait_tagged_from(
-        words, failed, deadline, ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id
-    )
-
-
-@triton.jit
-def wait_tagged_from(
-    words, failed, deadline, ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id
-):  # fmt: skip
-    """``wait_tagged`` from words, the sticky failed word and the deadline loaded earlier by
-    the caller (``tl.load(..., volatile=True)``): a caller that issues the loads of its next
-    block before working on the current one hides their round trip behind that work, and only
-    words that were not yet written when loaded are polled again."""
     bad = (unpack_tag(words) != tag) & mask
     n_bad = tl.sum(bad.to(tl.int32), axis=0)
     t0 = global_timer_ns()

@@ -114,16 +114,3 @@ def test_bounded_down_prefetch_build():
     assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
     res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
     assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1
-
-
-def test_lookahead_build_keeps_the_default_resources():
-    """``norm_lookahead`` + ``act_lookahead``: each wait's next words are loaded one block
-    ahead, which holds one more block in registers; the build must still fit without spills
-    at one CTA per SM, and compile to code of its own (the constexprs reach the stages)."""
-    b = offline_build("k2 gdn bf16 lookahead", 1)
-    c = b.compile()
-    assert ptx_digest(c) != ptx_digest(offline_build("k2 gdn bf16", 1).compile())
-    r = resources(c)
-    assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
-    res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
-    assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1

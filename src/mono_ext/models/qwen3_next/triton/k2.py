@@ -134,13 +134,9 @@ class K2Config:
     down_i_chunk: int = 256  # down I chunk (its K)
     reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
     act_rows_per_wait: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
-    # each down-stage act wait's words loaded as soon as the previous wait's are in
-    act_lookahead: bool = False
     # rows per norm wait (each wait covers all of H): 2 halves the serial waits and was faster
     # at every width on the H200 (docs/results/k2_vllm_norm_pdl.csv); 4 spills
     norm_rows_per_wait: int = 2
-    # each norm wait's words loaded while the previous block is normed (k2_stages.s2_norm)
-    norm_lookahead: bool = False
     prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
@@ -456,8 +452,6 @@ class K2Launch:
             SPE2=scale_numel(self.fmt("w2"), s.hidden, s.moe_inter),
             INTERP=_interp(),
             A8=c.fp8_activations,
-            NLA=c.norm_lookahead,
-            ALA=c.act_lookahead,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

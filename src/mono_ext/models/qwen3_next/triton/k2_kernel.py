@@ -71,8 +71,7 @@ def k2_kernel(
     Q_13: tl.constexpr,
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr = False, A8: tl.constexpr = False, NLA: tl.constexpr = False,
-    ALA: tl.constexpr = False,
+    PDL: tl.constexpr = False, A8: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -140,7 +139,7 @@ def k2_kernel(
     if STAGES & 4:
         s2_norm(
             norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xs_base, wsc_base, ctrl_ptr, health_ptr,
-            n_rows, tag, eps, H, HP, RN, BB, UM, RID_RESID, Q_SEG, NLA, INTERP,
+            n_rows, tag, eps, H, HP, RN, BB, UM, RID_RESID, Q_SEG, INTERP,
         )  # fmt: skip
         stamp(trace_ptr, 3, TRACE)
         s2_router(
@@ -169,9 +168,9 @@ def k2_kernel(
     if STAGES & 32:
         s4_down(
             w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base,
-            ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, n_rows, tag, H, IR, ISR, BB, BN4, BI4,
+            ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H, IR, ISR, BB, BN4, BI4,
             JS, ACH, PIPE4, UM, M_U, IW, IWR, IWS, IWP, EB2, EBSD, RID_ACT, Q_2, Q_SD, SPE2,
-            PREFETCH, PF4, TRACE, INTERP, A8, ALA,
+            PREFETCH, PF4, TRACE, INTERP, A8,
         )  # fmt: skip
     stamp(trace_ptr, 8, TRACE)
     if STAGES & 64:

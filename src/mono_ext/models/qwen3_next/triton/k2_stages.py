@@ -16,15 +16,12 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_a8, qdot_either, scale_index
 from mono_ext.kernels.triton.primitives import (
-    CTRL_DEADLINE_NS,
-    H_FAILED,
     global_timer_ns,
     pack_tagged,
     put_words,
     store_tagged,
     unpack_value,
     wait_tagged,
-    wait_tagged_from,
 )
 
 __all__ = [
@@ -74,21 +71,6 @@ def _wait2d(
         )
         words2 = tl.reshape(words, (R, C))
     return words2, ok
-
-
-@triton.jit
-def _wait2d_from(
-    words, failed, deadline, ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id,
-    R: tl.constexpr, C: tl.constexpr,
-):  # fmt: skip
-    """``wait_tagged_from`` over a [R, C] block whose words the caller loaded earlier
-    (GPU only: the interpreter takes ``_wait2d``)."""
-    w_flat, ok = wait_tagged_from(
-        tl.reshape(words, (R * C,)), failed, deadline, tl.reshape(ptrs, (R * C,)),
-        tl.reshape(mask, (R * C,)), tl.reshape(index, (R * C,)), tag, ctrl_ptr, health_ptr,
-        region_id,
-    )  # fmt: skip
-    return tl.reshape(w_flat, (R, C)), ok
 
 
 @triton.jit
@@ -251,15 +233,10 @@ def s1_reduce(
 def s2_norm(
     norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xs_base, wsc_base, ctrl_ptr, health_ptr, n_rows,
     tag, eps, H: tl.constexpr, HP: tl.constexpr, RN: tl.constexpr, BB: tl.constexpr,
-    UM: tl.constexpr, RID_RESID: tl.constexpr, Q_SEG: tl.constexpr, NLA: tl.constexpr,
-    INTERP: tl.constexpr,
+    UM: tl.constexpr, RID_RESID: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S2 norm (every CTA, its own copy): the live rows' Gemma RMSNorm as bf16 hi + lo parts
-    into ``xs``, and sigmoid(shared_expert_gate . x) into the shared slot of ``wsc``.
-
-    ``NLA``: the loads of the next RN rows are issued before this block's norm, so each block
-    after the first costs its work, not an L2 round trip as well (the words are all written
-    by then: S1's reduce tasks write every row of their columns at once)."""
+    into ``xs``, and sigmoid(shared_expert_gate . x) into the shared slot of ``wsc``."""
     # live rows only, RN rows x all of H per bounded wait (one round trip per RN rows)
     hh = tl.arange(0, HP)
     hmsk = hh < H
@@ -269,28 +246,13 @@ def s2_norm(
     if Q_SEG:  # the [1, H] gate's scales along H (its one row)
         s_idx = scale_index(0, hh, Q_SEG, 1, H) + hh * 0  # per-row / tensor: one scale
         sg_w *= tl.load(s_seg_ptr + s_idx, mask=hmsk, other=0.0)
-    if NLA and not INTERP:
-        deadline = tl.load(ctrl_ptr + CTRL_DEADLINE_NS)
-        m0 = (rn < n_rows)[:, None] & hmsk[None, :]
-        ahead = tl.load(resid_ptr + rn[:, None] * H + hh[None, :], mask=m0, other=0, volatile=True)
-        failed = tl.load(health_ptr + H_FAILED, volatile=True)
     for r0 in range(0, n_rows, RN):
         rws = r0 + rn
         m = (rws < n_rows)[:, None] & hmsk[None, :]
         idx = rws[:, None] * H + hh[None, :]
-        if NLA and not INTERP:
-            words, ok = _wait2d_from(ahead, failed, deadline, resid_ptr + idx, m, idx, tag,
-                                     ctrl_ptr, health_ptr, RID_RESID, RN, HP)  # fmt: skip
-            nxt = rws + RN
-            mn = (nxt < n_rows)[:, None] & hmsk[None, :]
-            ahead = tl.load(
-                resid_ptr + nxt[:, None] * H + hh[None, :], mask=mn, other=0, volatile=True
-            )
-            failed = tl.load(health_ptr + H_FAILED, volatile=True)
-        else:
-            words, ok = _wait2d(
-                resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP, INTERP
-            )
+        words, ok = _wait2d(
+            resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP, INTERP
+        )
         v = tl.where(m, _words_to_fp32(words), 0.0)
         rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
         xn = v * rstd[:, None] * (1.0 + nw[None, :])
@@ -549,36 +511,15 @@ def s3_gate_up(
 
 
 @triton.jit
-def _act_chunk(
-    f0, s0, t0, t1, n_u4, ppos_base, BB: tl.constexpr, RB4: tl.constexpr, UM: tl.constexpr,
-    IW: tl.constexpr, IWR: tl.constexpr, IWS: tl.constexpr, ACH: tl.constexpr,
-    IWP: tl.constexpr,
-):  # fmt: skip
-    """The act words of (slot, row) entries f0 .. f0 + ACH of a down run starting at slot
-    ordinal ``s0`` (word index, and the mask of the pairs that exist)."""
-    fl = f0 + tl.arange(0, ACH)
-    cwa = tl.arange(0, IWP)
-    fsl = s0 + fl // BB
-    f_live = (t1 > t0) & (fsl * RB4 < t1) & (fsl <= n_u4)
-    f_tab = tl.where(fsl == n_u4, UM, tl.minimum(fsl, UM - 1))
-    f_pp = tl.load(ppos_base + f_tab * BB + fl % BB, mask=f_live, other=-1)
-    aidx = (f_tab * BB + fl % BB)[:, None] * IW + cwa[None, :]
-    f_w = tl.where(fsl == n_u4, IWS, IWR)
-    am4 = (f_live & (f_pp >= 0))[:, None] & (cwa[None, :] < f_w[:, None])
-    return aidx, am4
-
-
-@triton.jit
 def s4_down(
     w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base, ctrl_ptr,
-    health_ptr, trace_ptr, pid, G, rows, rmask, n_rows, tag, H: tl.constexpr, IR: tl.constexpr,
+    health_ptr, trace_ptr, pid, G, rows, rmask, tag, H: tl.constexpr, IR: tl.constexpr,
     ISR: tl.constexpr, BB: tl.constexpr, BN4: tl.constexpr, BI4: tl.constexpr,
     JS: tl.constexpr, ACH: tl.constexpr, PIPE4: tl.constexpr, UM: tl.constexpr,
     M_U: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr, IWS: tl.constexpr,
     IWP: tl.constexpr, EB2: tl.constexpr, EBSD: tl.constexpr, RID_ACT: tl.constexpr,
     Q_2: tl.constexpr, Q_SD: tl.constexpr, SPE2: tl.constexpr, PREFETCH: tl.constexpr,
     PF4: tl.constexpr, TRACE: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
-    ALA: tl.constexpr,
 ):  # fmt: skip
     # ------------------------------------- S4: down^T over (slot, H block) tasks -> pairs
     # (A8: fp8 planes multiply e4m3 activations, each I chunk quantized, planes.qdot_a8)
@@ -620,35 +561,20 @@ def s4_down(
             nb_j = tl.minimum(nb_j, tl.maximum(PF4 - before, 0)) // 16 * 16
         _prefetch_l2(base_j + h_lo.to(tl.int64) * isl_j * eb_j, nb_j,
                      s_live & (nb_j > 0) & (nb_j % 16 == 0))  # fmt: skip
-    # the activation rows this run reads: one bounded wait per ACH of (slot, row). ALA: the
-    # next ACH rows' words are loaded as soon as these are in, so a chunk already written
-    # costs no round trip of its own, and chunks of rows past n_rows (no pair, nothing to
-    # wait for) are skipped instead of paying the wait's own loads
-    if ALA and not INTERP:
-        deadline = tl.load(ctrl_ptr + CTRL_DEADLINE_NS)
-        aidx, am4 = _act_chunk(0, s0, t0, t1, n_u4, ppos_base, BB, RB4, UM, IW, IWR, IWS,
-                               ACH, IWP)  # fmt: skip
-        ahead = tl.load(act_ptr + aidx, mask=am4, other=0, volatile=True)
-        failed = tl.load(health_ptr + H_FAILED, volatile=True)
+    # the activation rows this run reads: one bounded wait per ACH of (slot, row)
+    fc = tl.arange(0, ACH)
+    cwa = tl.arange(0, IWP)
     for f0 in range(0, JS * BB, ACH):
-        if ALA and not INTERP:
-            if f0 % BB < n_rows:  # a chunk starting at a slot's row 0 always is
-                aidx, am4 = _act_chunk(f0, s0, t0, t1, n_u4, ppos_base, BB, RB4, UM, IW, IWR,
-                                       IWS, ACH, IWP)  # fmt: skip
-                _wait2d_from(ahead, failed, deadline, act_ptr + aidx, am4, aidx, tag, ctrl_ptr,
-                             health_ptr, RID_ACT, ACH, IWP)  # fmt: skip
-                f1 = f0 + ACH  # the next chunk with a live row
-                f1 = tl.where(f1 % BB < n_rows, f1, (f1 // BB + 1) * BB)
-                nidx, nm4 = _act_chunk(f1, s0, t0, t1, n_u4, ppos_base, BB, RB4, UM, IW, IWR,
-                                       IWS, ACH, IWP)  # fmt: skip
-                ahead = tl.load(act_ptr + nidx, mask=nm4 & (f1 < JS * BB), other=0,
-                                volatile=True)  # fmt: skip
-                failed = tl.load(health_ptr + H_FAILED, volatile=True)
-        else:
-            aidx, am4 = _act_chunk(f0, s0, t0, t1, n_u4, ppos_base, BB, RB4, UM, IW, IWR, IWS,
-                                   ACH, IWP)  # fmt: skip
-            _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, ACH, IWP,
-                    INTERP)  # fmt: skip
+        fl = f0 + fc
+        fsl = s0 + fl // BB
+        f_live = (t1 > t0) & (fsl * RB4 < t1) & (fsl <= n_u4)
+        f_tab = tl.where(fsl == n_u4, UM, tl.minimum(fsl, UM - 1))
+        f_pp = tl.load(ppos_base + f_tab * BB + fl % BB, mask=f_live, other=-1)
+        aidx = (f_tab * BB + fl % BB)[:, None] * IW + cwa[None, :]
+        f_w = tl.where(fsl == n_u4, IWS, IWR)
+        am4 = (f_live & (f_pp >= 0))[:, None] & (cwa[None, :] < f_w[:, None])
+        _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, ACH, IWP,
+                INTERP)  # fmt: skip
     stamp(trace_ptr, 7, TRACE)
     cw = tl.arange(0, BI4 // 2)
     ci = tl.arange(0, BI4)

@@ -19,8 +19,6 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k2 gdn fp8_block128   | out_proj, w13, w2 and the shared expert fp8 block-128              |
 | k2 attn gated bf16    | the attention layers' build (o_proj, output gate folded into S1)   |
 | k2 gdn bf16 down-prefetch-256k | each CTA prefetches the first 256 KB of its down rows only |
-| k2 gdn bf16 norm-lookahead | the norm's next words loaded while the current rows are normed |
-| k2 gdn bf16 lookahead | the norm's and the down stage's activation waits both one block ahead |
 
 Torch and Triton are imported inside the functions.
 """
@@ -71,11 +69,6 @@ _BUILDS: dict[str, tuple[str, dict]] = {
     "k2 gdn bf16 down-prefetch-256k": (
         "k2",
         {"kind": "gdn", "config": {"down_prefetch_bytes": 256 * 1024}},
-    ),
-    "k2 gdn bf16 norm-lookahead": ("k2", {"kind": "gdn", "config": {"norm_lookahead": True}}),
-    "k2 gdn bf16 lookahead": (
-        "k2",
-        {"kind": "gdn", "config": {"norm_lookahead": True, "act_lookahead": True}},
     ),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
