@@ -128,7 +128,6 @@ VARIANTS = {
     # row's top-k CTA sums eight partials
     "k2 router_k_splits=8": {"router_k_splits": 8},
     "k2 down_rows=32": {"down_rows": 32},
-    "k2 no-prefetch": {"prefetch": False},
     # fp8 block-128 planes stream 128-byte K chunks per row (a chunk stays in one scale
     # column), a quarter of bf16's 512: twice the stages give half bf16's bytes in flight per
     # CTA (sm_90 offline: 120 KB shared, 234 registers, no spills)

@@ -137,7 +137,9 @@ class K2Config:
     # rows per norm wait (each wait covers all of H): 2 halves the serial waits and was faster
     # at every width on the H200 (docs/results/k2_vllm_norm_pdl.csv); 4 spills
     norm_rows_per_wait: int = 2
-    prefetch: bool = True  # L2 prefetch of router/shared (after S1) and down planes (S4)
+    # L2 prefetch of router/shared (after S1) and down planes (S4): off, since K2 was faster
+    # without it at every width, 1-7 us (docs/results/k2_sweep_prefetch_h200.csv, k2_vllm.csv)
+    prefetch: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
     down_prefetch_bytes: int = 0

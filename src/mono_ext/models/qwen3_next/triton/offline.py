@@ -68,7 +68,7 @@ _BUILDS: dict[str, tuple[str, dict]] = {
     "k2 attn gated bf16": ("k2", {"kind": "attn", "gated": True}),
     "k2 gdn bf16 down-prefetch-256k": (
         "k2",
-        {"kind": "gdn", "config": {"down_prefetch_bytes": 256 * 1024}},
+        {"kind": "gdn", "config": {"prefetch": True, "down_prefetch_bytes": 256 * 1024}},
     ),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
