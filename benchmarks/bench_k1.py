@@ -94,7 +94,7 @@ def make_gdn_layers(md: Dims, width: int, copies: int, gen):
     for _ in range(copies):
         w = {
             "input_layernorm": rnd(h, scale=0.2),
-            "in_proj_qkvz": rnd(md.qkvz_dim, h, scale=h**-0.5),
+            "in_proj_qkvz": rnd(md.qkvz_rows, h, scale=h**-0.5),
             "in_proj_ba": rnd(2 * md.hv, h, scale=h**-0.5),
             "conv1d": rnd(md.conv_dim, 1, md.conv_k, scale=0.5),
             "A_log": torch.log(torch.empty(md.hv, device=DEV).uniform_(0.1, 4)),
@@ -112,7 +112,7 @@ def make_gdn_layers(md: Dims, width: int, copies: int, gen):
 
 
 def gdn_bytes(md: Dims, width: int, state_bytes: int = 4) -> int:
-    w = (md.qkvz_dim + 2 * md.hv) * md.hidden * 2
+    w = (md.qkvz_rows + 2 * md.hv) * md.hidden * 2
     w += md.hidden * 2 + md.conv_dim * md.conv_k * 2 + md.hv * 6 + md.dv * 2
     state = 2 * width * md.hv * md.dv * md.dk * state_bytes
     conv = 2 * width * (md.conv_k - 1) * md.conv_dim * 2

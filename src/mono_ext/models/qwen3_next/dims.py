@@ -14,7 +14,7 @@ from typing import Any
 
 from .configs import family, layer_types, rope_params
 
-__all__ = ["Dims", "text_config"]
+__all__ = ["Dims", "GdnChannels", "text_config"]
 
 
 def text_config(cfg: Any) -> dict[str, Any]:
@@ -38,9 +38,45 @@ def text_config(cfg: Any) -> dict[str, Any]:
     return dict(cfg)
 
 
+class GdnChannels:
+    """A GDN layer's channel counts from the class's own ``hk``, ``hv``, ``dk``, ``dv``: the
+    whole model's in :class:`Dims`, one rank's in a front shape (``shapes.GdnFrontShape``)."""
+
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+
+    @property
+    def key_dim(self) -> int:
+        """q (and k) channels: Hk * Dk."""
+        return self.hk * self.dk
+
+    @property
+    def value_dim(self) -> int:
+        """v (and z) channels: Hv * Dv, out_proj's input."""
+        return self.hv * self.dv
+
+    @property
+    def conv_dim(self) -> int:
+        """Conv channels: q, k, v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def qkvz_rows(self) -> int:
+        """Rows of ``in_proj_qkvz``: q, k, v, z."""
+        return 2 * self.key_dim + 2 * self.value_dim
+
+    @property
+    def ratio(self) -> int:
+        """Value heads per key head, Hv // Hk (the same per rank: TP splits both)."""
+        return self.hv // self.hk
+
+
 @dataclass(frozen=True)
-class Dims:
-    """Whole-model and per-rank sizes (``*_r`` are this rank's share)."""
+class Dims(GdnChannels):
+    """Whole-model and per-rank sizes (``*_r`` are this rank's share; the GDN channel counts
+    of :class:`GdnChannels` are the whole model's)."""
 
     family: str
     hidden: int
@@ -102,32 +138,6 @@ class Dims:
             dense_inter=int(cfg.get("intermediate_size") or 0),
         )
 
-    # -- whole-model sizes (all ranks together, whatever ``tp``) ------------------
-    @property
-    def key_dim(self) -> int:
-        """Whole-model q (and k) channels of a GDN layer: Hk * Dk."""
-        return self.hk * self.dk
-
-    @property
-    def value_dim(self) -> int:
-        """Whole-model v (and z) channels of a GDN layer: Hv * Dv, out_proj's input."""
-        return self.hv * self.dv
-
-    @property
-    def conv_dim(self) -> int:
-        """Whole-model conv channels of a GDN layer (q, k, v)."""
-        return 2 * self.key_dim + self.value_dim
-
-    @property
-    def qkvz_dim(self) -> int:
-        """Whole-model rows of ``in_proj_qkvz`` (q, k, v, z)."""
-        return 2 * self.key_dim + 2 * self.value_dim
-
-    @property
-    def ratio(self) -> int:
-        """Whole-model value heads per key head, Hv // Hk (each rank's too: TP splits both)."""
-        return self.hv // self.hk
-
     # -- per-rank shares (valid only when the divisibility refusals passed) ---
     @property
     def hk_r(self) -> int:
@@ -173,7 +183,7 @@ class Dims:
         if kind == "linear_attention":
             return {
                 **common,
-                "in_proj_qkvz": (self.qkvz_dim // self.tp, h),
+                "in_proj_qkvz": (self.qkvz_rows // self.tp, h),
                 "in_proj_ba": (2 * self.hv_r, h),
                 "conv1d": (self.conv_dim_r, 1, self.conv_k),  # engines keep nn.Conv1d's [C, 1, K]
                 "A_log": (self.hv_r,),

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mono_ext.models.qwen3_next.dims import GdnChannels
+
 __all__ = ["AttnFrontShape", "GdnFrontShape", "TailShape", "kernel_shape_reasons"]
 
 
@@ -24,7 +26,7 @@ class _Refusable:
 
 
 @dataclass(frozen=True)
-class GdnFrontShape(_Refusable):
+class GdnFrontShape(GdnChannels, _Refusable):
     """Per-rank sizes of one GDN layer front: ``hk`` key heads of ``dk``, ``hv`` value heads
     of ``dv`` (this rank's share under TP), a causal depthwise conv of ``conv_k`` taps over
     the q, k and v channels."""
@@ -42,28 +44,6 @@ class GdnFrontShape(_Refusable):
         """From :class:`mono_ext.models.qwen3_next.dims.Dims` (per rank via ``tp``)."""
         return cls(hidden=dims.hidden, hk=dims.hk_r, hv=dims.hv_r, dk=dims.dk, dv=dims.dv,
                    conv_k=dims.conv_k, eps=dims.eps)  # fmt: skip
-
-    @property
-    def key_dim(self) -> int:
-        return self.hk * self.dk
-
-    @property
-    def value_dim(self) -> int:
-        return self.hv * self.dv
-
-    @property
-    def conv_dim(self) -> int:
-        """Conv channels: q, k, v."""
-        return 2 * self.key_dim + self.value_dim
-
-    @property
-    def qkvz_rows(self) -> int:
-        return 2 * self.key_dim + 2 * self.value_dim
-
-    @property
-    def ratio(self) -> int:
-        """Value heads per key head."""
-        return self.hv // self.hk
 
     @property
     def payload_words(self) -> int:

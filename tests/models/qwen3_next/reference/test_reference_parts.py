@@ -140,7 +140,7 @@ def test_ssm_kv_layout_matches_vk_including_the_vllm_cpu_view():
     g = torch.Generator().manual_seed(2)
     hsz, c, k = dims.hidden, dims.conv_dim, dims.conv_k
     w = {
-        "in_proj_qkvz": torch.randn(dims.qkvz_dim, hsz, generator=g) * 0.1,
+        "in_proj_qkvz": torch.randn(dims.qkvz_rows, hsz, generator=g) * 0.1,
         "in_proj_ba": torch.randn(2 * dims.hv, hsz, generator=g) * 0.1,
         "conv1d": torch.randn(c, 1, k, generator=g) * 0.3,
         "A_log": torch.rand(dims.hv, generator=g).log1p(),

@@ -278,16 +278,16 @@ def test_gdn_row_map_matches_reference_packing():
         shape = K1GdnShape.from_dims(md)
         for packing in ("interleaved", "contiguous"):
             rmap = torch.tensor(gdn_row_map(shape, packing))
-            rows = torch.arange(md.qkvz_dim, dtype=torch.float64)
+            rows = torch.arange(md.qkvz_rows, dtype=torch.float64)
             q, k, v, z = split_qkvz(rows, md, packing)
             want = torch.cat([q.flatten(), k.flatten(), v.flatten(), z.flatten()])
-            got = torch.empty(md.qkvz_dim, dtype=torch.float64)
-            got[rmap[: md.qkvz_dim].long()] = rows
+            got = torch.empty(md.qkvz_rows, dtype=torch.float64)
+            got[rmap[: md.qkvz_rows].long()] = rows
             assert torch.equal(got, want), packing
             brow = torch.arange(2 * md.hv, dtype=torch.float64)
             b, a = split_ba(brow, md, packing)
             got = torch.empty(2 * md.hv, dtype=torch.float64)
-            got[rmap[md.qkvz_dim :].long() - md.qkvz_dim] = brow
+            got[rmap[md.qkvz_rows :].long() - md.qkvz_rows] = brow
             assert torch.equal(got, torch.cat([b, a])), packing
 
 

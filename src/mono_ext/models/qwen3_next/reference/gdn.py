@@ -127,7 +127,7 @@ def pack_qkvz(
         v_w.reshape(d.hk, rdv, h),
         z_w.reshape(d.hk, rdv, h),
     ]
-    return torch.cat(parts, dim=1).reshape(d.qkvz_dim, h)
+    return torch.cat(parts, dim=1).reshape(d.qkvz_rows, h)
 
 
 def pack_ba(b_w: torch.Tensor, a_w: torch.Tensor, dims: Dims, packing: str) -> torch.Tensor:
