@@ -41,6 +41,7 @@ __all__ = [
     "plane_reasons",
     "qdot",
     "qdot_a8",
+    "qdot_a8q",
     "qdot_either",
     "quantize_e4m3_cols",
     "row_scale",
@@ -163,8 +164,16 @@ def qdot_a8(w, x, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
     (:func:`quantize_e4m3_cols`), an e4m3 x e4m3 MMA read from shared memory (no widening),
     its fp32 partial times the weight rows' and the activation columns' scales. The chunk is
     the quantization group: the caller's chunks are 128 columns (or all of K below that)."""
-    s = row_scale(scale_ptr, rows, rmask, k0, Q, N, K)
     xq, xs = quantize_e4m3_cols(x)
+    return qdot_a8q(w, xq, xs, acc, scale_ptr, rows, rmask, k0, Q, N, K)
+
+
+@triton.jit
+def qdot_a8q(w, xq, xs, acc, scale_ptr, rows, rmask, k0, Q: tl.constexpr, N, K):
+    """:func:`qdot_a8` on activations the caller quantized beforehand: codes ``xq`` [BK, BB]
+    and one scale per column ``xs`` [BB], as :func:`quantize_e4m3_cols` returns them (a
+    caller that multiplies the same activations by many tiles quantizes them once)."""
+    s = row_scale(scale_ptr, rows, rmask, k0, Q, N, K)
     return acc + tl.dot(w, xq) * s[:, None] * xs[None, :]
 
 

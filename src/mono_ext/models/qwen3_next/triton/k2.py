@@ -324,6 +324,23 @@ class K2Launch:
         for name in ("gate_up_k_chunk", "down_i_chunk"):
             if getattr(c, name) < 128:
                 raise ValueError(f"fp8_activations needs {name} >= 128, got {getattr(c, name)}")
+        # the down stage quantizes its run's activations into the CTA's xs planes
+        need, have = self._a8_down_bytes(), 2 * 2 * BLOCK_B * self.shape.hidden
+        if need > have:
+            raise ValueError(
+                f"fp8_activations: a down run's e4m3 activations need {need} bytes per CTA, "
+                f"more than the {have} of its xs planes (a larger grid runs fewer slots each)"
+            )
+
+    def _a8_down_bytes(self) -> int:
+        """Bytes of one CTA's quantized down activations: e4m3 codes per (run slot, row, I
+        column, padded to whole chunks), then one fp32 scale per (run slot, I chunk, row)."""
+        s, c = self.shape, self.config
+        imax = max(s.moe_inter, s.shared_inter)
+        lim4 = chunk_limit(self.formats, "w2", "shared_down") or c.down_i_chunk
+        bi4 = min(c.down_i_chunk, max(32, _next_pow2(imax)), lim4)
+        chunks = -(-imax // bi4)
+        return self._run_slots() * BLOCK_B * chunks * (bi4 + 4)
 
     @property
     def a8_planes(self) -> frozenset[str]:

@@ -14,7 +14,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mono_ext.kernels.triton.planes import qdot, qdot_a8, qdot_either, scale_index
+from mono_ext.kernels.triton.planes import (
+    qdot,
+    qdot_a8q,
+    qdot_either,
+    quantize_e4m3_cols,
+    scale_index,
+)
 from mono_ext.kernels.triton.primitives import (
     global_timer_ns,
     pack_tagged,
@@ -431,7 +437,8 @@ def s3_gate_up(
 ):  # fmt: skip
     """S3 gate_up: (shared or routed slot, row block) tasks of gate rows + the same up rows,
     SiLU(g) * u * routing weight -> bf16 pairs in ``act`` per (slot, row). ``A8``: fp8 planes
-    multiply e4m3 activations, each K chunk quantized (``planes.qdot_a8``)."""
+    multiply e4m3 activations (``planes.qdot_a8q``): the normed rows quantized once per CTA,
+    K chunk by K chunk, into ``xs``'s second plane, which the router has finished with."""
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
     NB: tl.constexpr = (IR + BI3 - 1) // BI3
     NBS: tl.constexpr = (ISR + BI3 - 1) // BI3
@@ -456,6 +463,20 @@ def s3_gate_up(
         mask=(tv >= NBS) & (tv < T3),
         other=0,
     )
+    if A8:
+        # e4m3 codes [BB, H] then one fp32 scale per (K chunk, row), in the bytes of the
+        # router's lo plane: every task multiplies the same rows, so they are quantized once
+        # here instead of once per task and chunk inside the stream
+        xq_base = (xs_base + BB * H).to(tl.pointer_type(tl.float8e4nv))
+        xsc_base = (xs_base + BB * H + BB * H // 2).to(tl.pointer_type(tl.float32))
+        for kq in range(KCH3):
+            kx = kq * BK3 + kk3
+            xm = rmask[None, :] & (kx < H)[:, None]
+            x_c = tl.load(xs_base + rows[None, :] * H + kx[:, None], mask=xm, other=0.0)
+            q_c, s_c = quantize_e4m3_cols(x_c)
+            tl.store(xq_base + rows[None, :] * H + kx[:, None], q_c, mask=xm)
+            tl.store(xsc_base + kq * BB + rows, s_c)
+        tl.debug_barrier()  # codes written by this CTA's threads, read by all of them
     # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
     for it in tl.range(0, n_it3, num_stages=PIPE3):
         j = it // KCH3
@@ -470,11 +491,16 @@ def s3_gate_up(
         wrow = half * isl + gr
         k3 = kc * BK3 + kk3
         km = k3 < H
-        x_t = tl.load(
-            xs_base + rows[None, :] * H + k3[:, None],
-            mask=rmask[None, :] & km[:, None],
-            other=0.0,
-        )
+        if A8:
+            xq_t = tl.load(xq_base + rows[None, :] * H + k3[:, None],
+                           mask=rmask[None, :] & km[:, None], other=0.0)  # fmt: skip
+            xs_t = tl.load(xsc_base + kc * BB + rows)
+        else:
+            x_t = tl.load(
+                xs_base + rows[None, :] * H + k3[:, None],
+                mask=rmask[None, :] & km[:, None],
+                other=0.0,
+            )
         w13_e = w13_ptr + ex.to(tl.int64) * (2 * IR * H)
         s13_e = s_13_ptr + ex.to(tl.int64) * SPE13
         woff = wrow[:, None] * H + k3[None, :]
@@ -483,7 +509,8 @@ def s3_gate_up(
             w_t = tl.load(tl.where(sh, sgu_ptr, w13_e) + woff, mask=wm, other=0.0)
             sp3 = tl.where(sh, s_sgu_ptr, s13_e)
             if A8:
-                acc3 = qdot_a8(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
+                acc3 = qdot_a8q(w_t, xq_t, xs_t, acc3, sp3, wrow, live3, kc * BK3, Q_13,
+                                2 * isl, H)  # fmt: skip
             else:
                 acc3 = qdot(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
         else:
@@ -512,8 +539,8 @@ def s3_gate_up(
 
 @triton.jit
 def s4_down(
-    w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base, ctrl_ptr,
-    health_ptr, trace_ptr, pid, G, rows, rmask, tag, H: tl.constexpr, IR: tl.constexpr,
+    w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base, xs_base,
+    ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H: tl.constexpr, IR: tl.constexpr,
     ISR: tl.constexpr, BB: tl.constexpr, BN4: tl.constexpr, BI4: tl.constexpr,
     JS: tl.constexpr, ACH: tl.constexpr, PIPE4: tl.constexpr, UM: tl.constexpr,
     M_U: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr, IWS: tl.constexpr,
@@ -522,7 +549,9 @@ def s4_down(
     PF4: tl.constexpr, TRACE: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
 ):  # fmt: skip
     # ------------------------------------- S4: down^T over (slot, H block) tasks -> pairs
-    # (A8: fp8 planes multiply e4m3 activations, each I chunk quantized, planes.qdot_a8)
+    # (A8: fp8 planes multiply e4m3 activations, planes.qdot_a8q: each slot of the run has
+    # its activations quantized once, I chunk by I chunk, into this CTA's xs planes, which
+    # gate_up has finished with)
     # Task t = slot ordinal * RB4 + H block over the routed slots then the shared expert;
     # each CTA takes a contiguous run of tasks (balanced to one task at any width; a run
     # touches at most JS slots) and writes one fp32 partial per (pair, H row). The sum over
@@ -579,6 +608,34 @@ def s4_down(
     cw = tl.arange(0, BI4 // 2)
     ci = tl.arange(0, BI4)
     nn4 = tl.arange(0, BN4)
+    if A8:
+        IQ: tl.constexpr = KCH4 * BI4  # code bytes per (slot, row)
+        aq_base = xs_base.to(tl.pointer_type(tl.float8e4nv))
+        asc_base = (xs_base + JS * BB * IQ // 2).to(tl.pointer_type(tl.float32))
+        for q in range(JS * KCH4):
+            jq = q // KCH4
+            icq = q % KCH4
+            sq = s0 + jq
+            shq = sq == n_u4
+            islq = IR if IR == ISR else tl.where(shq, ISR, IR)
+            live_q = (t1 > t0) & (sq * RB4 < t1) & (sq <= n_u4)
+            cwq = icq * (BI4 // 2) + cw
+            a_q = tl.load(
+                act_ptr + (tl.where(shq, UM, sq) * BB + rows)[None, :] * IW + cwq[:, None],
+                mask=(rmask & live_q)[None, :] & (cwq[:, None] < (islq + 1) // 2),
+                other=0,
+                cache_modifier=".cg",
+            )
+            v_q = unpack_value(a_q)
+            a_f = tl.reshape(
+                tl.permute(tl.join((v_q << 16).to(tl.float32, bitcast=True),
+                                   ((v_q >> 16) << 16).to(tl.float32, bitcast=True)), (0, 2, 1)),
+                (BI4, BB),
+            )  # fmt: skip
+            q_c, s_c = quantize_e4m3_cols(a_f)
+            tl.store(aq_base + (jq * BB + rows)[None, :] * IQ + (icq * BI4 + ci)[:, None], q_c)
+            tl.store(asc_base + (jq * KCH4 + icq) * BB + rows, s_c)
+        tl.debug_barrier()  # codes written by this CTA's threads, read by all of them
     acc4 = tl.zeros([BN4, BB], dtype=tl.float32)
     # one flat pipelined loop over (task, I chunk); the expert comes out of registers
     # (JS entries) and every address is arithmetic: nothing loaded feeds an address
@@ -603,22 +660,27 @@ def s4_down(
             w4s = tl.load(sdown_ptr + woff4, mask=wm4 & sh4, other=0.0)
         # all live rows of the slot: a row that did not pick it reads a stale word, but
         # MMA columns are independent and that column is never stored
-        s_act = tl.where(sh4, UM, sj4)
-        a4 = tl.load(
-            act_ptr + (s_act * BB + rows)[None, :] * IW + cw4[:, None],
-            mask=rmask[None, :] & (cw4[:, None] < (isl4 + 1) // 2),
-            other=0,
-            cache_modifier=".cg",
-        )
-        v4 = unpack_value(a4)  # [BI4 / 2, BB] bf16 pairs along I
-        lo4 = (v4 << 16).to(tl.float32, bitcast=True)
-        hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
-        a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
+        if A8:
+            jq4 = sj4 - s0
+            aq4 = tl.load(aq_base + (jq4 * BB + rows)[None, :] * IQ + c4[:, None])
+            as4 = tl.load(asc_base + (jq4 * KCH4 + ic) * BB + rows)
+        else:
+            s_act = tl.where(sh4, UM, sj4)
+            a4 = tl.load(
+                act_ptr + (s_act * BB + rows)[None, :] * IW + cw4[:, None],
+                mask=rmask[None, :] & (cw4[:, None] < (isl4 + 1) // 2),
+                other=0,
+                cache_modifier=".cg",
+            )
+            v4 = unpack_value(a4)  # [BI4 / 2, BB] bf16 pairs along I
+            lo4 = (v4 << 16).to(tl.float32, bitcast=True)
+            hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
+            a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
         s2_e = s_2_ptr + ex4.to(tl.int64) * SPE2
         if Q_2 == Q_SD:
             sp4 = tl.where(sh4, s_sd_ptr, s2_e)
             if A8:
-                acc4 = qdot_a8(w4, a_m, acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
+                acc4 = qdot_a8q(w4, aq4, as4, acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
             else:
                 acc4 = qdot(w4, a_m.to(tl.bfloat16), acc4, sp4, hr, hm, ic * BI4, Q_2, H, isl4)
         else:
