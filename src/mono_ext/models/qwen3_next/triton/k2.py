@@ -41,7 +41,10 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 | peer: ar1       | [2][tp][Bb * H] words | int64 | tagged fp32 out_proj partials          | S1 push (tp > 1)     |
 | peer: ar2       | [2][tp][Bb * H] words | int64 | tagged fp32 MoE partials               | S4 push (tp > 1)     |
 | priv xs         | [G, 2, Bb, H]         | bf16  | this CTA's normed rows: bf16(x), and   | S2, same CTA         |
-|                 |                       |       | bf16(x - bf16(x)) for the router       |                      |
+|                 |                       |       | bf16(x - bf16(x)) for the router;      | (fp8_activations:    |
+|                 |                       |       | fp8_activations builds then keep e4m3  | S3 into plane 1, S4  |
+|                 |                       |       | codes + scales of x in plane 1, then   | into both)           |
+|                 |                       |       | of their down run's activations        |                      |
 | priv wsc        | [G, Um + 1, Bb]       | fp32  | routing weight per (slot, row); slot   | S2/S3, same CTA      |
 |                 |                       |       | Um holds sigmoid(shared_expert_gate.x) |                      |
 | priv ppos       | [G, Um + 1, Bb]       | int32 | pair row of (slot, row) in act, or -1  | S3, same CTA         |
