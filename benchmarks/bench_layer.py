@@ -334,24 +334,31 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
 
 
-def check_vllm(mono: MonoArm, arm: VllmArm, bufs: Buffers, start) -> dict:
+def check_vllm(mono: MonoArm, arm: VllmArm, bufs: Buffers, start) -> tuple[dict, dict]:
     """``arm`` layer by layer on the inputs K1 + K2 got in their last step at CHECK_WIDTH (and
-    on copies of the states that step started from): the lowest cosine of each output."""
+    on copies of the states that step started from): the lowest cosine of each output, and
+    where the hidden one is lowest (layer, kind, each row's cosine: one row far below the
+    others is a row routed to other experts, the rest agree)."""
     b = CHECK_WIDTH
     states = [None if s is None else (s[0].clone(), s[1].clone()) for s in start]
     lows = {"front": 1.0, "state": 1.0, "hidden": 1.0}
+    where: dict = {}
     with arm.front.gdn_step(arm.gdn_states(states), bufs.slots[:b]):
         for i, kind in enumerate(mono.kinds):
             out, hid, _ = arm.layer(i, bufs.hidden[i][:b], bufs.residual[i][:b], bufs, b)
             ref = bufs.o_in[i][:b] if kind == "gdn" else bufs.qkvg[i][0][:b]
             lows["front"] = min(lows["front"], cosine(out, ref))
-            lows["hidden"] = min(lows["hidden"], cosine(hid, bufs.hidden[i + 1][:b]))
+            c = cosine(hid, bufs.hidden[i + 1][:b])
+            if c < lows["hidden"]:
+                rows = [round(cosine(hid[r], bufs.hidden[i + 1][r]), 6) for r in range(b)]
+                where = {"layer": i, "kind": kind, "row_cosines": rows}
+            lows["hidden"] = min(lows["hidden"], c)
             if kind == "gdn":
                 slots = bufs.slots[:b].long()
                 got, want = states[i][1][slots], mono.states[i][1][slots]
                 lows["state"] = min(lows["state"], cosine(got, want))
     torch.cuda.synchronize()
-    return {k: round(v, 6) for k, v in lows.items()}
+    return {k: round(v, 6) for k, v in lows.items()}, where
 
 
 def same_step(ref: MonoArm, other: MonoArm, bufs: Buffers) -> bool:
@@ -446,9 +453,10 @@ def main(argv: list[str] | None = None) -> int:
             start = [None if s is None else (s[0].clone(), s[1].clone()) for s in mono.states]
             mono.step(CHECK_WIDTH)  # every layer's inputs and outputs, for the check to replay
             torch.cuda.synchronize()
-            low = check_vllm(mono, arm, bufs, start)
-            checks[arm.arm] = low
+            low, where = check_vllm(mono, arm, bufs, start)
+            checks[arm.arm] = {**low, "lowest_hidden": where}
             print(f"  {arm.arm} vs {ARM}, width {CHECK_WIDTH}, lowest cosine per output: {low}")
+            print(f"    lowest hidden: {where}")
             if min(low.values()) < STOCK_COSINE:
                 print(f"  {arm.arm}: below {STOCK_COSINE}; not timed")
                 continue
