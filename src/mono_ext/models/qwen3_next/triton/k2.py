@@ -338,12 +338,16 @@ class K2Launch:
     def _a8_down_bytes(self) -> int:
         """Bytes of one CTA's quantized down activations: e4m3 codes per (run slot, row, I
         column, padded to whole chunks), then one fp32 scale per (run slot, I chunk, row)."""
+        imax = max(self.shape.moe_inter, self.shape.shared_inter)
+        bi4 = self._down_i_chunk()
+        return self._run_slots() * BLOCK_B * -(-imax // bi4) * (bi4 + 4)
+
+    def _down_i_chunk(self) -> int:
+        """The down stage's I chunk (its K): a block-128 plane's chunk stays in one scale
+        column."""
         s, c = self.shape, self.config
-        imax = max(s.moe_inter, s.shared_inter)
         lim4 = chunk_limit(self.formats, "w2", "shared_down") or c.down_i_chunk
-        bi4 = min(c.down_i_chunk, max(32, _next_pow2(imax)), lim4)
-        chunks = -(-imax // bi4)
-        return self._run_slots() * BLOCK_B * chunks * (bi4 + 4)
+        return min(c.down_i_chunk, max(32, _next_pow2(max(s.moe_inter, s.shared_inter))), lim4)
 
     @property
     def a8_planes(self) -> frozenset[str]:
@@ -407,7 +411,6 @@ class K2Launch:
         lim1 = chunk_limit(self.formats, self.w_o_name) or c.out_proj_k_chunk
         lim2 = chunk_limit(self.formats, "router") or c.router_k_chunk
         lim3 = chunk_limit(self.formats, "w13", "shared_gate_up") or c.gate_up_k_chunk
-        lim4 = chunk_limit(self.formats, "w2", "shared_down") or c.down_i_chunk
         ks1 = self.out_proj_k_splits
         return dict(
             H=s.hidden,
@@ -443,7 +446,7 @@ class K2Launch:
             KS2=c.router_k_splits,
             BK2=min(c.router_k_chunk, max(16, _next_pow2(-(-s.hidden // c.router_k_splits))), lim2),
             BK3=min(c.gate_up_k_chunk, max(16, _next_pow2(s.hidden)), lim3),
-            BI4=min(c.down_i_chunk, max(32, _next_pow2(max(s.moe_inter, s.shared_inter))), lim4),
+            BI4=self._down_i_chunk(),
             JS=self._run_slots(),
             ACH=min(c.act_rows_per_wait, self._run_slots() * BLOCK_B),
             CB=c.reduce_cols,

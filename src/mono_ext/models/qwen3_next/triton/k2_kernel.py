@@ -168,9 +168,9 @@ def k2_kernel(
     if STAGES & 32:
         s4_down(
             w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base,
-            xs_base, ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H, IR, ISR, BB, BN4, BI4,
-            JS, ACH, PIPE4, UM, M_U, IW, IWR, IWS, IWP, EB2, EBSD, RID_ACT, Q_2, Q_SD, SPE2,
-            PREFETCH, PF4, TRACE, INTERP, A8,
+            xs_base, ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H, IR, ISR, BB,
+            BN4, BI4, JS, ACH, PIPE4, UM, M_U, IW, IWR, IWS, IWP, EB2, EBSD, RID_ACT, Q_2, Q_SD,
+            SPE2, PREFETCH, PF4, TRACE, INTERP, A8,
         )  # fmt: skip
     stamp(trace_ptr, 8, TRACE)
     if STAGES & 64:

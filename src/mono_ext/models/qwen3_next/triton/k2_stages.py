@@ -538,6 +538,24 @@ def s3_gate_up(
 
 
 @triton.jit
+def _act_chunk_f32(act_ptr, s_act, cw, isl, rmask, live, rows, BB: tl.constexpr,
+                   IW: tl.constexpr, BI4: tl.constexpr):  # fmt: skip
+    """The act words of slot row ``s_act``, columns ``cw`` (bf16 pairs along I), for every
+    live row of the batch, as fp32 [BI4, BB]; words past the slot's width, and all of them
+    where ``live`` is false, read as zero."""
+    a = tl.load(
+        act_ptr + (s_act * BB + rows)[None, :] * IW + cw[:, None],
+        mask=(rmask & live)[None, :] & (cw[:, None] < (isl + 1) // 2),
+        other=0,
+        cache_modifier=".cg",
+    )
+    v = unpack_value(a)  # [BI4 / 2, BB] bf16 pairs along I
+    lo = (v << 16).to(tl.float32, bitcast=True)
+    hi = ((v >> 16) << 16).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BI4, BB))
+
+
+@triton.jit
 def s4_down(
     w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base, xs_base,
     ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H: tl.constexpr, IR: tl.constexpr,
@@ -619,19 +637,8 @@ def s4_down(
             shq = sq == n_u4
             islq = IR if IR == ISR else tl.where(shq, ISR, IR)
             live_q = (t1 > t0) & (sq * RB4 < t1) & (sq <= n_u4)
-            cwq = icq * (BI4 // 2) + cw
-            a_q = tl.load(
-                act_ptr + (tl.where(shq, UM, sq) * BB + rows)[None, :] * IW + cwq[:, None],
-                mask=(rmask & live_q)[None, :] & (cwq[:, None] < (islq + 1) // 2),
-                other=0,
-                cache_modifier=".cg",
-            )
-            v_q = unpack_value(a_q)
-            a_f = tl.reshape(
-                tl.permute(tl.join((v_q << 16).to(tl.float32, bitcast=True),
-                                   ((v_q >> 16) << 16).to(tl.float32, bitcast=True)), (0, 2, 1)),
-                (BI4, BB),
-            )  # fmt: skip
+            a_f = _act_chunk_f32(act_ptr, tl.where(shq, UM, sq), icq * (BI4 // 2) + cw, islq,
+                                 rmask, live_q, rows, BB, IW, BI4)  # fmt: skip
             q_c, s_c = quantize_e4m3_cols(a_f)
             tl.store(aq_base + (jq * BB + rows)[None, :] * IQ + (icq * BI4 + ci)[:, None], q_c)
             tl.store(asc_base + (jq * KCH4 + icq) * BB + rows, s_c)
@@ -665,17 +672,8 @@ def s4_down(
             aq4 = tl.load(aq_base + (jq4 * BB + rows)[None, :] * IQ + c4[:, None])
             as4 = tl.load(asc_base + (jq4 * KCH4 + ic) * BB + rows)
         else:
-            s_act = tl.where(sh4, UM, sj4)
-            a4 = tl.load(
-                act_ptr + (s_act * BB + rows)[None, :] * IW + cw4[:, None],
-                mask=rmask[None, :] & (cw4[:, None] < (isl4 + 1) // 2),
-                other=0,
-                cache_modifier=".cg",
-            )
-            v4 = unpack_value(a4)  # [BI4 / 2, BB] bf16 pairs along I
-            lo4 = (v4 << 16).to(tl.float32, bitcast=True)
-            hi4 = ((v4 >> 16) << 16).to(tl.float32, bitcast=True)
-            a_m = tl.reshape(tl.permute(tl.join(lo4, hi4), (0, 2, 1)), (BI4, BB))
+            a_m = _act_chunk_f32(act_ptr, tl.where(sh4, UM, sj4), cw4, isl4, rmask, True, rows,
+                                 BB, IW, BI4)  # fmt: skip
         s2_e = s_2_ptr + ex4.to(tl.int64) * SPE2
         if Q_2 == Q_SD:
             sp4 = tl.where(sh4, s_sd_ptr, s2_e)
