@@ -630,15 +630,16 @@ def s4_down(
         IQ: tl.constexpr = KCH4 * BI4  # code bytes per (slot, row)
         aq_base = xs_base.to(tl.pointer_type(tl.float8e4nv))
         asc_base = (xs_base + JS * BB * IQ // 2).to(tl.pointer_type(tl.float32))
-        for q in range(JS * KCH4):
+        # only the slots this run touches (at most JS; t1 <= (n_u4 + 1) * RB4)
+        n_run = tl.where(t1 > t0, (t1 - 1) // RB4 - s0 + 1, 0)
+        for q in range(0, n_run * KCH4):
             jq = q // KCH4
             icq = q % KCH4
             sq = s0 + jq
             shq = sq == n_u4
             islq = IR if IR == ISR else tl.where(shq, ISR, IR)
-            live_q = (t1 > t0) & (sq * RB4 < t1) & (sq <= n_u4)
             a_f = _act_chunk_f32(act_ptr, tl.where(shq, UM, sq), icq * (BI4 // 2) + cw, islq,
-                                 rmask, live_q, rows, BB, IW, BI4)  # fmt: skip
+                                 rmask, True, rows, BB, IW, BI4)  # fmt: skip
             q_c, s_c = quantize_e4m3_cols(a_f)
             tl.store(aq_base + (jq * BB + rows)[None, :] * IQ + (icq * BI4 + ci)[:, None], q_c)
             tl.store(asc_base + (jq * KCH4 + icq) * BB + rows, s_c)
