@@ -489,7 +489,10 @@ def test_failed_wait_stops_every_step():
     rt.state.health[H_FAILED] = 1  # as a wait that gave up leaves it: later waits bail out
     with pytest.raises(FailStopError):
         h.run("fused", plan, req, pos, inp)
-        rt.release()  # the step's health copy: the engine asks before returning its tokens
+        # the engine asks only once it holds the step's tokens, so the step's health copy,
+        # enqueued before them on the same stream, has landed: the synchronize stands in
+        torch.cuda.synchronize()
+        rt.release()
     with pytest.raises(FailStopError):
         h.run("fused", plan, req, pos, inp)
     torch.cuda.synchronize()
