@@ -151,11 +151,14 @@ def quantize_e4m3_cols(x):
     ``x / scale`` rounded to nearest even, saturating (vLLM's per-token-group quantization of
     the activations of an fp8 block-128 GEMM, groups of 128 columns = one chunk). IEEE
     divisions, so the reference (``reference.convert.quantize_activations``) matches code for
-    code."""
+    code. A zero is divided as ``s / s`` and keeps its own signed zero: sm_90's IEEE division
+    sends a zero dividend to a slow subroutine (``FCHK``, then a call), and the padding rows of
+    a narrow step are all zeros."""
     xf = x.to(tl.float32)
     s = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-10), 448.0)
-    q = tl.clamp(tl.div_rn(xf, s[None, :]), -448.0, 448.0)
-    return q.to(tl.float8e4nv), s
+    zero = xf == 0.0
+    q = tl.where(zero, xf, tl.div_rn(tl.where(zero, s[None, :], xf), s[None, :]))
+    return tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv), s
 
 
 @triton.jit
