@@ -162,7 +162,7 @@ def k2_kernel(
         s3_gate_up(
             w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, wsc_base, ppos_base, meta_base,
             act_ptr, pid, G, rows, rmask, n_u, tag, H, IR, ISR, BB, BN3, BK3, PIPE3, JM3, UM, IW,
-            IWR, IWS, Q_13, Q_SGU, SPE13, INTERP, A8,
+            IWR, IWS, Q_13, Q_SGU, SPE13, trace_ptr, TRACE, INTERP, A8,
         )  # fmt: skip
     stamp(trace_ptr, 6, TRACE)
     if STAGES & 32:

@@ -433,7 +433,7 @@ def s3_gate_up(
     BB: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, PIPE3: tl.constexpr,
     JM3: tl.constexpr, UM: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr,
     IWS: tl.constexpr, Q_13: tl.constexpr, Q_SGU: tl.constexpr, SPE13: tl.constexpr,
-    INTERP: tl.constexpr, A8: tl.constexpr,
+    trace_ptr, TRACE: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
 ):  # fmt: skip
     """S3 gate_up: (shared or routed slot, row block) tasks of gate rows + the same up rows,
     SiLU(g) * u * routing weight -> bf16 pairs in ``act`` per (slot, row). ``A8``: fp8 planes
@@ -477,6 +477,7 @@ def s3_gate_up(
             tl.store(xq_base + rows[None, :] * H + kx[:, None], q_c, mask=xm)
             tl.store(xsc_base + kq * BB + rows, s_c)
         tl.debug_barrier()  # codes written by this CTA's threads, read by all of them
+    stamp(trace_ptr, 11, TRACE)
     # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
     for it in tl.range(0, n_it3, num_stages=PIPE3):
         j = it // KCH3
@@ -644,6 +645,7 @@ def s4_down(
             tl.store(aq_base + (jq * BB + rows)[None, :] * IQ + (icq * BI4 + ci)[:, None], q_c)
             tl.store(asc_base + (jq * KCH4 + icq) * BB + rows, s_c)
         tl.debug_barrier()  # codes written by this CTA's threads, read by all of them
+    stamp(trace_ptr, 12, TRACE)
     acc4 = tl.zeros([BN4, BB], dtype=tl.float32)
     # one flat pipelined loop over (task, I chunk); the expert comes out of registers
     # (JS entries) and every address is arithmetic: nothing loaded feeds an address
