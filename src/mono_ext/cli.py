@@ -78,13 +78,16 @@ def _print_served(reg: Any) -> None:
         except Exception as exc:  # a backend that does not import says so under backends
             print(f"  {name:<12} unknown: {type(exc).__name__}")
             continue
-        for engine in ("vllm", "sglang"):
+        for engine in ("vllm", "sglang"):  # an unquantized checkpoint; explain names others
             widths, _ = served_widths(
                 (*range(1, 17),), builder, name, False, engine=engine, device=device
             )
             source = served_source(builder, engine, device)
             shown = ",".join(map(str, widths)) or "none"
-            print(f"  {name:<12} {engine:<7} widths {shown}" + (f" ({source})" if source else ""))
+            print(
+                f"  {name:<12} {engine:<7} bf16 weights: widths {shown}"
+                + (f" ({source})" if source else "")
+            )
 
 
 def _read_config(source: str) -> dict[str, Any]:
@@ -113,7 +116,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .core.spec import Deployment
     from .models.qwen3_next.dims import text_config
 
-    cfg = text_config(_read_config(args.config))
+    raw = _read_config(args.config)
+    cfg = text_config(raw)
+    # the checkpoint's quantization (vLLM and SGLang name it by quant_method): the widths served
+    # by default were measured per weight format
+    quant = (raw.get("quantization_config") or cfg.get("quantization_config") or {}).get(
+        "quant_method"
+    )
     features = frozenset(args.feature or ())
     view = ConfigView(
         hf_config=cfg, tp_size=args.tp, dtype=args.dtype, features=features, engine=args.engine
@@ -150,7 +159,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         reasons = [] if refusals is None else list(refusals(view, layouts))
         widths, why = served_widths(
             spec.widths, builder, backend.name, load_settings().serve_unmeasured,
-            engine=args.engine, device=device,
+            engine=args.engine, device=device, quantization=quant,
         )  # fmt: skip
         reasons += [why] if why else []
         if reasons:
@@ -158,7 +167,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             for reason in reasons:
                 print(f"  - {reason}")
             return EXIT_REFUSED
-        source = served_source(builder, args.engine, device)
+        source = served_source(builder, args.engine, device, quant)
     spec.deploy(
         Deployment(
             backend=args.backend,

@@ -23,7 +23,7 @@ def test_explain_names_the_widths_served_on_an_h200_and_their_source(capsys, mon
     monkeypatch.delenv("MONO_EXT_SERVE_UNMEASURED", raising=False)
     # the mechanism, whatever the committed results list today (test_measured_widths)
     source = "docs/results/e2e_vllm.json (a run where width 1 was faster)"
-    monkeypatch.setitem(measured.FASTER, ("vllm", "NVIDIA H200"), (frozenset({1}), source))
+    monkeypatch.setitem(measured.FASTER, ("vllm", "NVIDIA H200", "bf16"), (frozenset({1}), source))
     argv = ["explain", "qwen3-next-80b-a3b", "--backend", "triton", "--device", "NVIDIA H200"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -31,6 +31,26 @@ def test_explain_names_the_widths_served_on_an_h200_and_their_source(capsys, mon
     assert "widths served by default: 1 (measured faster: docs/results/e2e_vllm.json" in out
     assert "qwen3_next/triton/w1/bfloat16/tp1/" in out and "/w2/" not in out
     assert main([*argv, "--engine", "sglang"]) == EXIT_REFUSED  # never measured on SGLang
+
+
+def test_explain_serves_an_fp8_checkpoint_nothing_a_bf16_run_measured(
+    capsys, monkeypatch, tmp_path
+):
+    """Served widths are measured per weight format: a bf16 result says nothing about K2 on
+    fp8 planes (slower than vLLM's own fp8 tail in docs/results/k2_vllm_fp8.csv)."""
+    import json
+
+    from mono_ext.models.qwen3_next.configs import get_preset
+
+    monkeypatch.delenv("MONO_EXT_SERVE_UNMEASURED", raising=False)
+    source = "docs/results/e2e_vllm.json (a run where width 1 was faster)"
+    monkeypatch.setitem(measured.FASTER, ("vllm", "NVIDIA H200", "bf16"), (frozenset({1}), source))
+    cfg = {**get_preset("qwen3-next-80b-a3b"), "quantization_config": {"quant_method": "fp8"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["explain", str(tmp_path), "--backend", "triton", "--device", "NVIDIA H200"]
+    assert main(argv) == EXIT_REFUSED
+    out = capsys.readouterr().out
+    assert "'triton' serves no width with vllm on NVIDIA H200 (fp8 weights)" in out
 
 
 def test_explain_prints_the_backends_refusals(capsys, monkeypatch):
@@ -107,4 +127,5 @@ def test_doctor_lists_specs_and_backends(capsys):
     out = capsys.readouterr().out
     assert "qwen3_next" in out and "reference    usable" in out and "triton" in out
     assert "served by default on " in out
-    assert "triton       vllm    widths " in out and "triton       sglang  widths none" in out
+    assert "triton       vllm    bf16 weights: widths " in out
+    assert "triton       sglang  bf16 weights: widths none" in out

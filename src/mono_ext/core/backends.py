@@ -82,17 +82,19 @@ def served_widths(
     *,
     engine: str | None = None,
     device: str | None = None,
+    quantization: str | None = None,
 ) -> tuple[tuple[int, ...], str | None]:
     """The widths a deployment routes to ``builder``: the spec's widths that the backend has
-    been measured faster than ``engine``'s own decode step at on ``device`` (the builder's
-    ``measured_faster(engine, device)``, or its ``faster_widths`` for every engine and device),
+    been measured faster than ``engine``'s own decode step at on ``device`` with weights
+    quantized by ``quantization`` (None: unquantized; the builder's ``measured_faster(engine,
+    device, quantization)``, or its ``faster_widths`` for every engine, device and format),
     or every spec width under ``MONO_EXT_SERVE_UNMEASURED=1`` (tests and benchmarks). A builder
     with neither (the reference backend: CPU testing only) serves every width.
     Returns (widths, reason why none) so that a deployment with no width runs stock and says
     why, instead of making decode slower."""
     measured = getattr(builder, "measured_faster", None)
     faster = (
-        measured(engine, device)[0]
+        measured(engine, device, quantization)[0]
         if measured is not None
         else getattr(builder, "faster_widths", None)
     )
@@ -101,7 +103,8 @@ def served_widths(
     widths = tuple(w for w in spec_widths if w in faster)
     if widths:
         return widths, None
-    where = f" with {engine} on {device or 'this machine'}" if measured is not None else ""
+    weights = f" ({quantization} weights)" if quantization is not None else ""
+    where = f" with {engine} on {device or 'this machine'}{weights}" if measured is not None else ""
     return (), (
         f"kernel backend {backend!r} serves no width{where} yet: none has been measured faster "
         "than the engine's own decode step (docs/perf.md); MONO_EXT_SERVE_UNMEASURED=1 serves "
@@ -109,8 +112,10 @@ def served_widths(
     )
 
 
-def served_source(builder: Any, engine: str | None, device: str | None) -> str | None:
-    """Where the widths ``builder`` serves by default for ``engine`` on ``device`` were
-    measured (None: the builder records none)."""
+def served_source(
+    builder: Any, engine: str | None, device: str | None, quantization: str | None = None
+) -> str | None:
+    """Where the widths ``builder`` serves by default for ``engine`` on ``device`` with
+    ``quantization`` weights were measured (None: the builder records none)."""
     measured = getattr(builder, "measured_faster", None)
-    return None if measured is None else measured(engine, device)[1]
+    return None if measured is None else measured(engine, device, quantization)[1]

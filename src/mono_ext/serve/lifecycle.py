@@ -192,10 +192,11 @@ class Lifecycle:
             self.settings.serve_unmeasured,
             engine=self.engine,
             device=self.device,
+            quantization=cfg.quantization,
         )
         reasons += [none_why] if none_why else []
         if not reasons:
-            self._announce_widths(widths)
+            self._announce_widths(widths, cfg.quantization)
             spec.deploy(
                 Deployment(
                     backend=self.backend.name,
@@ -211,10 +212,10 @@ class Lifecycle:
             )
         return reasons
 
-    def _announce_widths(self, widths: tuple[int, ...]) -> None:
+    def _announce_widths(self, widths: tuple[int, ...], quantization: str | None) -> None:
         if self.tp_rank != 0:
             return
-        source = served_source(self.builder, self.engine, self.device)
+        source = served_source(self.builder, self.engine, self.device, quantization)
         if self.settings.serve_unmeasured:
             why = "MONO_EXT_SERVE_UNMEASURED=1: every width, measured faster or not"
         elif source is not None:

@@ -36,15 +36,16 @@ def _faster_in(result: Path) -> tuple[str, frozenset[int]]:
         on, off = rows["on", batch], rows["off", batch]
         if all(on[f"tpot_L{n}_ms"] < off[f"tpot_L{n}_ms"] for n in layers):
             faster.add(batch)
-    return data["meta"]["device"], frozenset(faster)
+    return data["meta"]["device"], data["meta"]["args"]["formats"], frozenset(faster)
 
 
 @pytest.mark.parametrize("entry", sorted(FASTER))
 def test_each_entry_is_what_its_result_file_shows(entry):
     widths, source = FASTER[entry]
     path = REPO / source.split(" ")[0]
-    device, faster = _faster_in(path)
+    device, formats, faster = _faster_in(path)
     assert device == entry[1]
+    assert formats == entry[2], f"{path}: measured with {formats} planes, listed for {entry[2]}"
     assert widths == faster, f"{path}: faster at {sorted(faster)}, listed {sorted(widths)}"
 
 
@@ -52,7 +53,7 @@ def test_vllm_on_an_h200_serves_what_its_result_file_shows_and_says_why_not():
     widths, why = served_widths(
         SPEC, TritonBuilder(), "triton", False, engine="vllm", device="NVIDIA H200"
     )
-    listed = FASTER["vllm", "NVIDIA H200"][0]
+    listed = FASTER["vllm", "NVIDIA H200", "bf16"][0]
     assert widths == tuple(w for w in SPEC if w in listed)
     if not widths:  # measured, none faster: stock runs, and the log says why
         assert "serves no width" in why and "NVIDIA H200" in why
@@ -76,8 +77,16 @@ def test_an_unmeasured_engine_or_device_serves_nothing_and_says_where_to_look(en
     )
 
 
+def test_an_fp8_checkpoint_serves_nothing_a_bf16_run_measured():
+    """K2 on fp8 planes is slower than vLLM's own fp8 tail (docs/results/k2_vllm_fp8.csv): the
+    bf16 entry must not route an fp8 deployment, and the reason names the weights."""
+    widths, why = served_widths(SPEC, TritonBuilder(), "triton", False, engine="vllm",
+                                device="NVIDIA H200", quantization="fp8")  # fmt: skip
+    assert widths == () and "(fp8 weights)" in why and "serves no width" in why
+
+
 def test_measured_faster_names_its_source():
     widths, source = measured_faster("vllm", "NVIDIA H200")
-    assert widths == FASTER["vllm", "NVIDIA H200"][0]
+    assert widths == FASTER["vllm", "NVIDIA H200", "bf16"][0]
     assert source.startswith("docs/results/e2e_vllm.json")
     assert measured_faster("vllm", "NVIDIA A100-SXM4-80GB") == (frozenset(), None)
