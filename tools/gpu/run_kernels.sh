@@ -19,8 +19,8 @@
 #   bash tools/gpu/run_kernels.sh bench   bench_k2 bf16 + fp8 block-128 (torch stock arm; add
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install for
 #                                         the vLLM arms) and the bench_k1 sweep, ~8 min
-#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (prefetch, router K
-#                                         splits, task rows, PDL) at widths 1-16, each checked
+#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (norm once, prefetch,
+#                                         router K splits, task rows, PDL) at widths 1-16, checked
 #                                         against the default first; writes $OUT/k2_sweep.csv and
 #                                         the stage traces $OUT/k2_trace.json, ~4 min
 #   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep at widths 1, 4, 16 (writes
@@ -75,12 +75,13 @@ bench)
     --variants "k2,k2 a8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 sweep)
-  # around the default since 2026-12-03 (no L2 prefetch): the prefetch back on, eight router K
-  # splits, 32-row down and gate_up tasks, PDL; traces of the default and of the prefetch
+  # around the default: the norm in every CTA at every width (norm_once_above=16) and once
+  # per row at every width (0), the prefetch back on, eight router K splits, 32-row down and
+  # gate_up tasks, PDL; traces of the default and of the norm in every CTA
   run k2_sweep python3 benchmarks/bench_k2.py --widths 1,2,4,8,16 --stock torch --trace \
-    --trace-variants "k2,k2 prefetch=true" \
-    --variants "k2,k2 prefetch=true,k2 router_k_splits=8,k2 down_rows=32,k2 gate_up_rows=32,$(
-      )k2 pdl" \
+    --trace-variants "k2,k2 norm_once_above=16" \
+    --variants "k2,k2 norm_once_above=16,k2 norm_once_above=0,k2 prefetch=true,$(
+      )k2 router_k_splits=8,k2 down_rows=32,k2 gate_up_rows=32,k2 pdl" \
     --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --no-attn \

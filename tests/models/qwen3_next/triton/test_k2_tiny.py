@@ -134,6 +134,21 @@ def test_k2_tiny_matches_reference(tiny):
     assert not tracker.problems(), tracker.problems()
 
 
+def test_k2_tiny_norm_once_gives_the_same_bits():
+    """Wide steps norm each row once and hand it over behind a flag; narrow ones norm every
+    row in every CTA. Both paths must give the same bits, or a row's output would depend on
+    how wide its step is."""
+    gen = torch.Generator(device=DEV).manual_seed(23)
+    every = TinyTail(PRESETS[0], seed=5, norm_once_above=BLOCK_B)
+    once = TinyTail(PRESETS[0], seed=5, norm_once_above=0)
+    for b in (1, 3, BLOCK_B):
+        o_in, res = every.inputs(b, gen)
+        h0, r0 = every.run(o_in, res)
+        h1, r1 = once.run(o_in, res)
+        assert not torch.isnan(h1).any(), f"w{b}: unwritten output"
+        assert torch.equal(h0, h1) and torch.equal(r0, r1), f"w{b}: the two norm paths differ"
+
+
 def test_k2_tiny_batch_invariance_and_non_finite_row(tiny):
     """A row's output is bit-identical alone and in any batch, and a NaN row (vLLM's padding
     rows can be) keeps its NaN to itself while every hand-off of the launch completes."""

@@ -90,6 +90,17 @@ def test_one_compile_for_every_width(compiled, name):
     assert len(digests) == 1, f"{name}: widths {WIDTHS} compile to different code"
 
 
+def test_k2_norm_once_hand_off_is_fenced(compiled):
+    """The norm-once hand-off is the one whose payload sits outside its tagged words (the
+    shared normed rows): the writer's fence must come between its row stores and its flag
+    stores, and each reader's after its flag wait, or a reader could see a flag before the
+    rows. Both fences live in the K2 build every deployment compiles."""
+    _, c = compiled["k2 gdn bf16", 1]
+    ptx = c.asm["ptx"]
+    assert ptx.count("fence.acq_rel.gpu") >= 2, "the norm-once hand-off lost a fence"
+    assert "st.relaxed.gpu.global.b64" in ptx and "ld.volatile.global" in ptx
+
+
 def test_fp8_activations_build_multiplies_e4m3_on_e4m3():
     """``fp8_activations``: the expert stages' MMAs are e4m3 x e4m3 (QGMMA on sm_90) beside
     the bf16 ones of out_proj's widened codes and the router; no spills."""

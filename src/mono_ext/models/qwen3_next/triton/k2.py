@@ -40,7 +40,9 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 |                 |                       |       | (row, pick) pair; shared at Pm + row   |                      |
 | peer: ar1       | [2][tp][Bb * H] words | int64 | tagged fp32 out_proj partials          | S1 push (tp > 1)     |
 | peer: ar2       | [2][tp][Bb * H] words | int64 | tagged fp32 MoE partials               | S4 push (tp > 1)     |
-| priv xs         | [G, 2, Bb, H]         | bf16  | this CTA's normed rows: bf16(x), and   | S2, same CTA         |
+| scratch: nflag  | [Bb] words            | int64 | row normed into xs[G] (norm once);     | S2 norm once -> S2   |
+|                 |                       |       | payload sigmoid(shared_expert_gate.x)  |                      |
+| priv xs         | [G + 1, 2, Bb, H]     | bf16  | this CTA's normed rows: bf16(x), and   | S2, same CTA         |
 |                 |                       |       | bf16(x - bf16(x)) for the router;      | (fp8_activations:    |
 |                 |                       |       | fp8_activations builds then keep e4m3  | S3 into plane 1, S4  |
 |                 |                       |       | codes + scales of x in plane 1, then   | into both)           |
@@ -54,7 +56,11 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 | ctrl / health   | see runtime.health    |       | epoch read for tags; sticky failed word| host / bounded waits |
 | peers           | [tp]                  | int64 | byte address of each rank's buffer     | host (runtime.peers) |
 
-Every CTA computes the norm redundantly (bit-identical across CTAs: same code, same words).
+Each row is normed once: one CTA per ``norm_rows_per_wait`` rows writes the normed rows into
+``xs[G]`` and flags each row, the only hand-off whose payload is not in its tagged words (the
+writer fences between the rows and the flags, the readers after the flags). Steps no wider
+than ``norm_once_above`` rows have every CTA norm every row into its own ``xs`` instead: the
+same code on the same words, so the same bits.
 Each row's top-k is computed by one CTA and its picks published; every CTA then builds the
 same union and routing tables from them. The union of picked experts (ascending expert id)
 plus the shared expert are the "slots" whose gate_up row blocks (S3) and down H-slices (S4)
@@ -140,8 +146,15 @@ class K2Config:
     # rows per norm wait (each wait covers all of H): 2 halves the serial waits and was faster
     # at every width on the H200 (docs/results/k2_vllm_norm_pdl.csv); 4 spills
     norm_rows_per_wait: int = 2
+    # steps of more rows than this norm each row once, in one CTA per norm_rows_per_wait rows,
+    # and hand the normed rows to every CTA behind one flag per row; narrower steps have every
+    # CTA norm every row itself (one wait round per norm_rows_per_wait rows, no hand-off; the
+    # same bits). Once at every width (0) was fastest at widths 1-8 and within 3 us at 16,
+    # every CTA (16) up to 36 us slower (docs/results/k2_vllm.csv, k2_norm_once_h200.csv)
+    norm_once_above: int = 0
     # L2 prefetch of router/shared (after S1) and down planes (S4): off, since K2 was faster
-    # without it at every width, 1-7 us (docs/results/k2_sweep_prefetch_h200.csv, k2_vllm.csv)
+    # without it at every width, 1-7 us (docs/results/k2_sweep_prefetch_h200.csv,
+    # k2_vllm_8613b35.csv)
     prefetch: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
@@ -197,11 +210,13 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
         Region("picks", bb * 2 * shape.top_k),
         Region("act", (shape.slots + 1) * bb * shape.act_words),
         Region("p4l", (shape.pairs + bb) * h),
+        Region("nflag", bb),
     ]
     stages = [
         Stage("out_proj", [push("p1") if peer else write("p1")]),
         Stage("residual", [wait("p1"), write("resid")]),
-        Stage("norm_router", [wait("resid"), write("logits")]),
+        Stage("norm_once", [wait("resid"), write("nflag")]),
+        Stage("norm_router", [wait("resid"), wait("nflag"), write("logits")]),
         Stage("topk", [wait("logits"), write("picks")]),
         Stage("gate_up", [wait("picks"), write("act")]),
         Stage("down", [wait("act"), write("p4l")]),
@@ -219,7 +234,7 @@ class K2Workspace:
     """One rank's scratch: mailbox regions and per-CTA private rows (zeroed once)."""
 
     scratch: Any  # int64 [scratch_words]
-    xs: Any  # bf16 [G, 2, Bb, H]
+    xs: Any  # bf16 [G + 1, 2, Bb, H]: per CTA, then the shared normed rows
     eslot: Any  # int32 [G, 2, EP]: per expert its union slot, then its picked flag
     wsc: Any  # fp32 [G, Um + 1, Bb]
     ppos: Any  # int32 [G, Um + 1, Bb]
@@ -298,6 +313,8 @@ class K2Launch:
                 f"down_prefetch_bytes={c.down_prefetch_bytes} must be 0 or a positive multiple "
                 "of 16 (bulk prefetch sizes)"
             )
+        if c.norm_once_above < 0:
+            raise ValueError(f"norm_once_above={c.norm_once_above} must be >= 0 (rows)")
         self.out_proj_k_splits = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
         self._check_formats()
@@ -380,7 +397,7 @@ class K2Launch:
             scratch=torch.zeros(
                 max(self.layout.scratch_words, 16), dtype=torch.int64, device=device
             ),
-            xs=torch.zeros(g, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
+            xs=torch.zeros(g + 1, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
             eslot=torch.zeros(g, 2, _next_pow2(s.experts), dtype=torch.int32, device=device),
             wsc=torch.zeros(g, s.slots + 1, BLOCK_B, dtype=torch.float32, device=device),
             ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),
@@ -428,6 +445,7 @@ class K2Launch:
             OFF_P4L=lay.offsets["p4l"],
             OFF_P4=lay.offsets.get("p4", 0),
             OFF_PICKS=lay.offsets["picks"],
+            OFF_NFLAG=lay.offsets["nflag"],
             RID_P1=rid["p1"],
             RID_RESID=rid["resid"],
             RID_LOGITS=rid["logits"],
@@ -435,6 +453,7 @@ class K2Launch:
             RID_ACT=rid["act"],
             RID_P4L=rid["p4l"],
             RID_P4=rid.get("p4", 0),
+            RID_NFLAG=rid["nflag"],
             RANKS=s.tp,
             SYS=self.sys_scope,
             BB=BLOCK_B,
@@ -453,6 +472,7 @@ class K2Launch:
             TKP=_next_pow2(s.top_k),
             PKWP=_next_pow2(2 * s.top_k),
             RN=c.norm_rows_per_wait,
+            NONCE=c.norm_once_above,
             HP=_next_pow2(s.hidden),
             PREFETCH=c.prefetch and not _interp(),
             PF4=c.down_prefetch_bytes,

@@ -15,6 +15,8 @@ from mono_ext.models.qwen3_next.triton.k2_stages import (
     s1_out_proj,
     s1_reduce,
     s2_norm,
+    s2_norm_publish,
+    s2_norm_take,
     s2_router,
     s3_gate_up,
     s3_topk,
@@ -37,9 +39,11 @@ S3_EXPERT = 16  # every row's picks -> union and routing tables, gate_up blocks 
 S4_MATMUL = 32  # down over (slot, H block) tasks -> one partial per (pair, H row)
 S4_REDUCE = 64  # each row's pairs summed in order (TP1: outputs; TP: push to every rank)
 S4_RANKS = 128  # TP: every rank's sums, in rank order -> outputs
-STAGES_ALL = 255
+S2_NORM_ONCE = 256  # each row normed once, by one CTA, and flagged (norm_once_above)
+STAGES_ALL = 511
 STAGE_ORDER = (
-    S1_MATMUL, S1_REDUCE, S2_ROUTER, S3_TOPK, S3_EXPERT, S4_MATMUL, S4_REDUCE, S4_RANKS,
+    S1_MATMUL, S1_REDUCE, S2_NORM_ONCE, S2_ROUTER, S3_TOPK, S3_EXPERT, S4_MATMUL, S4_REDUCE,
+    S4_RANKS,
 )  # fmt: skip
 
 
@@ -54,14 +58,16 @@ def k2_kernel(
     NORM_TOPK: tl.constexpr, IR: tl.constexpr, ISR: tl.constexpr,
     # layout (runtime.layout offsets and region ids)
     OFF_P1: tl.constexpr, OFF_RESID: tl.constexpr, OFF_LOGITS: tl.constexpr, OFF_ACT: tl.constexpr,
-    OFF_P4L: tl.constexpr, OFF_P4: tl.constexpr, OFF_PICKS: tl.constexpr, RID_P1: tl.constexpr,
-    RID_RESID: tl.constexpr, RID_LOGITS: tl.constexpr, RID_PICKS: tl.constexpr,
-    RID_ACT: tl.constexpr, RID_P4L: tl.constexpr, RID_P4: tl.constexpr,
+    OFF_P4L: tl.constexpr, OFF_P4: tl.constexpr, OFF_PICKS: tl.constexpr,
+    OFF_NFLAG: tl.constexpr, RID_P1: tl.constexpr, RID_RESID: tl.constexpr,
+    RID_LOGITS: tl.constexpr, RID_PICKS: tl.constexpr, RID_ACT: tl.constexpr,
+    RID_P4L: tl.constexpr, RID_P4: tl.constexpr, RID_NFLAG: tl.constexpr,
     RANKS: tl.constexpr, SYS: tl.constexpr,
     # tiles
     BB: tl.constexpr, BN: tl.constexpr, BN3: tl.constexpr, BN4: tl.constexpr, BK1: tl.constexpr,
     KSPL1: tl.constexpr, KS2: tl.constexpr, BK2: tl.constexpr, BK3: tl.constexpr, BI4: tl.constexpr,
-    JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RN: tl.constexpr, TKP: tl.constexpr,
+    JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RN: tl.constexpr, NONCE: tl.constexpr,
+    TKP: tl.constexpr,
     PKWP: tl.constexpr,
     HP: tl.constexpr, PREFETCH: tl.constexpr, PF4: tl.constexpr, GATED: tl.constexpr,
     NPP: tl.constexpr,
@@ -101,6 +107,8 @@ def k2_kernel(
     rmask = rows < n_rows
     nn = tl.arange(0, BN)
     xs_base = xs_ptr + pid * (2 * BB * H)  # plane 0: bf16(x); plane 1: bf16(x - plane 0)
+    xn_base = xs_ptr + G * (2 * BB * H)  # the same planes, shared: each row normed once
+    once = n_rows > NONCE  # each row normed by one CTA (s2_norm_publish), not by every CTA
     eslot_base = eslot_ptr + pid * (2 * EP)
     wsc_base = wsc_ptr + pid * ((UM + 1) * BB)
     ppos_base = ppos_ptr + pid * ((UM + 1) * BB)
@@ -110,6 +118,7 @@ def k2_kernel(
     act_ptr = scratch_ptr + OFF_ACT
     p4l_ptr = scratch_ptr + OFF_P4L
     picks_ptr = scratch_ptr + OFF_PICKS
+    nflag_ptr = scratch_ptr + OFF_NFLAG
     if RANKS == 1:
         p1_read = scratch_ptr + OFF_P1
         p4_read = scratch_ptr + OFF_P4
@@ -136,14 +145,27 @@ def k2_kernel(
             n_rows, slot1, tag, H, BB, CB, TR, NS1, W_P, RID_P1, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 2, TRACE)
-    if STAGES & 4:
-        s2_norm(
-            norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xs_base, wsc_base, ctrl_ptr, health_ptr,
-            n_rows, tag, eps, H, HP, RN, BB, UM, RID_RESID, Q_SEG, INTERP,
+    if (STAGES & 256) and once:
+        s2_norm_publish(
+            norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xn_base, nflag_ptr, ctrl_ptr, health_ptr,
+            pid, G, n_rows, tag, eps, H, HP, RN, BB, RID_RESID, Q_SEG, INTERP,
         )  # fmt: skip
+    # the normed rows the router and gate_up read: the shared planes or this CTA's own
+    xr_base = tl.where(once, xn_base, xs_base)
+    if STAGES & 4:
+        if once:
+            s2_norm_take(
+                nflag_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, tag, BB, UM, RID_NFLAG,
+                INTERP,
+            )  # fmt: skip
+        else:
+            s2_norm(
+                norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xs_base, wsc_base, ctrl_ptr,
+                health_ptr, n_rows, tag, eps, H, HP, RN, BB, UM, RID_RESID, Q_SEG, INTERP,
+            )  # fmt: skip
         stamp(trace_ptr, 3, TRACE)
         s2_router(
-            router_ptr, s_r_ptr, xs_base, logits_ptr, pid, G, rows, rmask, nn, tag, H, E, BB, BN,
+            router_ptr, s_r_ptr, xr_base, logits_ptr, pid, G, rows, rmask, nn, tag, H, E, BB, BN,
             KS2, BK2, PIPE2, Q_R, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 4, TRACE)
@@ -160,7 +182,7 @@ def k2_kernel(
         )  # fmt: skip
         stamp(trace_ptr, 5, TRACE)
         s3_gate_up(
-            w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, wsc_base, ppos_base, meta_base,
+            w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, xr_base, wsc_base, ppos_base, meta_base,
             act_ptr, pid, G, rows, rmask, n_u, tag, H, IR, ISR, BB, BN3, BK3, PIPE3, JM3, UM, IW,
             IWR, IWS, Q_13, Q_SGU, SPE13, trace_ptr, TRACE, INTERP, A8,
         )  # fmt: skip

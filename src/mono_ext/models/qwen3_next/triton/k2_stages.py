@@ -34,6 +34,8 @@ __all__ = [
     "s1_out_proj",
     "s1_reduce",
     "s2_norm",
+    "s2_norm_publish",
+    "s2_norm_take",
     "s2_router",
     "s3_gate_up",
     "s3_topk",
@@ -236,43 +238,112 @@ def s1_reduce(
 
 
 @triton.jit
-def s2_norm(
-    norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xs_base, wsc_base, ctrl_ptr, health_ptr, n_rows,
-    tag, eps, H: tl.constexpr, HP: tl.constexpr, RN: tl.constexpr, BB: tl.constexpr,
-    UM: tl.constexpr, RID_RESID: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """S2 norm (every CTA, its own copy): the live rows' Gemma RMSNorm as bf16 hi + lo parts
-    into ``xs``, and sigmoid(shared_expert_gate . x) into the shared slot of ``wsc``."""
-    # live rows only, RN rows x all of H per bounded wait (one round trip per RN rows)
+def _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, H: tl.constexpr, HP: tl.constexpr,
+                  Q_SEG: tl.constexpr):  # fmt: skip
+    """The norm's (1 + w) factor's w and the shared-expert gate row, fp32 over all of H."""
     hh = tl.arange(0, HP)
     hmsk = hh < H
-    rn = tl.arange(0, RN)
     nw = tl.load(norm_w_ptr + hh, mask=hmsk, other=0.0).to(tl.float32)
     sg_w = tl.load(seg_ptr + hh, mask=hmsk, other=0.0).to(tl.float32)
     if Q_SEG:  # the [1, H] gate's scales along H (its one row)
         s_idx = scale_index(0, hh, Q_SEG, 1, H) + hh * 0  # per-row / tensor: one scale
         sg_w *= tl.load(s_seg_ptr + s_idx, mask=hmsk, other=0.0)
+    return nw, sg_w
+
+
+@triton.jit
+def _norm_rows(
+    r0, nw, sg_w, resid_ptr, out_base, ctrl_ptr, health_ptr, n_rows, tag, eps, H: tl.constexpr,
+    HP: tl.constexpr, RN: tl.constexpr, BB: tl.constexpr, RID_RESID: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """Rows ``r0 .. r0 + RN - 1`` (the live ones) after one bounded wait on all of their H
+    words: Gemma RMSNorm as bf16 hi + lo parts into planes 0 and 1 of ``out_base``. Returns
+    (rows, sigmoid(shared_expert_gate . x) per row). Both norm paths run this same code on the
+    same blocks, so their values are bit-identical (batch invariance across the switch)."""
+    hh = tl.arange(0, HP)
+    rws = r0 + tl.arange(0, RN)
+    m = (rws < n_rows)[:, None] & (hh < H)[None, :]
+    idx = rws[:, None] * H + hh[None, :]
+    words, ok = _wait2d(
+        resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP, INTERP
+    )
+    v = tl.where(m, _words_to_fp32(words), 0.0)
+    rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
+    xn = v * rstd[:, None] * (1.0 + nw[None, :])
+    x_hi = xn.to(tl.bfloat16)
+    tl.store(out_base + idx, x_hi, mask=m)
+    tl.store(out_base + BB * H + idx, (xn - x_hi.to(tl.float32)).to(tl.bfloat16), mask=m)
+    return rws, tl.sigmoid(tl.sum(xn * sg_w[None, :], axis=1))
+
+
+@triton.jit
+def _fence_gpu(INTERP: tl.constexpr):
+    """``fence.acq_rel.gpu``: orders this thread's plain stores (after a CTA barrier: the
+    CTA's) before a later flag store, or a flag seen before later plain loads."""
+    if not INTERP:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def s2_norm(
+    norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xs_base, wsc_base, ctrl_ptr, health_ptr, n_rows,
+    tag, eps, H: tl.constexpr, HP: tl.constexpr, RN: tl.constexpr, BB: tl.constexpr,
+    UM: tl.constexpr, RID_RESID: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """S2 norm, every CTA its own copy (steps of at most ``norm_once_above`` rows): the live
+    rows' normed rows into ``xs``, RN rows per bounded wait, and their shared-expert gates into
+    the shared slot of ``wsc``."""
+    nw, sg_w = _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, H, HP, Q_SEG)
     for r0 in range(0, n_rows, RN):
-        rws = r0 + rn
-        m = (rws < n_rows)[:, None] & hmsk[None, :]
-        idx = rws[:, None] * H + hh[None, :]
-        words, ok = _wait2d(
-            resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP, INTERP
-        )
-        v = tl.where(m, _words_to_fp32(words), 0.0)
-        rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
-        xn = v * rstd[:, None] * (1.0 + nw[None, :])
-        x_hi = xn.to(tl.bfloat16)
-        tl.store(xs_base + idx, x_hi, mask=m)
-        tl.store(xs_base + BB * H + idx, (xn - x_hi.to(tl.float32)).to(tl.bfloat16), mask=m)
-        sg = tl.sigmoid(tl.sum(xn * sg_w[None, :], axis=1))
+        rws, sg = _norm_rows(r0, nw, sg_w, resid_ptr, xs_base, ctrl_ptr, health_ptr, n_rows,
+                             tag, eps, H, HP, RN, BB, RID_RESID, INTERP)  # fmt: skip
         tl.store(wsc_base + UM * BB + rws, sg, mask=rws < n_rows)
     tl.debug_barrier()  # xs written by this CTA's threads, read by all of them
 
 
 @triton.jit
+def s2_norm_publish(
+    norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xn_base, nflag_ptr, ctrl_ptr, health_ptr, pid, G,
+    n_rows, tag, eps, H: tl.constexpr, HP: tl.constexpr, RN: tl.constexpr, BB: tl.constexpr,
+    RID_RESID: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """S2 norm once per row: CTA p normalizes rows p*RN .. p*RN + RN - 1 into the shared
+    ``xn`` planes, then publishes each row's flag word, its shared-expert gate as the payload.
+    Every CTA norming every row costs a wait round per RN rows, with HBM idle (about 15 us at
+    width 16); one round plus a flag round trip does not grow with the width."""
+    nw, sg_w = _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, H, HP, Q_SEG)
+    for r0 in range(pid * RN, n_rows, G * RN):
+        rws, sg = _norm_rows(r0, nw, sg_w, resid_ptr, xn_base, ctrl_ptr, health_ptr, n_rows,
+                             tag, eps, H, HP, RN, BB, RID_RESID, INTERP)  # fmt: skip
+        tl.debug_barrier()  # every thread's xn stores, then each thread's fence, then flags
+        _fence_gpu(INTERP)
+        put_words(nflag_ptr, rws, _fp32_bits(sg), rws < n_rows, tag, INTERP)
+
+
+@triton.jit
+def s2_norm_take(
+    nflag_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, tag, BB: tl.constexpr,
+    UM: tl.constexpr, RID_NFLAG: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Wait for every live row's flag (``s2_norm_publish``): their gates into the shared slot
+    of ``wsc``; after the fence the shared ``xn`` planes are this CTA's to read."""
+    if INTERP:
+        words = tl.load(nflag_ptr + rows, mask=rmask, other=0)
+    else:
+        words, ok = wait_tagged(nflag_ptr + rows, rmask, rows, tag, ctrl_ptr, health_ptr,
+                                RID_NFLAG)  # fmt: skip
+    _fence_gpu(INTERP)
+    tl.store(wsc_base + UM * BB + rows, _words_to_fp32(words), mask=rmask)
+    tl.debug_barrier()  # wsc written by this CTA's threads, read by all of them
+
+
+@triton.jit
 def s2_router(
-    router_ptr, s_r_ptr, xs_base, logits_ptr, pid, G, rows, rmask, nn, tag, H: tl.constexpr,
+    router_ptr, s_r_ptr, xr_base, logits_ptr, pid, G, rows, rmask, nn, tag, H: tl.constexpr,
     E: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, KS2: tl.constexpr,
     BK2: tl.constexpr, PIPE2: tl.constexpr, Q_R: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
@@ -295,14 +366,14 @@ def s2_router(
                 other=0.0,
             )
             xa = tl.load(
-                xs_base + rows[None, :] * H + k2[:, None],
+                xr_base + rows[None, :] * H + k2[:, None],
                 mask=rmask[None, :] & km2[:, None],
                 other=0.0,
             )
             # the router sees x as hi + lo bf16 parts: logits within ~1e-5 of fp32, so
             # only true near ties can pick differently from the fp32 reference
             xl = tl.load(
-                xs_base + BB * H + rows[None, :] * H + k2[:, None],
+                xr_base + BB * H + rows[None, :] * H + k2[:, None],
                 mask=rmask[None, :] & km2[:, None],
                 other=0.0,
             )
@@ -428,8 +499,8 @@ def s3_union(
 
 @triton.jit
 def s3_gate_up(
-    w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, wsc_base, ppos_base, meta_base, act_ptr,
-    pid, G, rows, rmask, n_u, tag, H: tl.constexpr, IR: tl.constexpr, ISR: tl.constexpr,
+    w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, xr_base, wsc_base, ppos_base, meta_base,
+    act_ptr, pid, G, rows, rmask, n_u, tag, H: tl.constexpr, IR: tl.constexpr, ISR: tl.constexpr,
     BB: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, PIPE3: tl.constexpr,
     JM3: tl.constexpr, UM: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr,
     IWS: tl.constexpr, Q_13: tl.constexpr, Q_SGU: tl.constexpr, SPE13: tl.constexpr,
@@ -472,7 +543,7 @@ def s3_gate_up(
         for kq in range(KCH3):
             kx = kq * BK3 + kk3
             xm = rmask[None, :] & (kx < H)[:, None]
-            x_c = tl.load(xs_base + rows[None, :] * H + kx[:, None], mask=xm, other=0.0)
+            x_c = tl.load(xr_base + rows[None, :] * H + kx[:, None], mask=xm, other=0.0)
             q_c, s_c = quantize_e4m3_cols(x_c)
             tl.store(xq_base + rows[None, :] * H + kx[:, None], q_c, mask=xm)
             tl.store(xsc_base + kq * BB + rows, s_c)
@@ -498,7 +569,7 @@ def s3_gate_up(
             xs_t = tl.load(xsc_base + kc * BB + rows)
         else:
             x_t = tl.load(
-                xs_base + rows[None, :] * H + k3[:, None],
+                xr_base + rows[None, :] * H + k3[:, None],
                 mask=rmask[None, :] & km[:, None],
                 other=0.0,
             )
