@@ -61,11 +61,13 @@ Each row is normed once: one CTA per ``norm_rows_per_wait`` rows writes the norm
 writer fences between the rows and the flags, the readers after the flags). Steps no wider
 than ``norm_once_above`` rows have every CTA norm every row into its own ``xs`` instead: the
 same code on the same words, so the same bits.
+
 Each row's top-k is computed by one CTA and its picks published; every CTA then builds the
 same union and routing tables from them. The union of picked experts (ascending expert id)
 plus the shared expert are the "slots" whose gate_up row blocks (S3) and down H-slices (S4)
-are spread over the grid. Stages hand off only through tagged words (``runtime.layout``); the program
-is declared by :func:`k2_program` and checked at build. No grid barrier; waits are bounded.
+are spread over the grid. Every other hand-off is tagged words (``runtime.layout``); the
+program is declared by :func:`k2_program` and checked at build. No grid barrier; waits are
+bounded.
 
 Per-element reduction orders depend only on the build (tiles), never on the width or the
 other rows, so a row's output is independent of the batch (batch invariance), and replays

@@ -33,7 +33,7 @@ __all__ = ["STAGE_ORDER", "STAGES_ALL", "k2_kernel"]
 # Stage bits (a debugging aid and the CPU interpreter path: run one stage per launch).
 S1_MATMUL = 1  # out_proj partials (TP: push to peers; TP1: residual + outputs)
 S1_REDUCE = 2  # TP: wait for every rank's partials, residual add, outputs
-S2_ROUTER = 4  # norm (redundant), shared-expert gate, router logits slice
+S2_ROUTER = 4  # the normed rows (taken, or normed here), shared-expert gate, router logits
 S3_TOPK = 8  # top-k: one row per CTA, its picks published
 S3_EXPERT = 16  # every row's picks -> union and routing tables, gate_up blocks -> activations
 S4_MATMUL = 32  # down over (slot, H block) tasks -> one partial per (pair, H row)

@@ -1,12 +1,14 @@
 """K2's stages, each an inlined ``@triton.jit`` helper that ``k2_kernel`` runs in order, and
 the device helpers they share (bounded waits over 2-D blocks, partial sums, trace stamps).
 
-S1 out_proj partials and their reduce (+ residual), S2 the norm (every CTA) and the router
-logits, S3 each row's top-k (one CTA per row, its picks published) and the union with the
-gate_up activations, S4 the down partials per (pair, H row), their reduce (each row's pairs in
-a fixed order) and, at TP > 1, the rank sums. A stage hands its results to the next only
-through tagged words (``runtime.layout``), waited for with bounded waits; the CPU interpreter
-runs one stage per launch, so there every hand-off is written before it is read.
+S1 out_proj partials and their reduce (+ residual), S2 the norm (each row once, by one CTA,
+handed to all; or every CTA its own) and the router logits, S3 each row's top-k (one CTA per
+row, its picks published) and the union with the gate_up activations, S4 the down partials per
+(pair, H row), their reduce (each row's pairs in a fixed order) and, at TP > 1, the rank sums.
+A stage hands its results to the next through tagged words (``runtime.layout``), waited for
+with bounded waits; the one exception, the shared normed rows, sits behind one tagged flag
+per row, with a fence on each side. The CPU interpreter runs one stage per launch, so there
+every hand-off is written before it is read.
 """
 
 from __future__ import annotations
