@@ -24,8 +24,8 @@ from mono_ext.models.qwen3_next.triton.k2_stages import (
     s4_down,
     s4_ranks,
     s4_reduce,
-    stamp,
 )
+from mono_ext.models.qwen3_next.triton.k2_sync import stamp
 
 __all__ = ["STAGE_ORDER", "STAGES_ALL", "k2_kernel"]
 

@@ -1,5 +1,5 @@
-"""K2's stages, each an inlined ``@triton.jit`` helper that ``k2_kernel`` runs in order, and
-the device helpers they share (bounded waits over 2-D blocks, partial sums, trace stamps).
+"""K2's stages, each an inlined ``@triton.jit`` helper that ``k2_kernel`` runs in order (the
+device helpers they share are ``k2_sync.py``).
 
 S1 out_proj partials and their reduce (+ residual), S2 the norm (each row once, by one CTA,
 handed to all; or every CTA its own) and the router logits, S3 each row's top-k (one CTA per
@@ -23,13 +23,16 @@ from mono_ext.kernels.triton.planes import (
     quantize_e4m3_cols,
     scale_index,
 )
-from mono_ext.kernels.triton.primitives import (
-    global_timer_ns,
-    pack_tagged,
-    put_words,
-    store_tagged,
-    unpack_value,
-    wait_tagged,
+from mono_ext.kernels.triton.primitives import put_words, unpack_value, wait_tagged
+from mono_ext.models.qwen3_next.triton.k2_sync import (
+    fence_gpu,
+    fp32_bits,
+    prefetch_l2,
+    put_partial,
+    stamp,
+    sum_partials,
+    wait2d,
+    words_to_fp32,
 )
 
 __all__ = [
@@ -45,108 +48,7 @@ __all__ = [
     "s4_down",
     "s4_ranks",
     "s4_reduce",
-    "stamp",
 ]
-
-
-@triton.jit
-def _fp32_bits(x):
-    return x.to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _words_to_fp32(words):
-    return unpack_value(words).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _wait2d(
-    ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id, R: tl.constexpr, C: tl.constexpr,
-    INTERP: tl.constexpr,
-):  # fmt: skip
-    """``wait_tagged`` over a [R, C] block (the primitive takes flat blocks). The CPU
-    interpreter runs one stage per launch, so there the words are already written."""
-    if INTERP:
-        words2 = tl.load(ptrs, mask=mask, other=0)
-        ok = True
-    else:
-        words, ok = wait_tagged(
-            tl.reshape(ptrs, (R * C,)),
-            tl.reshape(mask, (R * C,)),
-            tl.reshape(index, (R * C,)),
-            tag,
-            ctrl_ptr,
-            health_ptr,
-            region_id,
-        )
-        words2 = tl.reshape(words, (R, C))
-    return words2, ok
-
-
-@triton.jit
-def _prefetch_l2(ptrs, nbytes, mask):
-    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (multiple of 16) at each masked pointer."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred %p; setp.ne.b32 %p, $3, 0; "
-        "@%p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r",
-        [ptrs, nbytes, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def stamp(trace_ptr, i: tl.constexpr, TRACE: tl.constexpr):
-    """``TRACE`` builds only: this CTA's %globaltimer when all its threads reach point i
-    (benchmarks/bench_k2.py --trace reads them to place time inside the launch)."""
-    if TRACE:
-        tl.debug_barrier()
-        tl.store(trace_ptr + tl.program_id(0) * 16 + i, global_timer_ns())
-
-
-@triton.jit
-def _put_partial(
-    scratch_ptr, peers_ptr, off, slot, acc_t, n_idx, rows, mask, tag, RANKS: tl.constexpr,
-    WORDS: tl.constexpr, H: tl.constexpr, SYS: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """Store a transposed fp32 partial ``acc_t`` [N, Bb] (columns ``n_idx`` of H) as tagged
-    words into slot ``slot`` of a partials region: local at TP1, on every peer at TP > 1."""
-    words = pack_tagged(_fp32_bits(acc_t), tag)
-    offs = slot * WORDS + rows[None, :] * H + n_idx[:, None]
-    if RANKS == 1:
-        if INTERP:
-            tl.store(scratch_ptr + off + offs, words, mask=mask)
-        else:
-            store_tagged(scratch_ptr + off + offs, words, mask, False)
-    else:
-        for p in tl.static_range(RANKS):
-            dst = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int64)) + off
-            store_tagged(dst + offs, words, mask, SYS)
-
-
-@triton.jit
-def _sum_partials(
-    base_ptr, slot0, region_id, n_rows, cols, tag, ctrl_ptr, health_ptr, NSLOT: tl.constexpr,
-    WORDS: tl.constexpr, H: tl.constexpr, BB: tl.constexpr, CB: tl.constexpr,
-    INTERP: tl.constexpr,
-):  # fmt: skip
-    """Wait for slots ``slot0 .. slot0 + NSLOT - 1`` of rows x ``cols``, sum them in slot
-    order (fp32). One bounded wait covers every slot (one round trip per spin)."""
-    flat = tl.arange(0, NSLOT * BB)
-    r = flat % BB
-    idx = (slot0 + flat // BB)[:, None] * WORDS + r[:, None] * H + cols[None, :]
-    m_all = (r < n_rows)[:, None] & (cols[None, :] < H)
-    _wait2d(base_ptr + idx, m_all, idx, tag, ctrl_ptr, health_ptr, region_id, NSLOT * BB, CB,
-            INTERP)  # fmt: skip
-    rows = tl.arange(0, BB)
-    mask = (rows < n_rows)[:, None] & (cols[None, :] < H)
-    acc = tl.zeros([BB, CB], dtype=tl.float32)
-    for s in tl.static_range(NSLOT):
-        offs = (slot0 + s) * WORDS + rows[:, None] * H + cols[None, :]
-        acc += _words_to_fp32(tl.load(base_ptr + offs, mask=mask, other=0, volatile=True))
-    return acc
 
 
 @triton.jit
@@ -198,7 +100,7 @@ def s1_out_proj(
         acc = qdot(w_t, x_t, acc, s_o_ptr, hr, hr < H, (t // RB1) * KSP1 + kc * BK1, Q_O, H,
                    KO)  # fmt: skip
         if kc == KCH1 - 1:
-            _put_partial(
+            put_partial(
                 scratch_ptr, peers_ptr, OFF_P1, slot1 + rank * KSPL1 + t // RB1, acc, hr,
                 rows, rmask[None, :] & (hr[:, None] < H), tag, RANKS, W_P, H, SYS, INTERP,
             )  # fmt: skip
@@ -210,11 +112,11 @@ def s1_out_proj(
         tot_r: tl.constexpr = E * H * (1 if Q_R else 2)
         ch_r: tl.constexpr = (tot_r // 16 + 127) // 128 * 16
         nb_r = tl.minimum(tl.maximum(tot_r - part * ch_r, 0), ch_r)
-        _prefetch_l2(router_ptr.to(I8) + part * ch_r, nb_r, nb_r > 0)
+        prefetch_l2(router_ptr.to(I8) + part * ch_r, nb_r, nb_r > 0)
         tot_s: tl.constexpr = 2 * ISR * H * EBSG
         ch_s: tl.constexpr = (tot_s // 16 + 127) // 128 * 16
         nb_s = tl.minimum(tl.maximum(tot_s - part * ch_s, 0), ch_s)
-        _prefetch_l2(sgu_ptr.to(I8) + part * ch_s, nb_s, nb_s > 0)
+        prefetch_l2(sgu_ptr.to(I8) + part * ch_s, nb_s, nb_s > 0)
 
 
 @triton.jit
@@ -229,14 +131,14 @@ def s1_reduce(
     for t in range(pid, TR, G):
         cols = t * CB + tl.arange(0, CB)
         cm = rmask[:, None] & (cols[None, :] < H)
-        s1 = _sum_partials(
+        s1 = sum_partials(
             p1_read, slot1, RID_P1, n_rows, cols, tag, ctrl_ptr, health_ptr,
             NS1, W_P, H, BB, CB, INTERP,
         )  # fmt: skip
         off = rows[:, None] * H + cols[None, :]
         r = tl.load(res_in_ptr + off, mask=cm, other=0.0).to(tl.float32) + s1
         tl.store(out_r_ptr + off, r.to(tl.bfloat16), mask=cm)
-        put_words(resid_ptr, off, _fp32_bits(r), cm, tag, INTERP)
+        put_words(resid_ptr, off, fp32_bits(r), cm, tag, INTERP)
 
 
 @triton.jit
@@ -267,27 +169,16 @@ def _norm_rows(
     rws = r0 + tl.arange(0, RN)
     m = (rws < n_rows)[:, None] & (hh < H)[None, :]
     idx = rws[:, None] * H + hh[None, :]
-    words, ok = _wait2d(
+    words, ok = wait2d(
         resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP, INTERP
     )
-    v = tl.where(m, _words_to_fp32(words), 0.0)
+    v = tl.where(m, words_to_fp32(words), 0.0)
     rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
     xn = v * rstd[:, None] * (1.0 + nw[None, :])
     x_hi = xn.to(tl.bfloat16)
     tl.store(out_base + idx, x_hi, mask=m)
     tl.store(out_base + BB * H + idx, (xn - x_hi.to(tl.float32)).to(tl.bfloat16), mask=m)
     return rws, tl.sigmoid(tl.sum(xn * sg_w[None, :], axis=1))
-
-
-@triton.jit
-def _fence_gpu(INTERP: tl.constexpr):
-    """``fence.acq_rel.gpu``: orders this thread's plain stores (after a CTA barrier: the
-    CTA's) before a later flag store, or a flag seen before later plain loads."""
-    if not INTERP:
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -322,8 +213,8 @@ def s2_norm_publish(
         rws, sg = _norm_rows(r0, nw, sg_w, resid_ptr, xn_base, ctrl_ptr, health_ptr, n_rows,
                              tag, eps, H, HP, RN, BB, RID_RESID, INTERP)  # fmt: skip
         tl.debug_barrier()  # every thread's xn stores, then each thread's fence, then flags
-        _fence_gpu(INTERP)
-        put_words(nflag_ptr, rws, _fp32_bits(sg), rws < n_rows, tag, INTERP)
+        fence_gpu(INTERP)
+        put_words(nflag_ptr, rws, fp32_bits(sg), rws < n_rows, tag, INTERP)
 
 
 @triton.jit
@@ -338,8 +229,8 @@ def s2_norm_take(
     else:
         words, ok = wait_tagged(nflag_ptr + rows, rmask, rows, tag, ctrl_ptr, health_ptr,
                                 RID_NFLAG)  # fmt: skip
-    _fence_gpu(INTERP)
-    tl.store(wsc_base + UM * BB + rows, _words_to_fp32(words), mask=rmask)
+    fence_gpu(INTERP)
+    tl.store(wsc_base + UM * BB + rows, words_to_fp32(words), mask=rmask)
     tl.debug_barrier()  # wsc written by this CTA's threads, read by all of them
 
 
@@ -383,7 +274,7 @@ def s2_router(
             acc2 = qdot(wr, xa, acc2, s_r_ptr, e, em, k0, Q_R, E, H)
             acc2 = qdot(wr, xl, acc2, s_r_ptr, e, em, k0, Q_R, E, H)
         off2 = ks * (BB * E) + rows[None, :] * E + e[:, None]
-        put_words(logits_ptr, off2, _fp32_bits(acc2), rmask[None, :] & em[:, None], tag, INTERP)
+        put_words(logits_ptr, off2, fp32_bits(acc2), rmask[None, :] & em[:, None], tag, INTERP)
 
 
 @triton.jit
@@ -435,17 +326,17 @@ def s3_topk(
     for r in range(G - 1 - pid, n_rows, G):
         kidx = ks_i[:, None] * (BB * E) + r * E + offs_e[None, :]
         km = (ks_i >= 0)[:, None] & valid
-        lwords, lok = _wait2d(
+        lwords, lok = wait2d(
             logits_ptr + kidx, km, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP, INTERP
         )
-        lg = tl.reshape(tl.sum(_words_to_fp32(lwords), axis=0), (1, EP))
+        lg = tl.reshape(tl.sum(words_to_fp32(lwords), axis=0), (1, EP))
         sel, prank, wts = _topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
         # each pick to the word of its rank (ranks are distinct). The rank decides, not the
         # weight: a NaN weight (a CUDA-graph padding row whose attention saw no keys is NaN
         # in vLLM) is still a pick whose pair must be written.
         at = r * (2 * TOPK) + prank
         put_words(picks_ptr, at, offs_e[None, :], sel, tag, INTERP)
-        put_words(picks_ptr, at + TOPK, _fp32_bits(wts), sel, tag, INTERP)
+        put_words(picks_ptr, at + TOPK, fp32_bits(wts), sel, tag, INTERP)
 
 
 @triton.jit
@@ -463,14 +354,14 @@ def s3_union(
     PKW: tl.constexpr = 2 * TOPK
     cp = tl.arange(0, PKWP)
     pidx = rows[:, None] * PKW + cp[None, :]
-    _wait2d(picks_ptr + pidx, rmask[:, None] & (cp < PKW)[None, :], pidx, tag, ctrl_ptr,
+    wait2d(picks_ptr + pidx, rmask[:, None] & (cp < PKW)[None, :], pidx, tag, ctrl_ptr,
             health_ptr, RID_PICKS, BB, PKWP, INTERP)  # fmt: skip
     # the words are in: read ids and weights in the shape they are used in
     kk = tl.arange(0, TKP)
     pkm = rmask[:, None] & (kk < TOPK)[None, :]
     po = rows[:, None] * PKW + kk[None, :]
     ids = unpack_value(tl.load(picks_ptr + po, mask=pkm, other=0, volatile=True))
-    w_k = _words_to_fp32(tl.load(picks_ptr + TOPK + po, mask=pkm, other=0, volatile=True))
+    w_k = words_to_fp32(tl.load(picks_ptr + TOPK + po, mask=pkm, other=0, volatile=True))
     # the union as flags in memory: a scatter of every pick, instead of an [EP] x picks
     # compare in registers
     offs_e = tl.arange(0, EP)
@@ -680,7 +571,7 @@ def s4_down(
             live_nb = tl.where(s_live, nb_j, 0)
             before = tl.cumsum(live_nb, 0) - live_nb
             nb_j = tl.minimum(nb_j, tl.maximum(PF4 - before, 0)) // 16 * 16
-        _prefetch_l2(base_j + h_lo.to(tl.int64) * isl_j * eb_j, nb_j,
+        prefetch_l2(base_j + h_lo.to(tl.int64) * isl_j * eb_j, nb_j,
                      s_live & (nb_j > 0) & (nb_j % 16 == 0))  # fmt: skip
     # the activation rows this run reads: one bounded wait per ACH of (slot, row)
     fc = tl.arange(0, ACH)
@@ -694,7 +585,7 @@ def s4_down(
         aidx = (f_tab * BB + fl % BB)[:, None] * IW + cwa[None, :]
         f_w = tl.where(fsl == n_u4, IWS, IWR)
         am4 = (f_live & (f_pp >= 0))[:, None] & (cwa[None, :] < f_w[:, None])
-        _wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, ACH, IWP,
+        wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, ACH, IWP,
                 INTERP)  # fmt: skip
     stamp(trace_ptr, 7, TRACE)
     cw = tl.arange(0, BI4 // 2)
@@ -762,7 +653,7 @@ def s4_down(
                                ic * BI4, Q_2, Q_SD, H, IR, H, ISR)  # fmt: skip
         if ic == KCH4 - 1:
             ppr = tl.sum(tl.where((js == sj4 - s0)[:, None], pp_j, 0), axis=0)  # [BB]
-            put_words(p4l_ptr, ppr[None, :] * H + hr[:, None], _fp32_bits(acc4),
+            put_words(p4l_ptr, ppr[None, :] * H + hr[:, None], fp32_bits(acc4),
                  (ppr >= 0)[None, :] & hm[:, None], tag, INTERP)  # fmt: skip
             acc4 = tl.zeros([BN4, BB], dtype=tl.float32)
 
@@ -784,22 +675,22 @@ def s4_reduce(
         cols = t * CB + tl.arange(0, CB)
         colm = cols < H
         widx = pw_i[:, None] * H + cols[None, :]
-        _wait2d(p4l_ptr + widx, (pw_live & (pw_i < NPW))[:, None] & colm[None, :], widx,
+        wait2d(p4l_ptr + widx, (pw_live & (pw_i < NPW))[:, None] & colm[None, :], widx,
                 tag, ctrl_ptr, health_ptr, RID_P4L, NPP, CB, INTERP)  # fmt: skip
         cm = rmask[:, None] & colm[None, :]
         acc5 = tl.zeros([BB, CB], dtype=tl.float32)
         for k in tl.static_range(TOPK):
             w5 = tl.load(p4l_ptr + (rows * TOPK + k)[:, None] * H + cols[None, :], mask=cm,
                          other=0, cache_modifier=".cg")  # fmt: skip
-            acc5 += _words_to_fp32(w5)
+            acc5 += words_to_fp32(w5)
         w5 = tl.load(p4l_ptr + (PM + rows)[:, None] * H + cols[None, :], mask=cm, other=0,
                      cache_modifier=".cg")  # fmt: skip
-        acc5 += _words_to_fp32(w5)
+        acc5 += words_to_fp32(w5)
         off = rows[:, None] * H + cols[None, :]
         if RANKS == 1:
             tl.store(out_h_ptr + off, acc5.to(tl.bfloat16), mask=cm)
         else:
-            _put_partial(
+            put_partial(
                 scratch_ptr, peers_ptr, OFF_P4, slot4 + rank, tl.trans(acc5), cols, rows,
                 rmask[None, :] & colm[:, None], tag, RANKS, W_P, H, SYS, INTERP,
             )  # fmt: skip
@@ -815,7 +706,7 @@ def s4_ranks(
     for t in range(pid, TR, G):
         cols = t * CB + tl.arange(0, CB)
         cm = rmask[:, None] & (cols[None, :] < H)
-        s4 = _sum_partials(
+        s4 = sum_partials(
             p4_read, slot4, RID_P4, n_rows, cols, tag, ctrl_ptr, health_ptr,
             RANKS, W_P, H, BB, CB, INTERP,
         )  # fmt: skip

@@ -1,0 +1,139 @@
+"""The device helpers K2's stages share (``k2_stages.py``): bounded waits over 2-D blocks,
+tagged partial sums across slots and ranks, the fence around the shared normed rows, the L2
+prefetch of weight blocks and the trace stamps of ``TRACE`` builds. All are inlined into
+``k2_kernel``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mono_ext.kernels.triton.primitives import (
+    global_timer_ns,
+    pack_tagged,
+    store_tagged,
+    unpack_value,
+    wait_tagged,
+)
+
+__all__ = [
+    "fence_gpu",
+    "fp32_bits",
+    "prefetch_l2",
+    "put_partial",
+    "stamp",
+    "sum_partials",
+    "wait2d",
+    "words_to_fp32",
+]
+
+
+@triton.jit
+def fp32_bits(x):
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def words_to_fp32(words):
+    return unpack_value(words).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def wait2d(
+    ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id, R: tl.constexpr, C: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """``wait_tagged`` over a [R, C] block (the primitive takes flat blocks). The CPU
+    interpreter runs one stage per launch, so there the words are already written."""
+    if INTERP:
+        words2 = tl.load(ptrs, mask=mask, other=0)
+        ok = True
+    else:
+        words, ok = wait_tagged(
+            tl.reshape(ptrs, (R * C,)),
+            tl.reshape(mask, (R * C,)),
+            tl.reshape(index, (R * C,)),
+            tag,
+            ctrl_ptr,
+            health_ptr,
+            region_id,
+        )
+        words2 = tl.reshape(words, (R, C))
+    return words2, ok
+
+
+@triton.jit
+def prefetch_l2(ptrs, nbytes, mask):
+    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (multiple of 16) at each masked pointer."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %p; setp.ne.b32 %p, $3, 0; "
+        "@%p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r",
+        [ptrs, nbytes, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def stamp(trace_ptr, i: tl.constexpr, TRACE: tl.constexpr):
+    """``TRACE`` builds only: this CTA's %globaltimer when all its threads reach point i
+    (benchmarks/bench_k2.py --trace reads them to place time inside the launch)."""
+    if TRACE:
+        tl.debug_barrier()
+        tl.store(trace_ptr + tl.program_id(0) * 16 + i, global_timer_ns())
+
+
+@triton.jit
+def put_partial(
+    scratch_ptr, peers_ptr, off, slot, acc_t, n_idx, rows, mask, tag, RANKS: tl.constexpr,
+    WORDS: tl.constexpr, H: tl.constexpr, SYS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Store a transposed fp32 partial ``acc_t`` [N, Bb] (columns ``n_idx`` of H) as tagged
+    words into slot ``slot`` of a partials region: local at TP1, on every peer at TP > 1."""
+    words = pack_tagged(fp32_bits(acc_t), tag)
+    offs = slot * WORDS + rows[None, :] * H + n_idx[:, None]
+    if RANKS == 1:
+        if INTERP:
+            tl.store(scratch_ptr + off + offs, words, mask=mask)
+        else:
+            store_tagged(scratch_ptr + off + offs, words, mask, False)
+    else:
+        for p in tl.static_range(RANKS):
+            dst = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int64)) + off
+            store_tagged(dst + offs, words, mask, SYS)
+
+
+@triton.jit
+def sum_partials(
+    base_ptr, slot0, region_id, n_rows, cols, tag, ctrl_ptr, health_ptr, NSLOT: tl.constexpr,
+    WORDS: tl.constexpr, H: tl.constexpr, BB: tl.constexpr, CB: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """Wait for slots ``slot0 .. slot0 + NSLOT - 1`` of rows x ``cols``, sum them in slot
+    order (fp32). One bounded wait covers every slot (one round trip per spin)."""
+    flat = tl.arange(0, NSLOT * BB)
+    r = flat % BB
+    idx = (slot0 + flat // BB)[:, None] * WORDS + r[:, None] * H + cols[None, :]
+    m_all = (r < n_rows)[:, None] & (cols[None, :] < H)
+    wait2d(base_ptr + idx, m_all, idx, tag, ctrl_ptr, health_ptr, region_id, NSLOT * BB, CB,
+            INTERP)  # fmt: skip
+    rows = tl.arange(0, BB)
+    mask = (rows < n_rows)[:, None] & (cols[None, :] < H)
+    acc = tl.zeros([BB, CB], dtype=tl.float32)
+    for s in tl.static_range(NSLOT):
+        offs = (slot0 + s) * WORDS + rows[:, None] * H + cols[None, :]
+        acc += words_to_fp32(tl.load(base_ptr + offs, mask=mask, other=0, volatile=True))
+    return acc
+
+
+@triton.jit
+def fence_gpu(INTERP: tl.constexpr):
+    """``fence.acq_rel.gpu``: orders this thread's plain stores (after a CTA barrier: the
+    CTA's) before a later flag store, or a flag seen before later plain loads."""
+    if not INTERP:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
