@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mono_ext.core.spec import BuildContext, BuildKey
@@ -63,9 +64,29 @@ from mono_ext.runtime.persistent import (
     wait_namer,
 )
 
-__all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build"]
+__all__ = ["TritonBuilder", "TritonLaunches", "TritonRuntime", "build", "device_sources"]
 
 MAX_WIDTH = BLOCK_B  # K1 and K2 are built for up to BLOCK_B rows
+
+# The files a build's code depends on: the jitted device code and the host modules that choose
+# its constexprs. A build key's digest hashes them all, so any edit to them changes the digest.
+_MODEL_SOURCES = (
+    "k1.py",
+    "k1_plan.py",
+    "k1_kernel.py",
+    "k2.py",
+    "k2_kernel.py",
+    "k2_stages.py",
+    "k2_sync.py",
+)
+_GENERIC_SOURCES = ("allreduce.py", "limits.py", "planes.py", "primitives.py")
+
+
+def device_sources() -> tuple[Path, ...]:
+    """Every file the K1/K2 builds compile from or take constants from (without importing them)."""
+    model = Path(__file__).resolve().parent
+    generic = model.parents[2] / "kernels" / "triton"
+    return tuple(model / f for f in _MODEL_SOURCES) + tuple(generic / f for f in _GENERIC_SOURCES)
 
 
 @dataclass
@@ -102,7 +123,6 @@ class TritonRuntime(PersistentRuntime):
         from mono_ext.kernels.triton.launcher import FrozenLaunches
         from mono_ext.models.qwen3_next.dims import Dims
         from mono_ext.models.qwen3_next.triton import k1 as k1m
-        from mono_ext.models.qwen3_next.triton import k1_kernel, k2_kernel
         from mono_ext.models.qwen3_next.triton import k2 as k2m
         from mono_ext.runtime.build_cache import BuildCache
         from mono_ext.runtime.failstop import CudaHealthSource, FailStop
@@ -195,9 +215,7 @@ class TritonRuntime(PersistentRuntime):
             compiled=compiled,
         )
         rt.frozen = FrozenLaunches()
-        rt.cache = BuildCache(
-            lambda k: TritonLaunches(k, rt), sources=(k1m, k1_kernel, k2m, k2_kernel)
-        )
+        rt.cache = BuildCache(lambda k: TritonLaunches(k, rt), sources=device_sources())
         torch.cuda.synchronize(dev)  # workspaces zeroed before any step can see them
         return rt
 
