@@ -134,13 +134,19 @@ def test_k2_tiny_matches_reference(tiny):
     assert not tracker.problems(), tracker.problems()
 
 
-def test_k2_tiny_norm_once_gives_the_same_bits():
+@pytest.mark.parametrize("case", ["bf16", "a8"])
+def test_k2_tiny_norm_once_gives_the_same_bits(case):
     """Wide steps norm each row once and hand it over behind a flag; narrow ones norm every
-    row in every CTA. Both paths must give the same bits, or a row's output would depend on
-    how wide its step is."""
+    row in every CTA (and in the a8 build the top-k CTAs quantize the row from that CTA's own
+    copy). Both paths must give the same bits, or a row's output would depend on how wide its
+    step is."""
     gen = torch.Generator(device=DEV).manual_seed(23)
-    every = TinyTail(PRESETS[0], seed=5, norm_once_above=BLOCK_B)
-    once = TinyTail(PRESETS[0], seed=5, norm_once_above=0)
+    if case == "bf16":
+        preset, kw = PRESETS[0], {}
+    else:
+        preset, kw = FP8_CONFIG, {"formats": FP8_CASES["block128"], "fp8_activations": True}
+    every = TinyTail(preset, seed=5, norm_once_above=BLOCK_B, **kw)
+    once = TinyTail(preset, seed=5, norm_once_above=0, **kw)
     for b in (1, 3, BLOCK_B):
         o_in, res = every.inputs(b, gen)
         h0, r0 = every.run(o_in, res)

@@ -42,11 +42,13 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 | peer: ar2       | [2][tp][Bb * H] words | int64 | tagged fp32 MoE partials               | S4 push (tp > 1)     |
 | scratch: nflag  | [Bb] words            | int64 | row normed into xs[G] (norm once);     | S2 norm once -> S2   |
 |                 |                       |       | payload sigmoid(shared_expert_gate.x)  |                      |
-| priv xs         | [G + 1, 2, Bb, H]     | bf16  | this CTA's normed rows: bf16(x), and   | S2, same CTA         |
+| priv xs         | [G + 2, 2, Bb, H]     | bf16  | this CTA's normed rows: bf16(x), and   | S2, same CTA         |
 |                 |                       |       | bf16(x - bf16(x)) for the router;      | (fp8_activations:    |
-|                 |                       |       | fp8_activations builds then keep e4m3  | S3 into plane 1, S4  |
-|                 |                       |       | codes + scales of x in plane 1, then   | into both)           |
-|                 |                       |       | of their down run's activations        |                      |
+|                 |                       |       | fp8_activations builds then keep their | S4 into both)        |
+|                 |                       |       | down run's e4m3 activations there;     |                      |
+|                 |                       |       | xs[G]: the rows normed once, shared;   | S2 norm once -> all  |
+|                 |                       |       | xs[G + 1] plane 0: the rows' e4m3      | S3 top-k -> S3       |
+|                 |                       |       | codes + scales per K chunk (a8)        | gate_up (a8)         |
 | priv wsc        | [G, Um + 1, Bb]       | fp32  | routing weight per (slot, row); slot   | S2/S3, same CTA      |
 |                 |                       |       | Um holds sigmoid(shared_expert_gate.x) |                      |
 | priv ppos       | [G, Um + 1, Bb]       | int32 | pair row of (slot, row) in act, or -1  | S3, same CTA         |
@@ -236,7 +238,7 @@ class K2Workspace:
     """One rank's scratch: mailbox regions and per-CTA private rows (zeroed once)."""
 
     scratch: Any  # int64 [scratch_words]
-    xs: Any  # bf16 [G + 1, 2, Bb, H]: per CTA, then the shared normed rows
+    xs: Any  # bf16 [G + 2, 2, Bb, H]: per CTA, the shared normed rows, the shared a8 codes
     eslot: Any  # int32 [G, 2, EP]: per expert its union slot, then its picked flag
     wsc: Any  # fp32 [G, Um + 1, Bb]
     ppos: Any  # int32 [G, Um + 1, Bb]
@@ -399,7 +401,7 @@ class K2Launch:
             scratch=torch.zeros(
                 max(self.layout.scratch_words, 16), dtype=torch.int64, device=device
             ),
-            xs=torch.zeros(g + 1, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
+            xs=torch.zeros(g + 2, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
             eslot=torch.zeros(g, 2, _next_pow2(s.experts), dtype=torch.int32, device=device),
             wsc=torch.zeros(g, s.slots + 1, BLOCK_B, dtype=torch.float32, device=device),
             ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),

@@ -108,6 +108,7 @@ def k2_kernel(
     nn = tl.arange(0, BN)
     xs_base = xs_ptr + pid * (2 * BB * H)  # plane 0: bf16(x); plane 1: bf16(x - plane 0)
     xn_base = xs_ptr + G * (2 * BB * H)  # the same planes, shared: each row normed once
+    xq_base = xs_ptr + (G + 1) * (2 * BB * H)  # A8: the rows' e4m3 codes and scales, shared
     once = n_rows > NONCE  # each row normed by one CTA (s2_norm_publish), not by every CTA
     eslot_base = eslot_ptr + pid * (2 * EP)
     wsc_base = wsc_ptr + pid * ((UM + 1) * BB)
@@ -171,8 +172,8 @@ def k2_kernel(
     stamp(trace_ptr, 4, TRACE)
     if STAGES & 8:
         s3_topk(
-            logits_ptr, picks_ptr, ctrl_ptr, health_ptr, pid, G, n_rows, tag, E, EP, TOPK,
-            NORM_TOPK, BB, KS2, RID_LOGITS, INTERP,
+            logits_ptr, picks_ptr, xr_base, xq_base, ctrl_ptr, health_ptr, pid, G, n_rows, tag,
+            E, EP, TOPK, NORM_TOPK, BB, KS2, H, HP, BK3, RID_LOGITS, INTERP, A8,
         )  # fmt: skip
     stamp(trace_ptr, 10, TRACE)
     if STAGES & 16:
@@ -182,7 +183,7 @@ def k2_kernel(
         )  # fmt: skip
         stamp(trace_ptr, 5, TRACE)
         s3_gate_up(
-            w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, xr_base, wsc_base, ppos_base, meta_base,
+            w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xr_base, xq_base, wsc_base, ppos_base, meta_base,
             act_ptr, pid, G, rows, rmask, n_u, tag, H, IR, ISR, BB, BN3, BK3, PIPE3, JM3, UM, IW,
             IWR, IWS, Q_13, Q_SGU, SPE13, trace_ptr, TRACE, INTERP, A8,
         )  # fmt: skip

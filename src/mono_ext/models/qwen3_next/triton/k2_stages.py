@@ -308,10 +308,29 @@ def _topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
 
 
 @triton.jit
+def _quantize_row(xr_base, xq_base, r, H: tl.constexpr, HP: tl.constexpr, BB: tl.constexpr,
+                  BK3: tl.constexpr):  # fmt: skip
+    """Normed row ``r`` (plane 0 of ``xr_base``) as the a8 gate_up multiplies it: e4m3 codes at
+    ``xq_base + r * H`` (codes [BB, H]), then one fp32 scale per (BK3-column chunk, row) after
+    all the codes, by ``planes.quantize_e4m3_cols`` with the row's chunks as its columns."""
+    NG: tl.constexpr = HP // BK3  # chunks over the padded row; those past H are not stored
+    kk = tl.arange(0, BK3)
+    gi = tl.arange(0, NG)
+    col = gi[None, :] * BK3 + kk[:, None]  # [BK3, NG]: chunk g's column k
+    m = col < H
+    x = tl.load(xr_base + r * H + col, mask=m, other=0.0)
+    q, s_g = quantize_e4m3_cols(x)
+    tl.store(xq_base.to(tl.pointer_type(tl.float8e4nv)) + r * H + col, q, mask=m)
+    xsc = (xq_base + BB * H // 2).to(tl.pointer_type(tl.float32))
+    tl.store(xsc + gi * BB + r, s_g, mask=gi * BK3 < H)
+
+
+@triton.jit
 def s3_topk(
-    logits_ptr, picks_ptr, ctrl_ptr, health_ptr, pid, G, n_rows, tag, E: tl.constexpr,
-    EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr,
-    KS2: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr,
+    logits_ptr, picks_ptr, xr_base, xq_base, ctrl_ptr, health_ptr, pid, G, n_rows, tag,
+    E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
+    BB: tl.constexpr, KS2: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+    BK3: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
 ):  # fmt: skip
     """S3 top-k, one row per CTA: CTA ``G - 1 - r`` (mod G: CTAs past the router's tasks) takes
     row r's softmax top-k and publishes its picks into ``picks``: TOPK expert ids by rank, then
@@ -319,7 +338,13 @@ def s3_topk(
 
     A row's top-k is a chain of dependent block-wide reductions; done by every CTA for every
     row it is serial in the width, done once per row here it is one row deep at any width,
-    for one hand-off."""
+    for one hand-off.
+
+    ``A8``: before its picks, the same CTA quantizes the row for the a8 gate_up into the shared
+    codes at ``xq_base`` (:func:`_quantize_row`), so the picks also say the codes are in and
+    no CTA quantizes every row before its gate_up stream (a serial loop of L2 reads per K chunk
+    in each CTA). Here, not where the rows are normed: there the kernel's live values and the
+    division's slow-path call together spill the build."""
     offs_e = tl.arange(0, EP)
     valid = (offs_e < E)[None, :]
     ks_i = tl.arange(0, KS2)
@@ -335,6 +360,10 @@ def s3_topk(
         # weight: a NaN weight (a CUDA-graph padding row whose attention saw no keys is NaN
         # in vLLM) is still a pick whose pair must be written.
         at = r * (2 * TOPK) + prank
+        if A8:
+            _quantize_row(xr_base, xq_base, r, H, HP, BB, BK3)
+            tl.debug_barrier()  # every thread's code stores, then each thread's fence, then picks
+            fence_gpu(INTERP)
         put_words(picks_ptr, at, offs_e[None, :], sel, tag, INTERP)
         put_words(picks_ptr, at + TOPK, fp32_bits(wts), sel, tag, INTERP)
 
@@ -392,7 +421,7 @@ def s3_union(
 
 @triton.jit
 def s3_gate_up(
-    w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xs_base, xr_base, wsc_base, ppos_base, meta_base,
+    w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xr_base, xq_plane, wsc_base, ppos_base, meta_base,
     act_ptr, pid, G, rows, rmask, n_u, tag, H: tl.constexpr, IR: tl.constexpr, ISR: tl.constexpr,
     BB: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, PIPE3: tl.constexpr,
     JM3: tl.constexpr, UM: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr,
@@ -401,8 +430,9 @@ def s3_gate_up(
 ):  # fmt: skip
     """S3 gate_up: (shared or routed slot, row block) tasks of gate rows + the same up rows,
     SiLU(g) * u * routing weight -> bf16 pairs in ``act`` per (slot, row). ``A8``: fp8 planes
-    multiply e4m3 activations (``planes.qdot_a8q``): the normed rows quantized once per CTA,
-    K chunk by K chunk, into ``xs``'s second plane, which the router has finished with."""
+    multiply e4m3 activations (``planes.qdot_a8q``): the rows' codes and scales in
+    ``xq_plane``, written by the top-k CTAs before their picks (``s3_topk``), which
+    ``s3_union`` waited for."""
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
     NB: tl.constexpr = (IR + BI3 - 1) // BI3
     NBS: tl.constexpr = (ISR + BI3 - 1) // BI3
@@ -428,19 +458,11 @@ def s3_gate_up(
         other=0,
     )
     if A8:
-        # e4m3 codes [BB, H] then one fp32 scale per (K chunk, row), in the bytes of the
-        # router's lo plane: every task multiplies the same rows, so they are quantized once
-        # here instead of once per task and chunk inside the stream
-        xq_base = (xs_base + BB * H).to(tl.pointer_type(tl.float8e4nv))
-        xsc_base = (xs_base + BB * H + BB * H // 2).to(tl.pointer_type(tl.float32))
-        for kq in range(KCH3):
-            kx = kq * BK3 + kk3
-            xm = rmask[None, :] & (kx < H)[:, None]
-            x_c = tl.load(xr_base + rows[None, :] * H + kx[:, None], mask=xm, other=0.0)
-            q_c, s_c = quantize_e4m3_cols(x_c)
-            tl.store(xq_base + rows[None, :] * H + kx[:, None], q_c, mask=xm)
-            tl.store(xsc_base + kq * BB + rows, s_c)
-        tl.debug_barrier()  # codes written by this CTA's threads, read by all of them
+        # e4m3 codes [BB, H] then one fp32 scale per (K chunk, row): every task multiplies
+        # the same rows, so they are quantized once per row, not per task and chunk
+        xq_base = xq_plane.to(tl.pointer_type(tl.float8e4nv))
+        xsc_base = (xq_plane + BB * H // 2).to(tl.pointer_type(tl.float32))
+        fence_gpu(INTERP)  # the picks were in (s3_union): the codes before them are too
     stamp(trace_ptr, 11, TRACE)
     # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
     for it in tl.range(0, n_it3, num_stages=PIPE3):
@@ -459,7 +481,7 @@ def s3_gate_up(
         if A8:
             xq_t = tl.load(xq_base + rows[None, :] * H + k3[:, None],
                            mask=rmask[None, :] & km[:, None], other=0.0)  # fmt: skip
-            xs_t = tl.load(xsc_base + kc * BB + rows)
+            xs_t = tl.load(xsc_base + kc * BB + rows, mask=rmask, other=0.0)
         else:
             x_t = tl.load(
                 xr_base + rows[None, :] * H + k3[:, None],
