@@ -20,6 +20,7 @@ from mono_ext.models.qwen3_next.flydsl._k2_device import (
     _NULL_STREAM,
     WAVE,
     WAVES,
+    _block_sum,
     _fence_workgroup,
     _load_bf16,
     _mfma,
@@ -32,6 +33,38 @@ from mono_ext.models.qwen3_next.flydsl._k2_device import (
 )
 
 __all__ = ["k1_attn_launch"]
+
+
+def _norm_rows_launch(W, H, EPS):
+    """Both fronts' prologue for a build of width ``W``: every row's add (hidden + residual,
+    when the layer has one) and Gemma RMSNorm into this CTA's ``xs_b``, CTA 0 also writing
+    the sum as the residual out, then the workgroup's stores fenced for its other waves."""
+
+    @flyc.jit
+    def norm_rows(sm, hidden, residual, residual_out, ln_w, xs_b, has_residual, tid, bid):
+        res_on = has_residual != 0
+        res_base = res_on.select(residual, hidden)  # a valid address either way
+        res_scale = res_on.select(fx.Float32(1.0), fx.Float32(0.0))
+        for row in range(W):
+            ss = fx.Float32(0.0)
+            for h in range(tid, H, BLOCK):
+                e = fx.Int64(row * H + h) * 2
+                x = _load_bf16(hidden + e) + res_scale * _load_bf16(res_base + e)
+                ss = ss + x * x
+            inv = fx.math.rsqrt(_block_sum(sm, ss, tid) / fx.Float32(H) + fx.Float32(EPS))
+            for h in range(tid, H, BLOCK):
+                e = fx.Int64(row * H + h) * 2
+                x = _load_bf16(hidden + e) + res_scale * _load_bf16(res_base + e)
+                _store_bf16(
+                    xs_b + e, x * inv * (fx.Float32(1.0) + _load_bf16(ln_w + fx.Int64(h) * 2))
+                )
+                if bid == 0:
+                    _store_bf16(residual_out + e, x)
+        _fence_workgroup()
+        fx.gpu.barrier()
+        _fence_workgroup()
+
+    return norm_rows
 
 
 def k1_attn_launch(b):
@@ -51,15 +84,7 @@ def k1_attn_launch(b):
     class Smem:
         red_f: fx.Array[fx.Float32, 2 * WAVES, 16]
 
-    def block_sum(sm, x, tid):
-        x = _wave_sum(x)
-        fx.gpu.barrier()
-        fx.ptr_store(x, sm.red_f.ptr + tid // WAVE)  # every lane of a wave: the same value
-        fx.gpu.barrier()
-        t = fx.Float32(0.0)
-        for i in range_constexpr(WAVES):
-            t = t + fx.ptr_load(sm.red_f.ptr + i)
-        return t
+    norm_rows = _norm_rows_launch(W, H, EPS)
 
     @flyc.jit
     def mfma_rows(w_base, row0, x_base, lane):
@@ -106,29 +131,8 @@ def k1_attn_launch(b):
         tag = seq_tag(step_seq(ctrl, layer, layers_per_step))
         ln_w = _tab(wtab, 0)
         xs_b = xs + fx.Int64(bid) * (W * H * 2)
-        res_on = has_residual != 0
-        res_base = res_on.select(residual, hidden)  # a valid address either way
-        res_scale = res_on.select(fx.Float32(1.0), fx.Float32(0.0))
-
         # -- prologue: add + Gemma norm of every row into this CTA's xs ----------------
-        for row in range(W):
-            ss = fx.Float32(0.0)
-            for h in range(tid, H, BLOCK):
-                e = fx.Int64(row * H + h) * 2
-                x = _load_bf16(hidden + e) + res_scale * _load_bf16(res_base + e)
-                ss = ss + x * x
-            inv = fx.math.rsqrt(block_sum(sm, ss, tid) / fx.Float32(H) + fx.Float32(EPS))
-            for h in range(tid, H, BLOCK):
-                e = fx.Int64(row * H + h) * 2
-                x = _load_bf16(hidden + e) + res_scale * _load_bf16(res_base + e)
-                _store_bf16(
-                    xs_b + e, x * inv * (fx.Float32(1.0) + _load_bf16(ln_w + fx.Int64(h) * 2))
-                )
-                if bid == 0:
-                    _store_bf16(residual_out + e, x)
-        _fence_workgroup()
-        fx.gpu.barrier()
-        _fence_workgroup()
+        norm_rows(sm, hidden, residual, residual_out, ln_w, xs_b, has_residual, tid, bid)
 
         # -- qkv_proj: 64-row tiles; gate / v out, raw q / k tagged into qk -------------
         w_qkv = _tab(wtab, 1)
@@ -274,15 +278,7 @@ def k1_gdn_launch(b):
     class Smem:
         red_f: fx.Array[fx.Float32, 2 * WAVES, 16]
 
-    def block_sum(sm, x, tid):
-        x = _wave_sum(x)
-        fx.gpu.barrier()
-        fx.ptr_store(x, sm.red_f.ptr + tid // WAVE)  # every lane of a wave: the same value
-        fx.gpu.barrier()
-        t = fx.Float32(0.0)
-        for i in range_constexpr(WAVES):
-            t = t + fx.ptr_load(sm.red_f.ptr + i)
-        return t
+    norm_rows = _norm_rows_launch(W, H, EPS)
 
     def partner_sum(x):
         """Sum over the TPR threads of one state row (adjacent lanes)."""
@@ -377,29 +373,8 @@ def k1_gdn_launch(b):
         tag = seq_tag(step_seq(ctrl, layer, layers_per_step))
         ln_w = _tab(wtab, 0)
         xs_b = xs + fx.Int64(bid) * (W * H * 2)
-        res_on = has_residual != 0
-        res_base = res_on.select(residual, hidden)
-        res_scale = res_on.select(fx.Float32(1.0), fx.Float32(0.0))
-
         # -- prologue: add + Gemma norm of every row into this CTA's xs ----------------
-        for row in range(W):
-            ss = fx.Float32(0.0)
-            for h in range(tid, H, BLOCK):
-                e = fx.Int64(row * H + h) * 2
-                x = _load_bf16(hidden + e) + res_scale * _load_bf16(res_base + e)
-                ss = ss + x * x
-            inv = fx.math.rsqrt(block_sum(sm, ss, tid) / fx.Float32(H) + fx.Float32(EPS))
-            for h in range(tid, H, BLOCK):
-                e = fx.Int64(row * H + h) * 2
-                x = _load_bf16(hidden + e) + res_scale * _load_bf16(res_base + e)
-                _store_bf16(
-                    xs_b + e, x * inv * (fx.Float32(1.0) + _load_bf16(ln_w + fx.Int64(h) * 2))
-                )
-                if bid == 0:
-                    _store_bf16(residual_out + e, x)
-        _fence_workgroup()
-        fx.gpu.barrier()
-        _fence_workgroup()
+        norm_rows(sm, hidden, residual, residual_out, ln_w, xs_b, has_residual, tid, bid)
 
         # -- proj: qkvz and ba rows on MFMA; conv update, beta, g; tagged payload -------
         w_qkvz = _tab(wtab, 1)
@@ -506,7 +481,7 @@ def k1_gdn_launch(b):
                 o = o + sn * qx
             o = partner_sum(o)
             own = (tid % TPR) == 0
-            oo = block_sum(sm, own.select(o * o, fx.Float32(0.0)), tid)
+            oo = _block_sum(sm, own.select(o * o, fx.Float32(0.0)), tid)
             inv_o = fx.math.rsqrt(oo / fx.Float32(DV) + fx.Float32(EPS))
             y = _load_bf16(norm_w + fx.Int64(dv) * 2) * o * inv_o * (z * _sigmoid(z))
             if own:

@@ -77,6 +77,19 @@ def _wave_sum(x):
     return x
 
 
+def _block_sum(sm, x, tid):
+    """Sum of ``x`` over the workgroup, every thread given it, through ``sm.red_f`` (a
+    2 * WAVES fp32 array of the kernel's shared memory struct)."""
+    x = _wave_sum(x)
+    fx.gpu.barrier()
+    fx.ptr_store(x, sm.red_f.ptr + tid // WAVE)  # every lane of a wave: the same value
+    fx.gpu.barrier()
+    t = fx.Float32(0.0)
+    for i in range_constexpr(WAVES):
+        t = t + fx.ptr_load(sm.red_f.ptr + i)
+    return t
+
+
 def _mfma(a, b, acc):
     ty = Vector.make_type(4, fx.Float32)
     return Vector(rocdl.mfma_f32_16x16x16bf16_1k(ty, [a, b, acc]), (4,), fx.Float32)
@@ -161,16 +174,6 @@ def k2_launch(b):
             acc = acc + _f32_of(w)
         return acc
 
-    def block_sum(sm, x, tid):
-        x = _wave_sum(x)
-        fx.gpu.barrier()
-        fx.ptr_store(x, sm.red_f.ptr + tid // WAVE)  # every lane of a wave: the same value
-        fx.gpu.barrier()
-        t = fx.Float32(0.0)
-        for i in range_constexpr(WAVES):
-            t = t + fx.ptr_load(sm.red_f.ptr + i)
-        return t
-
     def block_max(sm, x, tid):
         for off in (32, 16, 8, 4, 2, 1):
             o = x.shuffle_xor(off, WAVE)
@@ -253,7 +256,7 @@ def k2_launch(b):
         """Softmax denominator over every expert (only without top-k renormalisation)."""
         if NORM_TOPK:
             return tot
-        return block_sum(sm, tot, tid)
+        return _block_sum(sm, tot, tid)
 
     def down_row(w2, s_down, exs, pj, h):
         """Byte address of row ``h`` of pair ``pj``'s down plane (pj == K: the shared one)."""
@@ -320,7 +323,7 @@ def k2_launch(b):
             for h in range(tid, H, BLOCK):
                 x = _f32_of(get(scratch, "resid", row * H + h, tag, ctrl, health))
                 ss = ss + x * x
-            inv = fx.math.rsqrt(block_sum(sm, ss, tid) / fx.Float32(H) + fx.Float32(EPS))
+            inv = fx.math.rsqrt(_block_sum(sm, ss, tid) / fx.Float32(H) + fx.Float32(EPS))
             for h in range(tid, H, BLOCK):
                 x = _f32_of(fx.Int32(load_word(word_addr(scratch, OFF["resid"] + row * H + h))))
                 y = x * inv * (fx.Float32(1.0) + _load_bf16(ln_w + fx.Int64(h) * 2))
