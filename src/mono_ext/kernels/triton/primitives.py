@@ -34,6 +34,8 @@ from mono_ext.runtime import health as _h
 
 __all__ = [
     "allreduce_bf16_oneshot",
+    "fence_gpu",
+    "fp32_bits",
     "global_timer_ns",
     "mailbox_get",
     "mailbox_put",
@@ -47,6 +49,7 @@ __all__ = [
     "unpack_tag",
     "unpack_value",
     "wait_tagged",
+    "words_to_fp32",
 ]
 
 # Offsets into the control / health blocks (the layout lives in runtime/health.py).
@@ -105,6 +108,29 @@ def pack_tagged(values, tag):
 @triton.jit
 def unpack_value(words):
     return words.to(tl.int32)  # truncation keeps the low 32 bits
+
+
+@triton.jit
+def fp32_bits(x):
+    """fp32 values as the int32 payload of tagged words."""
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def words_to_fp32(words):
+    """The fp32 payload of tagged words (``fp32_bits`` undone)."""
+    return unpack_value(words).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fence_gpu(INTERP: tl.constexpr):
+    """``fence.acq_rel.gpu``: orders this thread's plain stores (after a CTA barrier: the
+    CTA's) before a later flag store, or a flag seen before later plain loads."""
+    if not INTERP:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -85,12 +85,13 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_either
 from mono_ext.kernels.triton.primitives import (
+    fp32_bits,
     pdl_prologue,
     put_words,
     seq_tag,
     step_seq,
-    unpack_value,
     wait_tagged,
+    words_to_fp32,
 )
 
 __all__ = ["S1", "S2", "STAGES_ALL", "k1_attn_kernel", "k1_gdn_kernel"]
@@ -104,7 +105,7 @@ L2NORM_EPS = tl.constexpr(1e-6)  # FLA / vLLM: x / sqrt(sum(x^2) + 1e-6)
 @triton.jit
 def _put(region_ptr, offs, values, mask, tag, INTERP: tl.constexpr):
     """Hand fp32 ``values`` to a later stage as tagged words."""
-    put_words(region_ptr, offs, values.to(tl.int32, bitcast=True), mask, tag, INTERP)
+    put_words(region_ptr, offs, fp32_bits(values), mask, tag, INTERP)
 
 
 @triton.jit
@@ -114,7 +115,7 @@ def _get(region_ptr, offs, mask, tag, ctrl_ptr, health_ptr, region_id, INTERP: t
         words = tl.load(region_ptr + offs, mask=mask, other=0)
     else:
         words, ok = wait_tagged(region_ptr + offs, mask, offs, tag, ctrl_ptr, health_ptr, region_id)
-    return tl.where(mask, unpack_value(words).to(tl.float32, bitcast=True), 0.0)
+    return tl.where(mask, words_to_fp32(words), 0.0)
 
 
 @triton.jit
@@ -128,7 +129,7 @@ def _wait_all(region_ptr, offs, mask, tag, ctrl_ptr, health_ptr, region_id, INTE
 def _read_f32(region_ptr, offs, mask):
     """fp32 values of tagged words already waited for (volatile: never a stale L1 line)."""
     words = tl.load(region_ptr + offs, mask=mask, other=0, volatile=True)
-    return tl.where(mask, unpack_value(words).to(tl.float32, bitcast=True), 0.0)
+    return tl.where(mask, words_to_fp32(words), 0.0)
 
 
 @triton.jit
@@ -604,8 +605,7 @@ def _attn_s2(
                  INTERP)  # fmt: skip
         x = tl.reshape(x, (BB, D))
         pidx = rows[:, None] * WA + t * D + part[None, :]
-        xp = unpack_value(tl.load(qk_ptr + pidx, mask=rm, other=0, volatile=True))
-        xp = xp.to(tl.float32, bitcast=True)
+        xp = words_to_fp32(tl.load(qk_ptr + pidx, mask=rm, other=0, volatile=True))
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
         w = tl.where(is_k, wk_n, wq_n)
         wp = tl.where(is_k, wk_p, wq_p)

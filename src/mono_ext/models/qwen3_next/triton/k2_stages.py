@@ -23,16 +23,20 @@ from mono_ext.kernels.triton.planes import (
     quantize_e4m3_cols,
     scale_index,
 )
-from mono_ext.kernels.triton.primitives import put_words, unpack_value, wait_tagged
-from mono_ext.models.qwen3_next.triton.k2_sync import (
+from mono_ext.kernels.triton.primitives import (
     fence_gpu,
     fp32_bits,
+    put_words,
+    unpack_value,
+    wait_tagged,
+    words_to_fp32,
+)
+from mono_ext.models.qwen3_next.triton.k2_sync import (
     prefetch_l2,
     put_partial,
     stamp,
     sum_partials,
     wait2d,
-    words_to_fp32,
 )
 
 __all__ = [

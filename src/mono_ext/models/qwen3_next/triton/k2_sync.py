@@ -1,6 +1,6 @@
 """The device helpers K2's stages share (``k2_stages.py``): bounded waits over 2-D blocks,
-tagged partial sums across slots and ranks, the fence around the shared normed rows, the L2
-prefetch of weight blocks and the trace stamps of ``TRACE`` builds. All are inlined into
+tagged partial sums across slots and ranks, the L2 prefetch of weight blocks and the trace
+stamps of ``TRACE`` builds. All are inlined into
 ``k2_kernel``."""
 
 from __future__ import annotations
@@ -9,33 +9,21 @@ import triton
 import triton.language as tl
 
 from mono_ext.kernels.triton.primitives import (
+    fp32_bits,
     global_timer_ns,
     pack_tagged,
     store_tagged,
-    unpack_value,
     wait_tagged,
+    words_to_fp32,
 )
 
 __all__ = [
-    "fence_gpu",
-    "fp32_bits",
     "prefetch_l2",
     "put_partial",
     "stamp",
     "sum_partials",
     "wait2d",
-    "words_to_fp32",
 ]
-
-
-@triton.jit
-def fp32_bits(x):
-    return x.to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def words_to_fp32(words):
-    return unpack_value(words).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -126,14 +114,3 @@ def sum_partials(
         offs = (slot0 + s) * WORDS + rows[:, None] * H + cols[None, :]
         acc += words_to_fp32(tl.load(base_ptr + offs, mask=mask, other=0, volatile=True))
     return acc
-
-
-@triton.jit
-def fence_gpu(INTERP: tl.constexpr):
-    """``fence.acq_rel.gpu``: orders this thread's plain stores (after a CTA barrier: the
-    CTA's) before a later flag store, or a flag seen before later plain loads."""
-    if not INTERP:
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
