@@ -438,6 +438,41 @@ def check_attn_steps(k1, md, w, w_ref, gen, widths):
     assert jit_cache_size(k1_attn_kernel) == n_jit, "K1 compiled a new variant after build"
 
 
+def test_fronts_batch_invariant():
+    """A row's outputs and states are bit-identical whatever the other rows and the width:
+    the first rows of a 16-row step, run again at fewer rows (padding included)."""
+    preset = PRESETS[0]
+    md = Dims.from_config(_cfg(preset))
+    gen = new_gen(31)
+    gdn, attn = gdn_build(preset, "float32"), attn_build(preset)
+    w, aw = gdn_weights(md, "interleaved", gen), attn_weights(md, gen)
+    conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
+    slots = step_slots(16, 0, gen)
+    hid, res = step_inputs(md, 16, gen)
+    pos = torch.randint(0, 4096, (16,), generator=gen, device=DEV)
+    st, ws, wsa = rank_state(), gdn.workspace(DEV), attn.workspace(DEV)
+    qd, kvd = md.hq * md.head_dim, md.hkv * md.head_dim
+    runs = {}
+    for width in (16, 9, 1):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        o_in, r_out = run_k1_gdn(gdn, st, ws, hid[:width], res[:width], w, conv, ssm,
+                                 slots[:width], 0)  # fmt: skip
+        outs = [torch.full((width, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+                for n in (qd, kvd, kvd, qd)]  # fmt: skip
+        ra = torch.full_like(hid[:width], float("nan"))
+        st.bump_epoch()
+        attn.launch(hid[:width], res[:width], aw, pos[:width], *outs, ra, ws=wsa, ctrl=st.ctrl,
+                    health=st.health)  # fmt: skip
+        assert_healthy(st)
+        idx = slots[:width][_valid(slots[:width], 0)].long()
+        runs[width] = (o_in, r_out, conv[idx], ssm[idx], *outs, ra)
+    names = ("o_in", "residual_out", "conv", "ssm", "q", "k", "v", "gate", "attn residual_out")
+    for width in (9, 1):
+        for name, got, full in zip(names, runs[width], runs[16], strict=True):
+            want = full[: got.shape[0]]
+            assert torch.equal(got, want), f"{name} at width {width} differs from width 16's"
+
+
 def test_launches_adapter_matches_direct_launch():
     """``K1Launches`` (the k1_* half of ``launches.LayerLaunches``) over BoundLayer views."""
     from mono_ext.models.qwen3_next.launches import BoundLayer

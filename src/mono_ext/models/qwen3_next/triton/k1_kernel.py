@@ -5,8 +5,10 @@ launches, the tensor contract) is ``k1.py``.
 Program (both kinds; declared by ``k1.k1_gdn_program`` / ``k1.k1_attn_program`` and checked
 by ``runtime.layout.check_handoffs`` at build):
 
-- prologue, every CTA: residual add + input norm of the B rows (redundant, so no hand-off),
-  kept in a private bf16 buffer as the dot operand; CTA 0 writes ``residual_out``.
+- prologue, every CTA: residual add of the B rows and their Gemma weighting ``s * (1 + w)``
+  (redundant, so no hand-off), kept in a private bf16 buffer as the dot operand, with the
+  rows' rsqrt for the input norm, which each tile's accumulator takes at its end (one pass
+  over the rows before the first weight chunk); CTA 0 writes ``residual_out``.
 - S1, over the grid: the projection rows in tiles of ``BN`` rows x all of H, whole rounds
   of the grid, then the rest in smaller tiles so that no CTA streams much more than its
   share (``k1.s1_tiles``); GDN: ``in_proj_ba`` first (every S2 task needs beta and g). One
@@ -74,7 +76,7 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | scratch: proj   | [Bb, Wg] words         | int64     | tagged fp32: conv out (q, k, v channels | S1 -> S2          |
 |                 |                        |           | head-major), z, beta, g                 |                   |
 | scratch: qk     | [Bb, (Hq + Hkv)*D]     | int64     | tagged fp32 raw q, k                    | S1 -> S2 (attn)   |
-| priv xs         | [G, Bb, H]             | bf16      | this CTA's normed rows (dot operand)    | prologue, same CTA|
+| priv xs         | [G, Bb, H]             | bf16      | this CTA's rows s * (1 + w) (operand)   | prologue, same CTA|
 | ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
 """
 
@@ -159,7 +161,7 @@ def _tile(t, FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr):
 def _dot_chunk(acc, wt, xs_base, rows, rmask, k, H: tl.constexpr, sp, wrows, wlive, k0,
                Q: tl.constexpr, N: tl.constexpr):  # fmt: skip
     """One K chunk of a tile, ``acc^T += W x^T``: the weight chunk ``wt`` [BN, BK] is the MMA's
-    M operand (wgmma), this CTA's normed rows its N; ``Q`` is the plane's format, its scales
+    M operand (wgmma), this CTA's weighted rows its N; ``Q`` is the plane's format, its scales
     at ``sp``, stored rows ``wrows``, chunk at column ``k0``."""
     xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :], other=0.0)
     return qdot(wt, xt, acc, sp, wrows, wlive, k0, Q, N, H)  # Q = 0: tl.dot(wt, xt, acc)
@@ -201,7 +203,10 @@ def _input_norm(
     hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
     H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr,
 ):  # fmt: skip
-    """s = hidden (+ residual) in fp32; xs = bf16(s * rsqrt(mean(s^2) + eps) * (1 + w)).
+    """s = hidden (+ residual) in fp32; xs = bf16(s * (1 + w)); returns the rows' rsqrt(mean(s^2)
+    + eps) [Bb], which each tile's accumulator takes at its end: W (s * (1 + w)) * rsqrt is the
+    Gemma norm's W x_normed, and the rows are read once before the first weight chunk, not
+    twice (the sum, then the scaled rows).
 
     Every CTA computes it into its own ``xs_base`` (the dot operand); CTA 0 writes s (bf16)
     to ``residual_out``.
@@ -219,18 +224,10 @@ def _input_norm(
         s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
         tl.store(rout_ptr + off, s.to(tl.bfloat16), mask=m & (pid == 0))
         ss += tl.sum(s * s, axis=1)
-    rstd = tl.rsqrt(ss / H + eps)
-    for c in tl.static_range(NCH):
-        hc = c * CH + hh
-        hm = hc < H
-        m = rmask[:, None] & hm[None, :]
-        off = rows[:, None] * H + hc[None, :]
-        s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
-        s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
-        w = tl.load(nw_ptr + hc, mask=hm, other=0.0).to(tl.float32)
-        xn = s * rstd[:, None] * (1.0 + w[None, :])
-        tl.store(xs_base + off, xn.to(tl.bfloat16), mask=m)
+        w = tl.load(nw_ptr + hc, mask=hc < H, other=0.0).to(tl.float32)
+        tl.store(xs_base + off, (s * (1.0 + w[None, :])).to(tl.bfloat16), mask=m)
     tl.debug_barrier()  # xs written by this CTA's threads, read back by all of them
+    return tl.rsqrt(ss / H + eps)
 
 
 @triton.jit
@@ -361,8 +358,8 @@ def _gdn_s1(
                         BK)  # fmt: skip
 
     xs_base = xs_ptr + pid * (BB * H)
-    _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
-                H, BB, CH)  # fmt: skip
+    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+                       H, BB, CH)  # fmt: skip
 
     slot_r = tl.load(slots_ptr + rows, mask=rmask, other=-1)
     rvalid = rmask & (slot_r >= 0) & (slot_r != null_slot)
@@ -426,6 +423,7 @@ def _gdn_s1(
             acc = _dot_mixed(acc, wt, wa, is_ba, xs_base, rows, rmask, k, kc * BK, sq_ptr,
                              sba_ptr, r_in, live, H, PQ, PBA, Q_QKVZ, Q_BA)  # fmt: skip
         if kc == KCH - 1:
+            acc = acc * rstd[None, :]  # the input norm (_input_norm)
             _gdn_epilogue(
                 tl.trans(acc), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask,
                 rvalid, slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag,
@@ -544,8 +542,8 @@ def _attn_s1(
             _prefetch_w(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, BN, HB,
                         BK)  # fmt: skip
     xs_base = xs_ptr + pid * (BB * H)
-    _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
-                H, BB, CH)  # fmt: skip
+    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+                       H, BB, CH)  # fmt: skip
     kk = tl.arange(0, BK)
     nn = tl.arange(0, BN)
     acc = tl.zeros([BN, BB], dtype=tl.float32)  # acc^T: weight rows x batch rows
@@ -564,6 +562,7 @@ def _attn_s1(
         acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, sqkv_ptr, r, r < PA,
                          kc * BK, Q_QKV, PA)  # fmt: skip
         if kc == KCH - 1:
+            acc = acc * rstd[None, :]  # the input norm (_input_norm)
             acc_r = tl.trans(acc)
             p = r
             head = p // (2 * D)
