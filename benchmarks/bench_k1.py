@@ -487,11 +487,12 @@ def results_rows(rows: list[dict], meta: dict) -> list[dict]:
     return arms
 
 
-def ncu_target(cfg) -> int:
-    """A few eager GDN K1 launches at width 1 on rotating copies (profile the last one)."""
+def ncu_target(cfg, over: dict) -> int:
+    """A few eager GDN, then attention K1 launches at width 1 on rotating copies (profile the
+    last of each kind)."""
     md = Dims.from_config(cfg)
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
-    k1 = K1GdnLaunch(K1GdnShape.from_dims(md), K1Config(grid=grid))
+    k1 = K1GdnLaunch(K1GdnShape.from_dims(md), _conf(grid, over))
     k1.build(DEV)
     layers, slots, hid, res = make_gdn_layers(md, 1, 3, torch.Generator(device=DEV).manual_seed(5))
     st = RankState.create(0, DEV, 2.0)
@@ -502,6 +503,10 @@ def ncu_target(cfg) -> int:
         st.bump_epoch()
         k1.launch(hid, res, w, conv, ssm, slots, o_in, r_out, ws=ws, ctrl=st.ctrl,
                   health=st.health, null_slot=0, layer=0, layers_per_step=1)  # fmt: skip
+    ka = K1AttnLaunch(K1AttnShape.from_dims(md), _conf(grid, over), max_positions=8192)
+    ka.build(DEV)
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    _attn_width(md, ka, ka.workspace(DEV), st, gen, 1, 3, 1, 1.0)
     torch.cuda.synchronize()
     return int(st.health[H_FAILED].item())
 
@@ -525,10 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--results-csv", default=None,
                     help="one row per (kind, width, arm), e.g. docs/results/k1_vllm.csv")  # fmt: skip
-    ap.add_argument("--ncu", action="store_true", help="3 eager width-1 launches (for ncu), exit")
+    ap.add_argument(
+        "--ncu", action="store_true", help="3 GDN then 3 attention K1 at width 1 (for ncu), exit"
+    )
     args = ap.parse_args(argv)
     if args.ncu:
-        return ncu_target(text_config(get_preset(PRESET)))
+        return ncu_target(text_config(get_preset(PRESET)),
+                          json.loads(args.config) if args.config else {})  # fmt: skip
     widths = [int(w) for w in args.widths.split(",")]
     cfg = text_config(get_preset(PRESET))
     props = torch.cuda.get_device_properties(DEV)

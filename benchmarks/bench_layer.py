@@ -2,6 +2,7 @@
 
     PYTHONPATH=src:/tmp/site python benchmarks/bench_layer.py [--widths 1,2,4,8,16]
         [--vllm-modes eager,compiled] [--json docs/results/layer_vllm.json]
+        [--k1-config '{"pdl": true}']
 
 What one step runs, per arm, for the first ``LAYERS`` layers of Qwen3-Next-80B-A3B at TP 1
 (three GDN layers to one attention layer, as the model has them), all captured in one CUDA
@@ -204,7 +205,8 @@ def write_kv(d: Dims, k, v, cache, slot_mapping) -> None:
 class MonoArm:
     """K1 + K2 builds of the deployment (one per kind), their workspaces and the rank state."""
 
-    def __init__(self, d: Dims, kinds, layers, states, caches, bufs, kv: bool, pdl: bool = False):
+    def __init__(self, d: Dims, kinds, layers, states, caches, bufs, kv: bool, pdl: bool = False,
+                 k1_over: dict | None = None):  # fmt: skip
         from mono_ext.models.qwen3_next.triton.k1 import (
             K1AttnLaunch,
             K1AttnShape,
@@ -217,7 +219,8 @@ class MonoArm:
 
         sm = torch.cuda.get_device_properties(0).multi_processor_count
         self.arm = PDL_ARM if pdl else ARM
-        k1c, k2c = K1Config(grid=sm, pdl=pdl), K2Config(grid=sm, pdl=pdl)
+        k1c = K1Config(grid=sm, pdl=pdl, **(k1_over or {}))
+        k2c = K2Config(grid=sm, pdl=pdl)
         self.d, self.kinds, self.layers, self.states = d, kinds, layers, states
         self.caches, self.bufs, self.kv = caches, bufs, kv
         self.k1 = {
@@ -408,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-pdl", action="store_true", help=f"leave out the {PDL_ARM!r} arm")
     ap.add_argument("--json", default=None, help="default docs/results/layer_<device>.json")
+    ap.add_argument("--k1-config", default=None,
+                    help='K1Config overrides (JSON) of both mono arms, e.g. \'{"pipeline_stages": 4}\'')  # fmt: skip
     args = ap.parse_args(argv)
+    k1_over = json.loads(args.k1_config) if args.k1_config else {}
     widths = [int(x) for x in args.widths.split(",")]
     if not widths or any(not 1 <= b <= MAX_W for b in widths):
         ap.error(f"--widths: each width in 1..{MAX_W}")
@@ -426,14 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"device: {name}; copy {bw / 1e12:.2f} TB/s (read + write); layers {','.join(kinds)}")
-    mono = MonoArm(d, kinds, layers, states, kv_cache(d, kinds), bufs, kv=problem is None)
+    mono = MonoArm(d, kinds, layers, states, kv_cache(d, kinds), bufs, kv=problem is None,
+                   k1_over=k1_over)  # fmt: skip
     print("builds: " + "; ".join(mono.labels()))
     mono.step(CHECK_WIDTH)
     torch.cuda.synchronize()
     mono.healthy()
     monos, checks = [mono], {}
     if not args.no_pdl:
-        pdl = MonoArm(d, kinds, layers, states, mono.caches, bufs, kv=mono.kv, pdl=True)
+        pdl = MonoArm(d, kinds, layers, states, mono.caches, bufs, kv=mono.kv, pdl=True,
+                      k1_over=k1_over)  # fmt: skip
         same = same_step(mono, pdl, bufs)
         pdl.healthy()
         checks[PDL_ARM] = {"bit_identical_to": ARM, "ok": same}
@@ -499,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": list(kinds),
         "copy_tb_per_s": round(bw / 1e12, 3),
         "builds": [x for m in monos for x in m.labels()],
+        "k1_config": k1_over,
         "kv_write": problem is None,
         "checks": {"width": CHECK_WIDTH, "min_cosine": STOCK_COSINE, "arms": checks},
         "rows": rows,

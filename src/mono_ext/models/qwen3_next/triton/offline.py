@@ -115,7 +115,7 @@ def _k1(kind: str, kw: dict, width: int) -> OfflineBuild:
 
     d, dev, kw = _dims(), torch.device("cpu"), dict(kw)
     conv = kw.pop("conv", "time_chan")
-    cfg = k1m.K1Config(grid=GRID)
+    cfg = k1m.K1Config(grid=GRID, **kw.pop("config", {}))
     if kind == "k1 gdn":
         launch = k1m.K1GdnLaunch(k1m.K1GdnShape.from_dims(d), cfg, **kw)
     else:
