@@ -177,6 +177,14 @@ SWEEP = (
     # programmatic dependent launch: each of the graph's launches starts launching the next
     # (the boundary gap between consecutive layers' launches)
     {"pdl": True},
+    # S2's first state slice is held in registers through all of S1 (32 per thread at
+    # 80B-A3B): without it the projection loop has them back
+    {"preload_state": False},
+    # half-width K chunks: the same bytes in flight with two more stages, a scale column per
+    # chunk either way for block-128 planes
+    {"k_chunk": 128, "pipeline_stages": 5},
+    # the first weight chunks move into L2 while the rows are normed
+    {"prefetch_first_chunks": True},
 )
 
 

@@ -23,8 +23,8 @@
 #                                         router K splits, task rows, PDL) at widths 1-16, checked
 #                                         against the default first; writes $OUT/k2_sweep.csv and
 #                                         the stage traces $OUT/k2_trace.json, ~4 min
-#   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep at widths 1, 4, 16 (writes
-#                                         $OUT/k1_sweep.csv), ~1 min
+#   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep, both fronts, at widths 1, 4,
+#                                         16 (writes $OUT/k1_sweep.csv), ~1.5 min
 #   bash tools/gpu/run_kernels.sh a8      K2's fp8_activations build: the fp8 tests (its own
 #                                         included), the one-plane probe, then bench_k2 fp8
 #                                         block-128 "k2" vs "k2 a8" at widths 1-16 with both
@@ -84,8 +84,8 @@ sweep)
       )k2 router_k_splits=8,k2 down_rows=32,k2 gate_up_rows=32,k2 pdl" \
     --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
 k1sweep)
-  run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --no-attn \
-    --csv "$OUT/k1_sweep.csv" ;;
+  run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --widths 1 \
+    --stock torch --csv "$OUT/k1_sweep.csv" ;;
 a8)
   bash "$0" fp8
   run stream_fp8 timeout -s KILL 120 python3 benchmarks/bench_stream_fp8.py \
