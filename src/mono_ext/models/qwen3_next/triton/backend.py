@@ -74,6 +74,8 @@ _MODEL_SOURCES = (
     "k1.py",
     "k1_plan.py",
     "k1_kernel.py",
+    "k1_recurrence.py",
+    "k1_words.py",
     "k2.py",
     "k2_kernel.py",
     "k2_stages.py",

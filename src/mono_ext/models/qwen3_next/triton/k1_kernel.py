@@ -1,6 +1,7 @@
 """K1's device code: the persistent layer-front kernels ``k1_gdn_kernel`` and ``k1_attn_kernel``
-and their stages (``@triton.jit`` helpers, inlined). The host side (shapes, config, programs,
-launches, the tensor contract) is ``k1.py``.
+and their stages (``@triton.jit`` helpers, inlined; GDN's S2 is ``k1_recurrence``, the
+tagged-word hand-offs ``k1_words``). The host side (shapes, config, programs, launches, the
+tensor contract) is ``k1.py``.
 
 Program (both kinds; declared by ``k1.k1_gdn_program`` / ``k1.k1_attn_program`` and checked
 by ``runtime.layout.check_handoffs`` at build):
@@ -86,65 +87,15 @@ import triton
 import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_either
-from mono_ext.kernels.triton.primitives import (
-    fp32_bits,
-    pdl_prologue,
-    put_words,
-    seq_tag,
-    step_seq,
-    wait_tagged,
-    words_to_fp32,
-)
+from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, step_seq, words_to_fp32
+from mono_ext.models.qwen3_next.triton.k1_recurrence import gdn_s2
+from mono_ext.models.qwen3_next.triton.k1_words import get_f32, prefetch_l2, put_f32
 
 __all__ = ["S1", "S2", "STAGES_ALL", "k1_attn_kernel", "k1_gdn_kernel"]
 
 S1 = 1  # prologue + projections (+ conv); the interpreter runs S1 and S2 as two launches
 S2 = 2  # recurrence + gated norm (GDN) / norm + RoPE (attention)
 STAGES_ALL = 3
-L2NORM_EPS = tl.constexpr(1e-6)  # FLA / vLLM: x / sqrt(sum(x^2) + 1e-6)
-
-
-@triton.jit
-def _put(region_ptr, offs, values, mask, tag, INTERP: tl.constexpr):
-    """Hand fp32 ``values`` to a later stage as tagged words."""
-    put_words(region_ptr, offs, fp32_bits(values), mask, tag, INTERP)
-
-
-@triton.jit
-def _get(region_ptr, offs, mask, tag, ctrl_ptr, health_ptr, region_id, INTERP: tl.constexpr):
-    """Bounded wait for 1-D tagged words; returns their fp32 values (0 where masked)."""
-    if INTERP:
-        words = tl.load(region_ptr + offs, mask=mask, other=0)
-    else:
-        words, ok = wait_tagged(region_ptr + offs, mask, offs, tag, ctrl_ptr, health_ptr, region_id)
-    return tl.where(mask, words_to_fp32(words), 0.0)
-
-
-@triton.jit
-def _wait_all(region_ptr, offs, mask, tag, ctrl_ptr, health_ptr, region_id, INTERP: tl.constexpr):
-    """One bounded wait until every masked word carries ``tag`` (read them with _read_f32)."""
-    if not INTERP:  # the interpreter runs the stages as separate launches: nothing to wait for
-        wait_tagged(region_ptr + offs, mask, offs, tag, ctrl_ptr, health_ptr, region_id)
-
-
-@triton.jit
-def _read_f32(region_ptr, offs, mask):
-    """fp32 values of tagged words already waited for (volatile: never a stale L1 line)."""
-    words = tl.load(region_ptr + offs, mask=mask, other=0, volatile=True)
-    return tl.where(mask, words_to_fp32(words), 0.0)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """``prefetch.global.L2`` per pointer (one per 128-byte line is enough)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred %p; setp.ne.b32 %p, $2, 0; @%p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptrs, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -195,7 +146,7 @@ def _prefetch_w(w_ptr, w2_ptr, it, n_it, pid, G, KCH, NA, LIM1, LIM2, H: tl.cons
     li = tl.arange(0, BN * LPR)
     rr = li // LPR
     r = tl.where(first, r0, r0 - NA) + rr
-    _prefetch_l2(wb + r * H + kc * BK + (li % LPR) * 64, (it < n_it) & (rr < nr) & (r < lim))
+    prefetch_l2(wb + r * H + kc * BK + (li % LPR) * 64, (it < n_it) & (rr < nr) & (r < lim))
 
 
 @triton.jit
@@ -318,18 +269,7 @@ def _gdn_epilogue(
         tl.where(is_z[None, :], acc, tl.where(is_b[None, :], tl.sigmoid(acc), g)),
     )
     off = rows[:, None] * WROW + dest[None, :]
-    _put(proj_ptr, off, val, rmask[:, None] & (dest >= 0)[None, :], tag, INTERP)
-
-
-@triton.jit
-def _delta_rule(S, qv, kv, vvec, beta, decay):
-    """Rows of the gated delta rule: S <- decay S + beta (v - decay S k) k^T; o = S q."""
-    S = S * decay
-    ks = tl.sum(S * kv[None, :], axis=1)
-    delta = (vvec - ks) * beta
-    S = S + delta[:, None] * kv[None, :]
-    o = tl.sum(S * qv[None, :], axis=1)
-    return S, o
+    put_f32(proj_ptr, off, val, rmask[:, None] & (dest >= 0)[None, :], tag, INTERP)
 
 
 @triton.jit
@@ -433,97 +373,6 @@ def _gdn_s1(
 
 
 @triton.jit
-def _gdn_s2(
-    ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows, rmask, n_tasks,
-    null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale, tag, HV: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr, WROW: tl.constexpr, RID_PROJ: tl.constexpr,
-    PRELOAD: tl.constexpr, DVS: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
-    VD: tl.constexpr, CONV: tl.constexpr, RR: tl.constexpr, LINES: tl.constexpr,
-    EPL: tl.constexpr, VH: tl.constexpr, SL_OFF: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """GDN S2: one task per (row, value head): gated delta rule on the state tile (in place),
-    then the gated RMSNorm -> ``o_in``."""
-    two = tl.arange(0, 2)
-    # every word one task reads, as one block: q (Dk), k (Dk), v (Dv), z (Dv), beta, g
-    NW: tl.constexpr = 2 * DK + 2 * DV + 2
-    wi = tl.arange(0, WB)
-    slots_all = tl.load(slots_ptr + rows, mask=rmask, other=-1)
-    for t in range(first, n_tasks, G):
-        b = t // HV
-        h = t - b * HV
-        gk = h // RR
-        slot = tl.sum(tl.where(rows == b, slots_all, 0), axis=0)
-        valid = (slot >= 0) & (slot != null_slot)
-        sbase = ssm_ptr + tl.where(valid, slot, 0).to(tl.int64) * ss16 * 16 + h * (DV * DK)
-        if not INTERP:  # the next task's state starts moving into L2
-            tn = t + G
-            bn_ = tn // HV
-            sn = tl.sum(tl.where(rows == bn_, slots_all, 0), axis=0)
-            okn = (tn < n_tasks) & (sn >= 0) & (sn != null_slot)
-            stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + (tn - bn_ * HV) * (DV * DK)
-            _prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
-        smask = valid & (vh[:, None] < VH) & (kq[None, :] < DK)
-        if PRELOAD:
-            S = tl.load(sbase + soff, mask=smask & (t != first), other=0.0).to(tl.float32)
-            S = tl.where(t == first, S_first, S)
-        else:
-            S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
-        row = b * WROW
-        woff = tl.where(
-            wi < DK,
-            gk * DK + wi,
-            tl.where(
-                wi < 2 * DK,
-                KD + gk * DK + (wi - DK),
-                tl.where(
-                    wi < 2 * DK + DV,
-                    2 * KD + h * DV + (wi - 2 * DK),
-                    tl.where(
-                        wi < 2 * DK + 2 * DV,
-                        CONV + h * DV + (wi - 2 * DK - DV),
-                        CONV + VD + h + (wi - 2 * DK - 2 * DV) * HV,
-                    ),
-                ),
-            ),
-        )
-        _wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr,
-                  RID_PROJ, INTERP)  # fmt: skip
-        mk = valid & (kq < DK)
-        mv = valid & (vh < VH)
-        # every word of the task read at once (one round trip)
-        qv = _read_f32(proj_ptr, row + gk * DK + kq, mk)
-        kv = _read_f32(proj_ptr, row + KD + gk * DK + kq, mk)
-        bg = _read_f32(proj_ptr, row + CONV + VD + h + two * HV, valid & (two < 2))
-        v0 = _read_f32(proj_ptr, row + 2 * KD + h * DV + vh, mv)
-        z0 = _read_f32(proj_ptr, row + CONV + h * DV + vh, mv)
-        if DVS > 1:
-            v1 = _read_f32(proj_ptr, row + 2 * KD + h * DV + VH + vh, mv)
-            z1 = _read_f32(proj_ptr, row + CONV + h * DV + VH + vh, mv)
-        beta = tl.sum(tl.where(two == 0, bg, 0.0), axis=0)
-        gdec = tl.sum(tl.where(two == 1, bg, 0.0), axis=0)
-        qv = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + L2NORM_EPS) * qscale
-        kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + L2NORM_EPS)
-        decay = tl.exp(gdec)
-        S, o0 = _delta_rule(S, qv, kv, v0, beta, decay)
-        tl.store(sbase + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
-        ss = tl.sum(o0 * o0, axis=0)
-        if DVS > 1:  # the second half of the rows, after the first is stored
-            S = tl.load(sbase + SL_OFF + soff, mask=smask, other=0.0).to(tl.float32)
-            S, o1 = _delta_rule(S, qv, kv, v1, beta, decay)
-            tl.store(sbase + SL_OFF + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
-            ss += tl.sum(o1 * o1, axis=0)
-        # gated RMSNorm: w * o * rsqrt(mean(o^2) + eps) * silu(z)
-        rstd = tl.rsqrt(ss / DV + eps)
-        y = gw0 * o0 * rstd * (z0 * tl.sigmoid(z0))
-        y = tl.where(valid, y, 0.0)
-        tl.store(oin_ptr + b * VD + h * DV + vh, y.to(oin_ptr.dtype.element_ty))
-        if DVS > 1:
-            y = gw1 * o1 * rstd * (z1 * tl.sigmoid(z1))
-            y = tl.where(valid, y, 0.0)
-            tl.store(oin_ptr + b * VD + h * DV + VH + vh, y.to(oin_ptr.dtype.element_ty))
-
-
-@triton.jit
 def _attn_s1(
     hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr, sqkv_ptr, pid,
     G, rows, rmask, n_rows, has_res, eps, tag, H: tl.constexpr, HQ: tl.constexpr,
@@ -583,7 +432,7 @@ def _attn_s1(
                 mask=m2 & is_v[None, :],
             )
             dest = tl.where(is_q, head * D + o, HQ * D + (p - QG))
-            _put(qk_ptr, rows[:, None] * WA + dest[None, :], acc_r,
+            put_f32(qk_ptr, rows[:, None] * WA + dest[None, :], acc_r,
                  m2 & (is_q | is_k)[None, :], tag, INTERP)  # fmt: skip
             acc = tl.zeros_like(acc)
 
@@ -600,7 +449,7 @@ def _attn_s2(
         is_k = t >= HQ
         idx = rows[:, None] * WA + t * D + dd[None, :]
         flat = tl.reshape(idx, (BB * D,))
-        x = _get(qk_ptr, flat, tl.reshape(rm, (BB * D,)), tag, ctrl_ptr, health_ptr, RID_QK,
+        x = get_f32(qk_ptr, flat, tl.reshape(rm, (BB * D,)), tag, ctrl_ptr, health_ptr, RID_QK,
                  INTERP)  # fmt: skip
         x = tl.reshape(x, (BB, D))
         pidx = rows[:, None] * WA + t * D + part[None, :]
@@ -673,7 +522,7 @@ def k1_gdn_kernel(
     ok0 = (first < n_tasks) & (s0 >= 0) & (s0 != null_slot)
     st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + (first - b0 * HV) * (DV * DK)
     if (STAGES & 2) and not INTERP:
-        _prefetch_l2(ssm_ptr + st0 + ln * EPL, ok0 & (ln < LINES))
+        prefetch_l2(ssm_ptr + st0 + ln * EPL, ok0 & (ln < LINES))
     if PRELOAD:
         m0 = ok0 & (vh[:, None] < VH) & (kq[None, :] < DK)
         S_first = tl.load(ssm_ptr + st0 + soff, mask=m0, other=0.0).to(tl.float32)
@@ -691,7 +540,7 @@ def k1_gdn_kernel(
             Q_QKVZ, Q_BA, INTERP,
         )  # fmt: skip
     if STAGES & 2:
-        _gdn_s2(
+        gdn_s2(
             ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows, rmask,
             n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale, tag, HV,
             DK, DV, WROW, RID_PROJ, PRELOAD, DVS, WB, KD, VD, CONV, RR, LINES, EPL, VH, SL_OFF,
