@@ -185,6 +185,10 @@ SWEEP = (
     {"k_chunk": 128, "pipeline_stages": 5},
     # the first weight chunks move into L2 while the rows are normed
     {"prefetch_first_chunks": True},
+    # the recurrence as 2 or 4 tasks per (row, head), the gated norm a stage after it: at
+    # width 1, 64 or 128 of the 132 CTAs share the state instead of 32
+    {"dv_split": 2, "state_row_slices": 1},
+    {"dv_split": 4, "state_row_slices": 1},
 )
 
 

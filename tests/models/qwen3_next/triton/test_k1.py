@@ -83,12 +83,14 @@ def _grid():
 _BUILDS: dict = {}
 
 
-def gdn_build(name, state_dtype, ssm_layout="vk", packing="interleaved", formats=None):
-    formats = formats or {}
-    key = ("gdn", name, state_dtype, ssm_layout, packing, tuple(sorted(formats.items())))
+def gdn_build(name, state_dtype, ssm_layout="vk", packing="interleaved", formats=None,
+              config=None):  # fmt: skip
+    formats, config = formats or {}, config or {}
+    key = ("gdn", name, state_dtype, ssm_layout, packing, tuple(sorted(formats.items())),
+           tuple(sorted(config.items())))  # fmt: skip
     if key not in _BUILDS:
         shape = K1GdnShape.from_dims(Dims.from_config(_cfg(name)))
-        k1 = K1GdnLaunch(shape, K1Config(grid=_grid()), packing=packing,
+        k1 = K1GdnLaunch(shape, K1Config(grid=_grid(), **config), packing=packing,
                          state_dtype=state_dtype, ssm_layout=ssm_layout,
                          formats=formats)  # fmt: skip
         k1.build(DEV)
@@ -438,13 +440,42 @@ def check_attn_steps(k1, md, w, w_ref, gen, widths):
     assert jit_cache_size(k1_attn_kernel) == n_jit, "K1 compiled a new variant after build"
 
 
-def test_fronts_batch_invariant():
+def split(n):
+    """K1Config overrides of the recurrence in ``n`` blocks of Dv rows per (row, head)."""
+    return {"dv_split": n, "state_row_slices": 1}
+
+
+# the blocked recurrence at both state layouts (its blocks are rows of vk, columns of kv)
+SPLIT_CASES = [(p, n, "vk") for p in PRESETS for n in (2, 4)] + [(TINY, 4, "kv")]
+
+
+@pytest.mark.parametrize("preset,n,ssm_layout", SPLIT_CASES)
+def test_gdn_front_dv_split_matches_reference(preset, n, ssm_layout):
+    """``K1Config.dv_split``: each (row, head) of the recurrence as ``n`` tasks, the gated
+    norm a stage after them."""
+    md = Dims.from_config(_cfg(preset))
+    k1 = gdn_build(preset, "float32", ssm_layout, config=split(n))
+    gen = new_gen(37 + n)
+    w = gdn_weights(md, "interleaved", gen)
+    check_gdn_steps(k1, md, w, w, "interleaved", "time_chan", "float32", ssm_layout, gen, WIDTHS)
+
+
+def test_dv_split_refused_by_name():
+    shape = K1GdnShape.from_dims(Dims.from_config(_cfg(TINY)))
+    with pytest.raises(ValueError, match="dv_split=3: 1, 2 or 4 blocks"):
+        K1GdnLaunch(shape, K1Config(grid=_grid(), **split(3)))
+    with pytest.raises(ValueError, match="dv_split=2 needs state_row_slices=1"):
+        K1GdnLaunch(shape, K1Config(grid=_grid(), dv_split=2))
+
+
+@pytest.mark.parametrize("config", [{}, split(4)], ids=["default", "dv_split4"])
+def test_fronts_batch_invariant(config):
     """A row's outputs and states are bit-identical whatever the other rows and the width:
     the first rows of a 16-row step, run again at fewer rows (padding included)."""
     preset = PRESETS[0]
     md = Dims.from_config(_cfg(preset))
     gen = new_gen(31)
-    gdn, attn = gdn_build(preset, "float32"), attn_build(preset)
+    gdn, attn = gdn_build(preset, "float32", config=config), attn_build(preset)
     w, aw = gdn_weights(md, "interleaved", gen), attn_weights(md, gen)
     conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
     slots = step_slots(16, 0, gen)

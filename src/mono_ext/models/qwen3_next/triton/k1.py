@@ -35,6 +35,7 @@ from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reaso
 from mono_ext.models.qwen3_next.triton.k1_kernel import (
     S1,
     S2,
+    S3,
     STAGES_ALL,
     k1_attn_kernel,
     k1_gdn_kernel,
@@ -56,6 +57,7 @@ from mono_ext.runtime.layout import plan_layout
 __all__ = [
     "S1",
     "S2",
+    "S3",
     "STAGES_ALL",
     "BLOCK_B",
     "K1AttnLaunch",
@@ -173,7 +175,10 @@ class _K1LaunchBase:
         bad = self.shape.refusals() + self._refusals() + self._format_refusals()
         if bad:
             raise ValueError(f"K1 {self._KIND} refused: " + "; ".join(bad))
-        self.layout = plan_layout(self._PROGRAM(self.shape))
+        self.layout = plan_layout(self._program())
+
+    def _program(self) -> Any:
+        return type(self)._PROGRAM(self.shape)
 
     def _fmt(self, plane: str) -> str:
         return self.formats.get(plane, "bf16")
@@ -316,8 +321,8 @@ class _K1LaunchBase:
         args = self._args(*template, ws, ctrl, health, Live(ROWS), **step)
         cx = self._cx
         passes = [cx]
-        if self._split():  # interpreter: programs run in turn; S2 would wait on later ones
-            passes = [{**cx, "STAGES": st & self.stages} for st in (S1, S2)]
+        if self._split():  # interpreter: programs run in turn; a wait would need later ones
+            passes = [{**cx, "STAGES": st & self.stages} for st in self._passes()]
         return FrozenLaunch(self._KERNEL, self.config.grid, args, names, values, passes,
                             compiled=not _interp(), max_rows=BLOCK_B)  # fmt: skip
 
@@ -333,8 +338,11 @@ class _K1LaunchBase:
         planned.run(self.live_values(tensors))
 
     def _split(self) -> bool:
-        """Run S1 and S2 as two launches: the interpreter with more than one program."""
+        """Run each stage as a launch: the interpreter with more than one program."""
         return _interp() and self.config.grid > 1
+
+    def _passes(self) -> tuple[int, ...]:
+        return (S1, S2)
 
 
 @dataclass
@@ -379,10 +387,20 @@ class K1GdnLaunch(_K1LaunchBase):
             bad.append(f"ssm_layout {self.ssm_layout!r} is not 'vk' or 'kv'")
         if self.shape.qkvz_rows % 16:
             bad.append(f"qkvz rows {self.shape.qkvz_rows} are not a multiple of 16")
-        slices = self.config.state_row_slices
+        slices, split = self.config.state_row_slices, self.config.dv_split
         if slices not in (1, 2) or self.shape.dv // slices < 16:
             bad.append(f"state_row_slices={slices}: 1 or 2 state slices of at least 16 rows")
+        if split not in (1, 2, 4) or self.shape.dv // split < 16:
+            bad.append(f"dv_split={split}: 1, 2 or 4 blocks of at least 16 state rows")
+        elif split > 1 and slices != 1:
+            bad.append(f"dv_split={split} needs state_row_slices=1 (a block is one slice)")
         return bad
+
+    def _program(self) -> Any:
+        return k1_gdn_program(self.shape, self.config.dv_split)
+
+    def _passes(self) -> tuple[int, ...]:
+        return (S1, S2, S3) if self.config.dv_split > 1 else (S1, S2)
 
     def label(self) -> str:
         s = self.shape
@@ -390,7 +408,8 @@ class K1GdnLaunch(_K1LaunchBase):
             f"k1 gdn h{s.hidden} hk{s.hk} hv{s.hv} dk{s.dk} dv{s.dv} {self.state_dtype} "
             f"{self.ssm_layout} {self._config_label()}"
             f" state_row_slices={self.config.state_row_slices}"
-            f"{self._formats_label()}"
+            + (f" dv_split={self.config.dv_split}" if self.config.dv_split > 1 else "")
+            + f"{self._formats_label()}"
         )
 
     def _proj_rows(self) -> int:
@@ -416,10 +435,20 @@ class K1GdnLaunch(_K1LaunchBase):
             STATE_BYTES=4 if self.state_dtype == "float32" else 2,
             PRELOAD=c.preload_state and self.stages == STAGES_ALL and not self._split(),
             DVS=c.state_row_slices,
-            WB=next_pow2(2 * s.dk + 2 * s.dv + 2),
+            WB=next_pow2(2 * s.dk + 2 * s.dv // c.dv_split + 2),
             Q_QKVZ=self._q("in_proj_qkvz"),
             Q_BA=self._q("in_proj_ba"),
+            **self._split_constexprs(),
         )
+
+    def _split_constexprs(self) -> dict:
+        """The blocked recurrence's constexprs; none for dv_split 1 (the same compile as a
+        build that never had them)."""
+        ds, lay = self.config.dv_split, self.layout
+        if ds == 1:
+            return {}
+        return dict(DS=ds, OFF_OSQ=lay.offsets["osq"], RID_OSQ=lay.region_id("osq"),
+                    OFF_ORAW=lay.offsets["oraw"])  # fmt: skip
 
     def check(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
               residual_out) -> int:  # fmt: skip

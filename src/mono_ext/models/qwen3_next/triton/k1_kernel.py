@@ -36,9 +36,14 @@ by ``runtime.layout.check_handoffs`` at build):
   L2-prefetched one task ahead.
   Attention: one task per q or k head (all rows): wait, Gemma norm, RoPE from a cos/sin
   table (positions, cos/sin and norm weights are loaded before S1).
+- GDN with ``K1Config.dv_split`` > 1 (``k1_recurrence``): S2 runs each (row, head) as
+  ``dv_split`` tasks over blocks of Dv rows, each handing its o and sum of o^2 on as tagged
+  words (``oraw``, ``osq``), and S3, after every S2 task of the CTA, waits for a head's sums
+  and writes its gated norm.
 
-A CTA finishes all of its S1 tiles before its first S2 wait and S1 never waits, so with
-every CTA resident (checked at build) no wait can deadlock. Waits are bounded
+A CTA finishes all of its S1 tiles before its first S2 wait and all of its S2 tasks before
+its first S3 wait; S1 never waits and S2 waits only on S1, so with every CTA resident (checked
+at build) no wait can deadlock. Waits are bounded
 (``primitives.wait_tagged``). Reduction orders depend only on the build, never on the
 width, so a row's result does not depend on the other rows and replays are bit-identical.
 
@@ -77,6 +82,8 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | scratch: proj   | [Bb, Wg] words         | int64     | tagged fp32: conv out (q, k, v channels | S1 -> S2          |
 |                 |                        |           | head-major), z, beta, g                 |                   |
 | scratch: qk     | [Bb, (Hq + Hkv)*D]     | int64     | tagged fp32 raw q, k                    | S1 -> S2 (attn)   |
+| scratch: osq    | [Bb, Hv, dv_split]     | int64     | tagged fp32 sum of o^2 per block        | S2 -> S3 (split)  |
+| scratch: oraw   | [Bb, Hv*Dv]            | int64     | tagged fp32 o, read by the same CTA     | S2 -> S3 (split)  |
 | priv xs         | [G, Bb, H]             | bf16      | this CTA's rows s * (1 + w) (operand)   | prologue, same CTA|
 | ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
 """
@@ -88,14 +95,15 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_either
 from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, step_seq, words_to_fp32
-from mono_ext.models.qwen3_next.triton.k1_recurrence import gdn_s2
+from mono_ext.models.qwen3_next.triton.k1_recurrence import gdn_s2, gdn_s2_blocks, gdn_s3_norm
 from mono_ext.models.qwen3_next.triton.k1_words import get_f32, prefetch_l2, put_f32
 
-__all__ = ["S1", "S2", "STAGES_ALL", "k1_attn_kernel", "k1_gdn_kernel"]
+__all__ = ["S1", "S2", "S3", "STAGES_ALL", "k1_attn_kernel", "k1_gdn_kernel"]
 
-S1 = 1  # prologue + projections (+ conv); the interpreter runs S1 and S2 as two launches
+S1 = 1  # prologue + projections (+ conv); the interpreter runs each stage as a launch
 S2 = 2  # recurrence + gated norm (GDN) / norm + RoPE (attention)
-STAGES_ALL = 3
+S3 = 4  # the blocked recurrence's gated norm (GDN with dv_split > 1)
+STAGES_ALL = 7
 
 
 @triton.jit
@@ -483,6 +491,9 @@ def k1_gdn_kernel(
     NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr, PRELOAD: tl.constexpr,
     DVS: tl.constexpr, WB: tl.constexpr, Q_QKVZ: tl.constexpr,
     Q_BA: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    # the blocked recurrence (k1_recurrence): DS tasks per (row, head), its two regions
+    DS: tl.constexpr = 1, OFF_OSQ: tl.constexpr = 0, RID_OSQ: tl.constexpr = 0,
+    OFF_ORAW: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -496,31 +507,38 @@ def k1_gdn_kernel(
     PQ: tl.constexpr = 2 * KD + 2 * VD
     PBA: tl.constexpr = 2 * HV
     RR: tl.constexpr = HV // HK
-    LINES: tl.constexpr = DV * DK * STATE_BYTES // 128  # 128-byte lines per (slot, head)
+    # 128-byte lines per S2 task's state: a (slot, head), or one of its DS blocks
+    LINES: tl.constexpr = DV * DK * STATE_BYTES // 128 // DS
     EPL: tl.constexpr = 128 // STATE_BYTES
 
     rows = tl.arange(0, BB)
     rmask = rows < n_rows
-    n_tasks = n_rows * HV
+    n_tasks = n_rows * HV * DS
     # S2 tasks run from the last CTA down: the first S1 tiles go to the first CTAs, so the
     # CTAs with one S1 tile fewer start the recurrence (width 1: 32 tasks) soonest
     first = G - 1 - pid
     ln = tl.arange(0, LINES)
-    VH: tl.constexpr = DV // DVS  # state rows per slice (DVS = 2: half the registers)
+    # state rows per slice (DVS = 2: half the registers) or per block (DS > 1, DVS = 1)
+    VH: tl.constexpr = DV // (DVS * DS)
     vh = tl.arange(0, VH)
     kq = tl.arange(0, DK)
     if SSM_KV:  # noqa: SIM108 (a constexpr branch)
         soff = kq[None, :] * DV + vh[:, None]
     else:
         soff = vh[:, None] * DK + kq[None, :]
-    SL_OFF: tl.constexpr = VH if SSM_KV else VH * DK  # offset of the second slice
+    SL_OFF: tl.constexpr = VH if SSM_KV else VH * DK  # offset of the second slice / block
 
     # S2's first task: its whole state tile starts moving into L2 now and (PRELOAD) its
     # first slice is loaded into registers, so both hide behind S1 instead of following it.
-    b0 = first // HV
+    b0 = first // (HV * DS)
     s0 = tl.load(slots_ptr + b0, mask=first < n_tasks, other=-1)
     ok0 = (first < n_tasks) & (s0 >= 0) & (s0 != null_slot)
-    st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + (first - b0 * HV) * (DV * DK)
+    if DS == 1:
+        st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + (first - b0 * HV) * (DV * DK)
+    else:  # head, then block: blocks start SL_OFF apart (vk: VH rows of DK; kv: VH columns)
+        h0 = first // DS - b0 * HV
+        st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + h0 * (DV * DK)
+        st0 += (first - (b0 * HV + h0) * DS) * SL_OFF
     if (STAGES & 2) and not INTERP:
         prefetch_l2(ssm_ptr + st0 + ln * EPL, ok0 & (ln < LINES))
     if PRELOAD:
@@ -528,8 +546,9 @@ def k1_gdn_kernel(
         S_first = tl.load(ssm_ptr + st0 + soff, mask=m0, other=0.0).to(tl.float32)
     else:
         S_first = 0.0  # not read without PRELOAD
-    gw0 = tl.load(gnw_ptr + vh).to(tl.float32)
-    gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
+    if DS == 1:  # the blocked norm loads its block's weights per task
+        gw0 = tl.load(gnw_ptr + vh).to(tl.float32)
+        gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
 
     if STAGES & 1:
         _gdn_s1(
@@ -539,13 +558,31 @@ def k1_gdn_kernel(
             INTERLEAVED, BB, BN, BK, FT, HB, NT, CH, NS, PRE, CONV, VD, PQ, PBA, RR,
             Q_QKVZ, Q_BA, INTERP,
         )  # fmt: skip
-    if STAGES & 2:
-        gdn_s2(
-            ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows, rmask,
-            n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale, tag, HV,
-            DK, DV, WROW, RID_PROJ, PRELOAD, DVS, WB, KD, VD, CONV, RR, LINES, EPL, VH, SL_OFF,
-            INTERP,
-        )  # fmt: skip
+    if DS == 1:
+        if STAGES & 2:
+            gdn_s2(
+                ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows,
+                rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale,
+                tag, HV, DK, DV, WROW, RID_PROJ, PRELOAD, DVS, WB, KD, VD, CONV, RR, LINES, EPL,
+                VH, SL_OFF, INTERP,
+            )  # fmt: skip
+    else:
+        osq_ptr = scratch_ptr + OFF_OSQ
+        oraw_ptr = scratch_ptr + OFF_ORAW
+        if STAGES & 2:
+            gdn_s2_blocks(
+                ssm_ptr, slots_ptr, proj_ptr, osq_ptr, oraw_ptr, ctrl_ptr, health_ptr, G, first,
+                rows, rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, qscale, tag,
+                HV, DK, DV, WROW, RID_PROJ, PRELOAD, WB, KD, VD, CONV, RR, LINES, EPL, VH,
+                SL_OFF, DS, INTERP,
+            )  # fmt: skip
+        if STAGES & 4:
+            tl.debug_barrier()  # this CTA's o words, read back by its threads
+            gdn_s3_norm(
+                slots_ptr, oin_ptr, gnw_ptr, proj_ptr, osq_ptr, oraw_ptr, ctrl_ptr, health_ptr,
+                G, first, rows, rmask, n_tasks, null_slot, vh, eps, tag, HV, DV, WROW, RID_OSQ,
+                VD, CONV, VH, DS, INTERP,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step", "has_res", "max_pos"])

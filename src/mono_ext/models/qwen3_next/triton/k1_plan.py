@@ -94,14 +94,29 @@ class K1Config:
     # GDN: the [Dv, Dk] state tile in this many row slices (1 or 2; 2 halves the registers)
     state_row_slices: int = 2
     pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
+    # GDN: each (row, head) of the recurrence as this many tasks over blocks of Dv rows (1, 2
+    # or 4; more than 1 needs state_row_slices = 1), the gated norm a stage of its own
+    # (k1_recurrence): at width 1, 32 x dv_split tasks instead of 32
+    dv_split: int = 1
 
 
-def k1_gdn_program(shape: K1GdnShape) -> Program:
-    """S1 writes the proj region; S2 waits on it (checked at build)."""
+def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1) -> Program:
+    """S1 writes the proj region; S2 waits on it (checked at build). Split recurrence
+    (``dv_split`` > 1): S2 also writes each block's sum of o^2 (``osq``) and its o (``oraw``,
+    read back by the same CTA), and the gated norm, a stage after it, waits on ``osq``."""
+    proj = Region("proj", BLOCK_B * shape.payload_words)
+    s1 = Stage("in_proj_conv", [write("proj")])
+    if dv_split == 1:
+        return Program("k1_gdn", (proj,), (s1, Stage("recurrence", [wait("proj")])))
+    heads = BLOCK_B * shape.hv
     return Program(
         "k1_gdn",
-        (Region("proj", BLOCK_B * shape.payload_words),),
-        (Stage("in_proj_conv", [write("proj")]), Stage("recurrence", [wait("proj")])),
+        (proj, Region("osq", heads * dv_split), Region("oraw", heads * shape.dv)),
+        (
+            s1,
+            Stage("recurrence", [wait("proj"), write("osq"), write("oraw")]),
+            Stage("gated_norm", [wait("osq")]),
+        ),
     )
 
 

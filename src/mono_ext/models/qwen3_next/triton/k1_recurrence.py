@@ -1,6 +1,17 @@
 """K1's GDN S2: per (row, value head) the gated delta rule on the recurrent state tile, in
 place, then the gated RMSNorm into ``o_in`` (the program and the tensor contract are in
 ``k1_kernel``'s module doc).
+
+Two schedules (``K1Config.dv_split``):
+
+- ``gdn_s2`` (split 1): one task per (row, head) does the whole [Dv, Dk] tile, in
+  ``state_row_slices`` slices one after the other, and the norm. At width 1 that is 32 tasks
+  of 128 KB of state traffic each on 32 of 132 CTAs.
+- ``gdn_s2_blocks`` then ``gdn_s3_norm`` (split 2 or 4): each (row, head) is ``DS`` tasks over
+  blocks of Dv / DS state rows (128 tasks at width 1 for DS = 4). A block's task hands its o
+  and its sum of o^2 to the norm as tagged words; the norm, a stage of its own (every CTA
+  finishes its recurrence tasks before it waits, so no wait can deadlock), adds the head's DS
+  sums in a fixed order.
 """
 
 from __future__ import annotations
@@ -8,9 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mono_ext.models.qwen3_next.triton.k1_words import prefetch_l2, read_f32, wait_all
+from mono_ext.models.qwen3_next.triton.k1_words import prefetch_l2, put_f32, read_f32, wait_all
 
-__all__ = ["gdn_s2"]
+__all__ = ["gdn_s2", "gdn_s2_blocks", "gdn_s3_norm"]
 
 L2NORM_EPS = tl.constexpr(1e-6)  # FLA / vLLM: x / sqrt(sum(x^2) + 1e-6)
 
@@ -115,3 +126,122 @@ def gdn_s2(
             y = gw1 * o1 * rstd * (z1 * tl.sigmoid(z1))
             y = tl.where(valid, y, 0.0)
             tl.store(oin_ptr + b * VD + h * DV + VH + vh, y.to(oin_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _task(t, HV: tl.constexpr, DS: tl.constexpr):
+    """Row, value head and Dv block of a blocked S2 task (a head's DS tasks are consecutive)."""
+    b = t // (HV * DS)
+    r = t - b * (HV * DS)
+    h = r // DS
+    return b, h, r - h * DS
+
+
+@triton.jit
+def _slot(slots_all, rows, b, null_slot):
+    slot = tl.sum(tl.where(rows == b, slots_all, 0), axis=0)
+    return slot, (slot >= 0) & (slot != null_slot)
+
+
+@triton.jit
+def gdn_s2_blocks(
+    ssm_ptr, slots_ptr, proj_ptr, osq_ptr, oraw_ptr, ctrl_ptr, health_ptr, G, first, rows,
+    rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, qscale, tag,
+    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, WROW: tl.constexpr,
+    RID_PROJ: tl.constexpr, PRELOAD: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
+    VD: tl.constexpr, CONV: tl.constexpr, RR: tl.constexpr, LINES: tl.constexpr,
+    EPL: tl.constexpr, VH: tl.constexpr, QB_OFF: tl.constexpr, DS: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """Blocked GDN S2, the recurrence: per (row, head, block of ``VH`` state rows) the delta
+    rule on the block (in place); its o (fp32) and sum of o^2 go to ``oraw`` / ``osq`` for
+    :func:`gdn_s3_norm`. ``QB_OFF``: a block's offset in a head's state; ``LINES``: its
+    128-byte lines."""
+    two = tl.arange(0, 2)
+    # every word one task reads, as one block: q (Dk), k (Dk), its v and z (VH), beta, g
+    NW: tl.constexpr = 2 * DK + 2 * VH + 2
+    wi = tl.arange(0, WB)
+    slots_all = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+    for t in range(first, n_tasks, G):
+        b, h, qb = _task(t, HV, DS)
+        gk = h // RR
+        slot, valid = _slot(slots_all, rows, b, null_slot)
+        head = tl.where(valid, slot, 0).to(tl.int64) * ss16 * 16 + h * (DV * DK)
+        sbase = ssm_ptr + head + qb * QB_OFF
+        if not INTERP:  # the next task's block starts moving into L2
+            tn = t + G
+            bn_, hn, qn = _task(tn, HV, DS)
+            sn, okn = _slot(slots_all, rows, bn_, null_slot)
+            okn = okn & (tn < n_tasks)
+            stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + hn * (DV * DK) + qn * QB_OFF
+            prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
+        smask = valid & (vh[:, None] < VH) & (kq[None, :] < DK)
+        if PRELOAD:
+            S = tl.load(sbase + soff, mask=smask & (t != first), other=0.0).to(tl.float32)
+            S = tl.where(t == first, S_first, S)
+        else:
+            S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
+        row = b * WROW
+        col = h * DV + qb * VH  # the block's first value channel
+        woff = tl.where(
+            wi < DK,
+            gk * DK + wi,
+            tl.where(
+                wi < 2 * DK,
+                KD + gk * DK + (wi - DK),
+                tl.where(
+                    wi < 2 * DK + VH,
+                    2 * KD + col + (wi - 2 * DK),
+                    tl.where(
+                        wi < 2 * DK + 2 * VH,
+                        CONV + col + (wi - 2 * DK - VH),
+                        CONV + VD + h + (wi - 2 * DK - 2 * VH) * HV,
+                    ),
+                ),
+            ),
+        )
+        wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr, RID_PROJ,
+                 INTERP)  # fmt: skip
+        mk = valid & (kq < DK)
+        mv = valid & (vh < VH)
+        qv = read_f32(proj_ptr, row + gk * DK + kq, mk)
+        kv = read_f32(proj_ptr, row + KD + gk * DK + kq, mk)
+        bg = read_f32(proj_ptr, row + CONV + VD + h + two * HV, valid & (two < 2))
+        v0 = read_f32(proj_ptr, row + 2 * KD + col + vh, mv)
+        beta = tl.sum(tl.where(two == 0, bg, 0.0), axis=0)
+        gdec = tl.sum(tl.where(two == 1, bg, 0.0), axis=0)
+        qv = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + L2NORM_EPS) * qscale
+        kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + L2NORM_EPS)
+        S, o = _delta_rule(S, qv, kv, v0, beta, tl.exp(gdec))
+        tl.store(sbase + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
+        ss = tl.where(two == 0, tl.sum(o * o, axis=0), 0.0)
+        put_f32(osq_ptr, (b * HV + h) * DS + qb + two, ss, valid & (two == 0), tag, INTERP)
+        put_f32(oraw_ptr, b * VD + col + vh, o, mv, tag, INTERP)
+
+
+@triton.jit
+def gdn_s3_norm(
+    slots_ptr, oin_ptr, gnw_ptr, proj_ptr, osq_ptr, oraw_ptr, ctrl_ptr, health_ptr, G, first,
+    rows, rmask, n_tasks, null_slot, vh, eps, tag, HV: tl.constexpr, DV: tl.constexpr,
+    WROW: tl.constexpr, RID_OSQ: tl.constexpr, VD: tl.constexpr, CONV: tl.constexpr,
+    VH: tl.constexpr, DS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Blocked GDN S2, the gated RMSNorm of this CTA's blocks (the same tasks as
+    :func:`gdn_s2_blocks`, after all of them): w * o * rsqrt(mean(o^2) + eps) * silu(z), with
+    the head's DS sums of o^2 added in block order. Padding rows get o_in = 0."""
+    dsr = tl.arange(0, DS)
+    slots_all = tl.load(slots_ptr + rows, mask=rmask, other=-1)
+    for t in range(first, n_tasks, G):
+        b, h, qb = _task(t, HV, DS)
+        slot, valid = _slot(slots_all, rows, b, null_slot)
+        parts = (b * HV + h) * DS + dsr
+        wait_all(osq_ptr, parts, valid & (dsr < DS), tag, ctrl_ptr, health_ptr, RID_OSQ, INTERP)
+        ss = tl.sum(read_f32(osq_ptr, parts, valid & (dsr < DS)), axis=0)
+        rstd = tl.rsqrt(ss / DV + eps)
+        col = h * DV + qb * VH + vh
+        mv = valid & (vh < VH)
+        o = read_f32(oraw_ptr, b * VD + col, mv)  # this CTA's own words: no wait
+        z = read_f32(proj_ptr, b * WROW + CONV + col, mv)
+        gw = tl.load(gnw_ptr + qb * VH + vh).to(tl.float32)
+        y = tl.where(valid, gw * o * rstd * (z * tl.sigmoid(z)), 0.0)
+        tl.store(oin_ptr + b * VD + col, y.to(oin_ptr.dtype.element_ty))
