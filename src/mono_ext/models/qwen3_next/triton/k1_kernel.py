@@ -95,7 +95,12 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_either
 from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, step_seq, words_to_fp32
-from mono_ext.models.qwen3_next.triton.k1_recurrence import gdn_s2, gdn_s2_blocks, gdn_s3_norm
+from mono_ext.models.qwen3_next.triton.k1_recurrence import (
+    block_task,
+    gdn_s2,
+    gdn_s2_blocks,
+    gdn_s3_norm,
+)
 from mono_ext.models.qwen3_next.triton.k1_words import get_f32, prefetch_l2, put_f32
 
 __all__ = ["S1", "S2", "S3", "STAGES_ALL", "k1_attn_kernel", "k1_gdn_kernel"]
@@ -536,9 +541,8 @@ def k1_gdn_kernel(
     if DS == 1:
         st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + (first - b0 * HV) * (DV * DK)
     else:  # head, then block: blocks start SL_OFF apart (vk: VH rows of DK; kv: VH columns)
-        h0 = first // DS - b0 * HV
-        st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + h0 * (DV * DK)
-        st0 += (first - (b0 * HV + h0) * DS) * SL_OFF
+        _, h0, q0 = block_task(first, HV, DS)
+        st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + h0 * (DV * DK) + q0 * SL_OFF
     if (STAGES & 2) and not INTERP:
         prefetch_l2(ssm_ptr + st0 + ln * EPL, ok0 & (ln < LINES))
     if PRELOAD:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from mono_ext.models.qwen3_next.triton.k1_words import prefetch_l2, put_f32, read_f32, wait_all
 
-__all__ = ["gdn_s2", "gdn_s2_blocks", "gdn_s3_norm"]
+__all__ = ["block_task", "gdn_s2", "gdn_s2_blocks", "gdn_s3_norm"]
 
 L2NORM_EPS = tl.constexpr(1e-6)  # FLA / vLLM: x / sqrt(sum(x^2) + 1e-6)
 
@@ -35,6 +35,72 @@ def _delta_rule(S, qv, kv, vvec, beta, decay):
     S = S + delta[:, None] * kv[None, :]
     o = tl.sum(S * qv[None, :], axis=1)
     return S, o
+
+
+@triton.jit
+def _slot(slots_all, rows, b, null_slot):
+    """Row ``b``'s state slot and whether it is a real one (not padding)."""
+    slot = tl.sum(tl.where(rows == b, slots_all, 0), axis=0)
+    return slot, (slot >= 0) & (slot != null_slot)
+
+
+@triton.jit
+def _load_state(sbase, soff, smask, t, first, S_first, PRELOAD: tl.constexpr):
+    """A task's state rows in fp32; with ``PRELOAD`` the CTA's first task takes the ones the
+    kernel loaded before S1."""
+    if PRELOAD:
+        S = tl.load(sbase + soff, mask=smask & (t != first), other=0.0).to(tl.float32)
+        S = tl.where(t == first, S_first, S)
+    else:
+        S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
+    return S
+
+
+@triton.jit
+def _task_words(wi, gk, h, vofs, DK: tl.constexpr, DV: tl.constexpr, NV: tl.constexpr,
+                KD: tl.constexpr, CONV: tl.constexpr, VD: tl.constexpr,
+                HV: tl.constexpr):  # fmt: skip
+    """Payload-row offsets of every word one task reads, as one block for one wait: q and k
+    of key head ``gk`` (Dk each), ``NV`` values of v and of z from channel ``vofs`` of value
+    head ``h``, beta and g of ``h``."""
+    return tl.where(
+        wi < DK,
+        gk * DK + wi,
+        tl.where(
+            wi < 2 * DK,
+            KD + gk * DK + (wi - DK),
+            tl.where(
+                wi < 2 * DK + NV,
+                2 * KD + h * DV + vofs + (wi - 2 * DK),
+                tl.where(
+                    wi < 2 * DK + 2 * NV,
+                    CONV + h * DV + vofs + (wi - 2 * DK - NV),
+                    CONV + VD + h + (wi - 2 * DK - 2 * NV) * HV,
+                ),
+            ),
+        ),
+    )
+
+
+@triton.jit
+def _read_qk_gates(proj_ptr, row, gk, h, kq, two, mk, valid, KD: tl.constexpr,
+                   DK: tl.constexpr, CONV: tl.constexpr, VD: tl.constexpr,
+                   HV: tl.constexpr):  # fmt: skip
+    """A task's raw q and k (key head ``gk``) and its head's [beta, g] words, waited for."""
+    qv = read_f32(proj_ptr, row + gk * DK + kq, mk)
+    kv = read_f32(proj_ptr, row + KD + gk * DK + kq, mk)
+    bg = read_f32(proj_ptr, row + CONV + VD + h + two * HV, valid & (two < 2))
+    return qv, kv, bg
+
+
+@triton.jit
+def _qk_gates(qv, kv, bg, two, qscale):
+    """L2-normed q (times ``qscale``) and k, beta, and the decay exp(g)."""
+    beta = tl.sum(tl.where(two == 0, bg, 0.0), axis=0)
+    gdec = tl.sum(tl.where(two == 1, bg, 0.0), axis=0)
+    qv = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + L2NORM_EPS) * qscale
+    kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + L2NORM_EPS)
+    return qv, kv, beta, tl.exp(gdec)
 
 
 @triton.jit
@@ -57,8 +123,7 @@ def gdn_s2(
         b = t // HV
         h = t - b * HV
         gk = h // RR
-        slot = tl.sum(tl.where(rows == b, slots_all, 0), axis=0)
-        valid = (slot >= 0) & (slot != null_slot)
+        slot, valid = _slot(slots_all, rows, b, null_slot)
         sbase = ssm_ptr + tl.where(valid, slot, 0).to(tl.int64) * ss16 * 16 + h * (DV * DK)
         if not INTERP:  # the next task's state starts moving into L2
             tn = t + G
@@ -68,47 +133,21 @@ def gdn_s2(
             stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + (tn - bn_ * HV) * (DV * DK)
             prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
         smask = valid & (vh[:, None] < VH) & (kq[None, :] < DK)
-        if PRELOAD:
-            S = tl.load(sbase + soff, mask=smask & (t != first), other=0.0).to(tl.float32)
-            S = tl.where(t == first, S_first, S)
-        else:
-            S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
+        S = _load_state(sbase, soff, smask, t, first, S_first, PRELOAD)
         row = b * WROW
-        woff = tl.where(
-            wi < DK,
-            gk * DK + wi,
-            tl.where(
-                wi < 2 * DK,
-                KD + gk * DK + (wi - DK),
-                tl.where(
-                    wi < 2 * DK + DV,
-                    2 * KD + h * DV + (wi - 2 * DK),
-                    tl.where(
-                        wi < 2 * DK + 2 * DV,
-                        CONV + h * DV + (wi - 2 * DK - DV),
-                        CONV + VD + h + (wi - 2 * DK - 2 * DV) * HV,
-                    ),
-                ),
-            ),
-        )
+        woff = _task_words(wi, gk, h, 0, DK, DV, DV, KD, CONV, VD, HV)
         wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr,
                   RID_PROJ, INTERP)  # fmt: skip
         mk = valid & (kq < DK)
         mv = valid & (vh < VH)
         # every word of the task read at once (one round trip)
-        qv = read_f32(proj_ptr, row + gk * DK + kq, mk)
-        kv = read_f32(proj_ptr, row + KD + gk * DK + kq, mk)
-        bg = read_f32(proj_ptr, row + CONV + VD + h + two * HV, valid & (two < 2))
+        qv, kv, bg = _read_qk_gates(proj_ptr, row, gk, h, kq, two, mk, valid, KD, DK, CONV, VD, HV)
         v0 = read_f32(proj_ptr, row + 2 * KD + h * DV + vh, mv)
         z0 = read_f32(proj_ptr, row + CONV + h * DV + vh, mv)
         if DVS > 1:
             v1 = read_f32(proj_ptr, row + 2 * KD + h * DV + VH + vh, mv)
             z1 = read_f32(proj_ptr, row + CONV + h * DV + VH + vh, mv)
-        beta = tl.sum(tl.where(two == 0, bg, 0.0), axis=0)
-        gdec = tl.sum(tl.where(two == 1, bg, 0.0), axis=0)
-        qv = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + L2NORM_EPS) * qscale
-        kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + L2NORM_EPS)
-        decay = tl.exp(gdec)
+        qv, kv, beta, decay = _qk_gates(qv, kv, bg, two, qscale)
         S, o0 = _delta_rule(S, qv, kv, v0, beta, decay)
         tl.store(sbase + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
         ss = tl.sum(o0 * o0, axis=0)
@@ -129,18 +168,12 @@ def gdn_s2(
 
 
 @triton.jit
-def _task(t, HV: tl.constexpr, DS: tl.constexpr):
+def block_task(t, HV: tl.constexpr, DS: tl.constexpr):
     """Row, value head and Dv block of a blocked S2 task (a head's DS tasks are consecutive)."""
     b = t // (HV * DS)
     r = t - b * (HV * DS)
     h = r // DS
     return b, h, r - h * DS
-
-
-@triton.jit
-def _slot(slots_all, rows, b, null_slot):
-    slot = tl.sum(tl.where(rows == b, slots_all, 0), axis=0)
-    return slot, (slot >= 0) & (slot != null_slot)
 
 
 @triton.jit
@@ -163,56 +196,31 @@ def gdn_s2_blocks(
     wi = tl.arange(0, WB)
     slots_all = tl.load(slots_ptr + rows, mask=rmask, other=-1)
     for t in range(first, n_tasks, G):
-        b, h, qb = _task(t, HV, DS)
+        b, h, qb = block_task(t, HV, DS)
         gk = h // RR
         slot, valid = _slot(slots_all, rows, b, null_slot)
         head = tl.where(valid, slot, 0).to(tl.int64) * ss16 * 16 + h * (DV * DK)
         sbase = ssm_ptr + head + qb * QB_OFF
         if not INTERP:  # the next task's block starts moving into L2
             tn = t + G
-            bn_, hn, qn = _task(tn, HV, DS)
+            bn_, hn, qn = block_task(tn, HV, DS)
             sn, okn = _slot(slots_all, rows, bn_, null_slot)
             okn = okn & (tn < n_tasks)
             stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + hn * (DV * DK) + qn * QB_OFF
             prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
         smask = valid & (vh[:, None] < VH) & (kq[None, :] < DK)
-        if PRELOAD:
-            S = tl.load(sbase + soff, mask=smask & (t != first), other=0.0).to(tl.float32)
-            S = tl.where(t == first, S_first, S)
-        else:
-            S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
+        S = _load_state(sbase, soff, smask, t, first, S_first, PRELOAD)
         row = b * WROW
         col = h * DV + qb * VH  # the block's first value channel
-        woff = tl.where(
-            wi < DK,
-            gk * DK + wi,
-            tl.where(
-                wi < 2 * DK,
-                KD + gk * DK + (wi - DK),
-                tl.where(
-                    wi < 2 * DK + VH,
-                    2 * KD + col + (wi - 2 * DK),
-                    tl.where(
-                        wi < 2 * DK + 2 * VH,
-                        CONV + col + (wi - 2 * DK - VH),
-                        CONV + VD + h + (wi - 2 * DK - 2 * VH) * HV,
-                    ),
-                ),
-            ),
-        )
+        woff = _task_words(wi, gk, h, qb * VH, DK, DV, VH, KD, CONV, VD, HV)
         wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr, RID_PROJ,
                  INTERP)  # fmt: skip
         mk = valid & (kq < DK)
         mv = valid & (vh < VH)
-        qv = read_f32(proj_ptr, row + gk * DK + kq, mk)
-        kv = read_f32(proj_ptr, row + KD + gk * DK + kq, mk)
-        bg = read_f32(proj_ptr, row + CONV + VD + h + two * HV, valid & (two < 2))
+        qv, kv, bg = _read_qk_gates(proj_ptr, row, gk, h, kq, two, mk, valid, KD, DK, CONV, VD, HV)
         v0 = read_f32(proj_ptr, row + 2 * KD + col + vh, mv)
-        beta = tl.sum(tl.where(two == 0, bg, 0.0), axis=0)
-        gdec = tl.sum(tl.where(two == 1, bg, 0.0), axis=0)
-        qv = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + L2NORM_EPS) * qscale
-        kv = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + L2NORM_EPS)
-        S, o = _delta_rule(S, qv, kv, v0, beta, tl.exp(gdec))
+        qv, kv, beta, decay = _qk_gates(qv, kv, bg, two, qscale)
+        S, o = _delta_rule(S, qv, kv, v0, beta, decay)
         tl.store(sbase + soff, S.to(ssm_ptr.dtype.element_ty), mask=smask)
         ss = tl.where(two == 0, tl.sum(o * o, axis=0), 0.0)
         put_f32(osq_ptr, (b * HV + h) * DS + qb + two, ss, valid & (two == 0), tag, INTERP)
@@ -232,7 +240,7 @@ def gdn_s3_norm(
     dsr = tl.arange(0, DS)
     slots_all = tl.load(slots_ptr + rows, mask=rmask, other=-1)
     for t in range(first, n_tasks, G):
-        b, h, qb = _task(t, HV, DS)
+        b, h, qb = block_task(t, HV, DS)
         slot, valid = _slot(slots_all, rows, b, null_slot)
         parts = (b * HV + h) * DS + dsr
         wait_all(osq_ptr, parts, valid & (dsr < DS), tag, ctrl_ptr, health_ptr, RID_OSQ, INTERP)
