@@ -31,9 +31,9 @@ by ``runtime.layout.check_handoffs`` at build):
   [Dv, Dk] state tile (fp32 math, stored back in the state's dtype), o = S q, gated RMSNorm;
   one bounded wait covers every word of a task; the state tile in ``DVS`` row slices
   (``K1Config.state_row_slices``; registers). Tasks run from the last CTA down (the first
-  CTAs carry the extra S1 tiles). The first task's state is L2-prefetched before S1 and its
-  first slice loaded into registers (``K1Config.preload_state``); later ones are
-  L2-prefetched one task ahead.
+  CTAs carry the extra S1 tiles). The first task's state is L2-prefetched before S1 (and,
+  with ``K1Config.preload_state``, its first slice loaded into registers there); later
+  ones are L2-prefetched one task ahead.
   Attention: one task per q or k head (all rows): wait, Gemma norm, RoPE from a cos/sin
   table (positions, cos/sin and norm weights are loaded before S1).
 - GDN with ``K1Config.dv_split`` > 1 (``k1_recurrence``): S2 runs each (row, head) as
