@@ -8,7 +8,9 @@ no engine, no torch.
   per row, KV read per row at the mean context), per layer over the layers a slope adds, and
   for the whole model with the lm_head;
 * plan selection and result merging across device calls; greedy agreement and KL(off || on)
-  of top-k logprobs between two runs of the same prompts (:func:`compare_runs`).
+  of top-k logprobs between two runs of the same prompts (:func:`compare_runs`);
+* a decode step's device time from profiled runs: busy (the union of its kernels' and
+  copies' intervals), idle, and the kernels by time (:func:`gpu_step_summary`).
 
 tests/tools/test_e2e_bench_math.py exercises these through ``e2e_vllm`` (which re-exports
 them) and ``tests/tools/test_e2e_sglang_bench.py`` through ``e2e_sglang``.
@@ -37,6 +39,65 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     return slope, my - slope * mx
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time something ran, counting
+    overlapping work (two streams, a copy beside a kernel) once."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def gpu_step_summary(
+    ev1: list[tuple[str, float, float]],
+    ev2: list[tuple[str, float, float]],
+    n1: int,
+    n2: int,
+    tpot_s: float,
+    top: int = 12,
+) -> dict[str, Any]:
+    """Per decode step, from the device events ``(name, start_us, end_us)`` of one generate
+    of ``n1`` and one of ``n2`` tokens: what the second run has more, over ``n2 - n1`` (the
+    delta method of :func:`delta_tpot`, so prefill and start-up cancel). ``busy_us`` is the
+    union of the events' intervals, ``idle_us`` the step's TPOT (from the timed reps) minus
+    it: time the device waited on the host. ``kernels``: the ``top`` names by time per step,
+    with launches per step."""
+    steps = n2 - n1
+    if steps <= 0:
+        raise ValueError(f"need N2 > N1, got {n1}, {n2}")
+
+    def by_name(ev: list[tuple[str, float, float]]) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for name, a, b in ev:
+            t = out.setdefault(name, [0.0, 0.0])
+            t[0] += b - a
+            t[1] += 1
+        return out
+
+    t1, t2 = by_name(ev1), by_name(ev2)
+    busy = (busy_us([(a, b) for _, a, b in ev2]) - busy_us([(a, b) for _, a, b in ev1])) / steps
+    kernels = [
+        dict(
+            name=name,
+            us_per_step=round((t2[name][0] - t1.get(name, [0.0, 0.0])[0]) / steps, 3),
+            calls_per_step=round((t2[name][1] - t1.get(name, [0.0, 0.0])[1]) / steps, 3),
+        )
+        for name in t2
+    ]
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    tpot_us = tpot_s * 1e6
+    return dict(
+        tpot_us=round(tpot_us, 2),
+        busy_us=round(busy, 2),
+        idle_us=round(tpot_us - busy, 2),
+        events_per_step=round((len(ev2) - len(ev1)) / steps, 2),
+        kernels=kernels[:top],
+    )
 
 
 def expected_distinct(experts: int, top_k: int, rows: int) -> float:

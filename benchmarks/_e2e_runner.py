@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _e2e_math import delta_tpot, kinds_for, merge, select
+from _e2e_math import delta_tpot, gpu_step_summary, kinds_for, merge, select
 
 ORDER = ("off", "on", "on", "off")
 # the packages whose versions every ``bw`` entry records (the absent ones left out)
@@ -96,6 +96,12 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
         "--profile-steps", action="store_true",
         help="after each batch's timing, one more T(N2) under cProfile: the functions the "
              "worker's thread spends each decode step in (runs.*.batches.*.step_profile)",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile-gpu", action="store_true",
+        help="after each batch's timing, T(N1) and T(N2) once more under torch.profiler: per "
+             "decode step the device's busy and idle time and its kernels by time "
+             "(runs.*.batches.*.gpu_profile, summary.gpu_profile)",
     )  # fmt: skip
 
 
@@ -258,6 +264,7 @@ def entry_spec(e: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         spec.update(bytes=(64 if a.cpu_smoke else 4096) * 2**20, reps=5)
     else:
         spec["profile_steps"] = bool(getattr(a, "profile_steps", False))
+        spec["profile_gpu"] = bool(getattr(a, "profile_gpu", False))
     return spec
 
 
@@ -470,7 +477,63 @@ def time_batch(
         for r in row["step_profile"][:8]:
             print(f"[e2e]   {r['tottime_us_per_step']:8.1f} us/step {r['calls_per_step']:6.1f} "
                   f"calls  {r['function']}", flush=True)  # fmt: skip
+    if spec.get("profile_gpu"):
+        row["gpu_profile"] = g = profile_gpu(gen, prompts, spec["n1"], spec["n2"], row["tpot_s"])
+        if "busy_us" in g:
+            print(f"[e2e]   device per step: busy {g['busy_us']:.1f} us, idle {g['idle_us']:.1f} "
+                  f"us of {g['tpot_us']:.1f}", flush=True)  # fmt: skip
+            for k in g["kernels"][:8]:
+                print(f"[e2e]   {k['us_per_step']:8.1f} us/step {k['calls_per_step']:6.1f} "
+                      f"calls  {k['name'][:90]}", flush=True)  # fmt: skip
+        else:
+            print(f"[e2e]   device profile: {g['skipped']}", flush=True)
     return row
+
+
+def profile_gpu(
+    gen: Callable[..., tuple[float, Any]], prompts: Any, n1: int, n2: int, tpot_s: float
+) -> dict[str, Any]:
+    """``gen(prompts, n1)`` and ``gen(prompts, n2)`` under torch.profiler (device activity
+    only), summarized per decode step by :func:`gpu_step_summary`. The profiler sees this
+    process's device work only: an engine that runs its model in another process (vLLM with
+    ``--mp``, SGLang's scheduler) gives no events, which the result says."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    from torch.profiler import ProfilerActivity, profile
+
+    events = []
+    for n in (n1, n2):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            gen(prompts, n)
+            torch.cuda.synchronize()
+        events.append(
+            [
+                (e.name, float(e.time_range.start), float(e.time_range.end))
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+            ]
+        )
+    if not events[1]:
+        return {"skipped": "no device events in this process (the engine's model runs elsewhere)"}
+    return gpu_step_summary(events[0], events[1], n1, n2, tpot_s)
+
+
+def gpu_profile_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``summary.gpu_profile``: per offline run and batch with a device profile, its busy and
+    idle time per step and its five costliest kernels."""
+    rows = []
+    for k, r in sorted(runs.items()):
+        for b, v in sorted((r.get("batches") or {}).items(), key=lambda x: int(x[0])):
+            g = v.get("gpu_profile")
+            if g and "busy_us" in g:
+                rows.append(
+                    {"run": k, "batch": int(b),
+                     **{x: g[x] for x in ("tpot_us", "busy_us", "idle_us", "events_per_step")},
+                     "top": [(x["name"], x["us_per_step"]) for x in g["kernels"][:5]]}
+                )  # fmt: skip
+    return rows
 
 
 #: ``--profile-steps`` keeps this many functions per batch: the engine's whole host side per
@@ -673,6 +736,17 @@ def print_tables(s: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['run']} | {r['vs']} | {r['batch']} | {_f(r['agreement'])} | {r['rows_identical']}/{r['rows']} | "
                 f"{_f(r['kl_mean'], '{:.2e}')} | {_f(r['kl_max'], '{:.2e}')} | {r['kl_positions']} | {m or '-'} |"
+            )
+    if s.get("gpu_profile"):
+        lines.append("\ndevice per decode step (torch.profiler, delta of T(N2) and T(N1)):")
+        lines.append("| run | batch | TPOT us | busy us | idle us | events | costliest |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in s["gpu_profile"]:
+            top = ", ".join(f"{n[:40]} {t:.1f}" for n, t in r["top"][:3])
+            lines.append(
+                f"| {r['run']} | {r['batch']} | {_f(r['tpot_us'], '{:.1f}')} | "
+                f"{_f(r['busy_us'], '{:.1f}')} | {_f(r['idle_us'], '{:.1f}')} | "
+                f"{_f(r['events_per_step'], '{:.1f}')} | {top} |"
             )
     for k, v in s["routed"].items():
         lines.append(

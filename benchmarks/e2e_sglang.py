@@ -384,6 +384,7 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         "tpot": rows,
         "accuracy": accuracy_rows(runs),
         "routed": routed,
+        "gpu_profile": runner.gpu_profile_rows(runs),
         "failed": runner.failed_runs(data),
         "floor_model": runner.floor_model(
             bw, ssm_dtype or "float32 (assumed: SGLang's default)", ctx

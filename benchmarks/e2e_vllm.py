@@ -120,6 +120,13 @@ machine stays warm, so results go to /tmp/e2e and are copied to $OUT after every
       python3 benchmarks/e2e_vllm.py --out /tmp/e2e --quick --call-budget-s 540; \
       rc=$?; cp -r /tmp/e2e $OUT/; exit $rc
 
+``--profile-gpu``: after each batch's timing, one more T(N1) and T(N2) under torch.profiler
+(device activity of this process: the offline engine runs in-process, not with ``--mp``); per
+decode step (the delta of the two, as for TPOT) the device's busy time (union of kernel and
+copy intervals), its idle time (TPOT minus busy: the device waiting on the host) and the
+kernels by time, in ``runs.*.batches.*.gpu_profile`` and ``summary.gpu_profile``. For a
+step-cost difference between the arms, e.g. ``--layers 16 --batches 16 --profile-gpu``.
+
 ``--estimate`` prints the plan with estimated seconds per entry and exits. If the machine
 went cold between calls, carry the last e2e_vllm.json back (an ignored path) and pass it
 with ``--resume-from``.
@@ -140,12 +147,14 @@ sys.path.insert(0, str(HERE.parent))  # _e2e_math, _e2e_runner: loaded by path i
 import _e2e_runner as runner  # noqa: E402
 from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/tools/test_e2e_bench_math.py)
     accuracy_rows,
+    busy_us,
     compare_runs,
     delta_tpot,
     dims_vocab,
     expected_distinct,
     fit_line,
     floor_per_layer,
+    gpu_step_summary,
     kinds_for,
     layer_bytes,
     merge,
@@ -239,6 +248,8 @@ def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -
         for b in a.batches:
             prefill = 0.05 + b * a.prompt_len * n * 2e-7
             gens = a.reps * ((a.n1 + a.n2) * tpot(b) + 2 * prefill) + 8 * tpot(b) + prefill
+            if getattr(a, "profile_gpu", False):  # one more T(N1) and T(N2), profiled
+                gens += 1.5 * ((a.n1 + a.n2) * tpot(b) + 2 * prefill)
             s += gens + a.acc_tokens * tpot(b) * 1.5 + prefill
         return s
     if e["kind"] == "latency":  # warm-up and timed iterations of one batch
@@ -678,6 +689,7 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         "server": server,
         "latency": latency_rows(runs),
         "bench_serve": bench_serve_rows,
+        "gpu_profile": runner.gpu_profile_rows(runs),
         "failed": runner.failed_runs(data),
         "floor_model": runner.floor_model(bw, ssm_dtype or "bfloat16 (assumed)", ctx),
     }

@@ -32,7 +32,8 @@ def test_no_faster_width_refuses_with_the_reason_and_the_override():
 
 def test_triton_serves_only_measured_widths_and_everything_when_asked(monkeypatch):
     # the mechanism, whatever models/qwen3_next/triton/measured.py lists today
-    monkeypatch.setitem(measured.FASTER, ("vllm", "NVIDIA H200"), (frozenset({1}), "a run"))
+    key = ("vllm", "NVIDIA H200", "bf16")
+    monkeypatch.setitem(measured.FASTER, key, (frozenset({1}), "a run"))
     off = load_settings({})
     on = load_settings({"MONO_EXT_SERVE_UNMEASURED": "1"})
     b = TritonBuilder()

@@ -204,6 +204,53 @@ def test_profile_steps_counts_calls_per_decode_step():
     assert own == sorted(own, reverse=True)
 
 
+def test_busy_us_counts_overlapping_work_once():
+    assert bench.busy_us([]) == 0.0
+    assert bench.busy_us([(0.0, 10.0)]) == 10.0
+    # a copy inside a kernel, a second stream overlapping its tail, then a gap
+    assert bench.busy_us([(20.0, 30.0), (2.0, 5.0), (0.0, 10.0), (8.0, 12.0)]) == 22.0
+
+
+def test_gpu_step_summary_takes_the_delta_of_two_runs():
+    """A stand-in trace: one prefill kernel, then per decode step a 30 us layer kernel and a
+    5 us copy overlapping it, 50 us apart. The delta over the steps the second run adds
+    cancels the prefill; busy counts the overlapping copy once; idle is TPOT minus busy."""
+
+    def trace(steps):
+        ev = [("prefill", 0.0, 400.0)]
+        for i in range(steps):
+            t = 1000.0 + 50.0 * i
+            ev += [("layer", t, t + 30.0), ("copy", t + 25.0, t + 30.0), ("norm", t + 31, t + 33)]
+        return ev
+
+    g = bench.gpu_step_summary(trace(4), trace(12), 4, 12, tpot_s=50e-6, top=2)
+    assert (g["tpot_us"], g["busy_us"], g["idle_us"]) == (50.0, 32.0, 18.0)
+    assert g["events_per_step"] == 3.0
+    assert [k["name"] for k in g["kernels"]] == ["layer", "copy"]  # by time, top 2
+    assert g["kernels"][0] == dict(name="layer", us_per_step=30.0, calls_per_step=1.0)
+    with pytest.raises(ValueError):
+        bench.gpu_step_summary(trace(4), trace(4), 4, 4, 50e-6)
+
+
+def test_gpu_profile_rows_and_table():
+    g = bench.gpu_step_summary(
+        [("k", 0.0, 1.0)], [("k", 0.0, 1.0), ("k", 10.0, 31.0)], 1, 2, tpot_s=40e-6
+    )
+    runs = {
+        "L16-on": {"batches": {"16": {"gpu_profile": g}, "4": {"gpu_profile": {"skipped": "x"}}}},
+        "L16-off": {"batches": {"1": {}}},
+    }
+    rows = bench.runner.gpu_profile_rows(runs)
+    assert rows == [
+        {"run": "L16-on", "batch": 16, "tpot_us": 40.0, "busy_us": 21.0, "idle_us": 19.0,
+         "events_per_step": 1.0, "top": [("k", 21.0)]}
+    ]  # fmt: skip
+    floor = dict(copy_bw_TBps=4.2, ssm_state_dtype="bf16", distinct_experts=10.0, ctx_mean=700)
+    summary = dict(floor_model=floor, tpot=[], accuracy=[], routed={}, failed=[], gpu_profile=rows)
+    table = bench.runner.print_tables(summary)
+    assert "| L16-on | 16 | 40.0 | 21.0 | 19.0 | 1.0 | k 21.0 |" in table
+
+
 def test_fp8_planes_count_one_byte_and_a_scale_per_block():
     bf16 = bench.layer_bytes(DIMS, "linear_attention", rows=1, ctx=700)
     fp8_planes = frozenset({"in_proj_qkvz", "out_proj", "w13", "w2"})
