@@ -25,6 +25,11 @@ state); an arm that fails is reported and not timed. ``--results-csv`` writes on
 (kind, width, arm) with ``stock_over_arm`` = the fastest vLLM arm's time over the arm's, the
 stock to beat being vLLM's, never the torch chain.
 
+``--trace``: after the tables, each front's graph replayed once more with a trace build of the
+table config (``K1Config.trace``: %globaltimer per CTA at ``k1.TRACE_POINTS``: start, rows
+normed, S1 done, first S2 task's words, end), at ``--trace-widths``; the last launch's points
+as min / median / max over CTAs, into ``--trace-json``.
+
 Bandwidth: bytes a launch must move (weights once, every step row's state read + written,
 conv state read + written, activations) over its time, against a device-to-device copy
 measured in the same run (bytes read + written) and a read-only reduction.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import statistics
@@ -49,6 +55,7 @@ from mono_ext.models.qwen3_next.reference.gdn import split_ba, split_qkvz
 from mono_ext.models.qwen3_next.triton.k1 import (
     S1,
     STAGES_ALL,
+    TRACE_POINTS,
     K1AttnLaunch,
     K1AttnShape,
     K1Config,
@@ -61,6 +68,7 @@ from mono_ext.runtime.peers import RankState
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cuda_timing import event_times_us  # noqa: E402
 from _provenance import provenance  # noqa: E402
+from _trace import format_points, trace_points  # noqa: E402
 
 DEV = torch.device("cuda")
 PRESET = "qwen3-next-80b-a3b"
@@ -152,6 +160,31 @@ def torch_chain_gdn(md: Dims, hid, res, w, conv, ssm, slots, o_in, r_out):
     ssm.index_copy_(0, idx, st)
     y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * w["norm"].float()
     o_in.copy_((y * F.silu(z.float())).reshape(n, -1))
+
+
+def gdn_step(k1, ws, st, layers, slots, hid, res, o_in, r_out):
+    """One step of ``layers`` GDN fronts (one epoch, layer ids 0..n-1), as a graph holds it."""
+
+    def body():
+        st.bump_epoch()
+        for i, (w, conv, ssm) in enumerate(layers):
+            k1.launch(hid, res, w, conv, ssm, slots, o_in, r_out, ws=ws, ctrl=st.ctrl,
+                      health=st.health, null_slot=0, layer=i, layers_per_step=len(layers),
+                      validate=i == 0)  # fmt: skip
+
+    return body
+
+
+def attn_step(k1, ws, st, ws_list, hid, res, pos, outs, r_out):
+    """One step of ``ws_list`` attention fronts, as :func:`gdn_step`."""
+
+    def body():
+        st.bump_epoch()
+        for i, w in enumerate(ws_list):
+            k1.launch(hid, res, w, pos, *outs, r_out, ws=ws, ctrl=st.ctrl, health=st.health,
+                      layer=i, layers_per_step=len(ws_list), validate=i == 0)  # fmt: skip
+
+    return body
 
 
 def _graph(body):
@@ -282,15 +315,7 @@ def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too, v
         torch.cuda.synchronize()
         k1_ref = (o_in.clone(), ssm_k[slots.long()].clone())
     for stages, k1 in launches.items():
-        ws = k1.workspace(DEV)
-
-        def body(k1=k1, ws=ws):
-            st.bump_epoch()
-            for i, (w, conv, ssm) in enumerate(layers):
-                k1.launch(hid, res, w, conv, ssm, slots, o_in, r_out, ws=ws, ctrl=st.ctrl,
-                          health=st.health, null_slot=0, layer=i, layers_per_step=copies,
-                          validate=i == 0)  # fmt: skip
-
+        body = gdn_step(k1, k1.workspace(DEV), st, layers, slots, hid, res, o_in, r_out)
         g = _graph(body)
         results[f"k1_stages{stages}"] = statistics.median(event_times_us(g.replay, reps)) / copies
     assert int(st.health[H_FAILED].item()) == 0, "a K1 wait gave up during the benchmark"
@@ -338,7 +363,9 @@ def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too
         print(rows_out[-1], flush=True)
 
 
-def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=False) -> dict:
+def make_attn_layers(md: Dims, width: int, copies: int, gen):
+    """``copies`` attention layers of random bf16 weights, the step's rows and positions, and
+    its outputs (q, k, v, gate, residual_out)."""
     h, d = md.hidden, md.head_dim
     rows = (2 * md.hq + 2 * md.hkv) * d
     qd, kvd = md.hq * d, md.hkv * d
@@ -358,15 +385,15 @@ def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=Fals
     hid, res = rnd(width, h), rnd(width, h)
     pos = torch.randint(0, 8192, (width,), device=DEV, generator=gen)
     outs = [torch.empty(width, n, dtype=torch.bfloat16, device=DEV) for n in (qd, kvd, kvd, qd)]
-    r_out = torch.empty_like(hid)
+    return ws_list, hid, res, pos, outs, torch.empty_like(hid)
 
-    def body():
-        st.bump_epoch()
-        for i, w in enumerate(ws_list):
-            k1.launch(hid, res, w, pos, *outs, r_out, ws=ws, ctrl=st.ctrl, health=st.health,
-                      layer=i, layers_per_step=copies, validate=i == 0)  # fmt: skip
 
-    g = _graph(body)
+def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=False) -> dict:
+    h, d = md.hidden, md.head_dim
+    rows = (2 * md.hq + 2 * md.hkv) * d
+    qd, kvd = md.hq * d, md.hkv * d
+    ws_list, hid, res, pos, outs, r_out = make_attn_layers(md, width, copies, gen)
+    g = _graph(attn_step(k1, ws, st, ws_list, hid, res, pos, outs, r_out))
     us = statistics.median(event_times_us(g.replay, reps)) / copies
     assert int(st.health[H_FAILED].item()) == 0, "a K1 wait gave up during the benchmark"
     nbytes = rows * h * 2 + width * (3 * h * 2 + 2 * (qd + kvd) * 2)
@@ -386,6 +413,37 @@ def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=Fals
         row["vllm_rows"] = vllm_attn_rows(md, width, ws_list, hid.clone(), res.clone(), pos,
                                           outs[0].clone(), copies, reps, nbytes, bw_copy)  # fmt: skip
     return row
+
+
+def trace_front(kind: str, md: Dims, conf: K1Config, width: int, copies: int, st, gen) -> dict:
+    """The graph of ``copies`` layers as timed, replayed with a trace build of ``conf``
+    (``K1Config.trace``): per point of ``TRACE_POINTS``, min / median / max over the CTAs
+    that reached it of us since the first CTA of the graph's last launch started."""
+    tconf = dataclasses.replace(conf, trace=True)
+    if kind == "gdn":
+        k1 = K1GdnLaunch(K1GdnShape.from_dims(md), tconf)
+        k1.build(DEV)
+        ws = k1.workspace(DEV)
+        layers, slots, hid, res = make_gdn_layers(md, width, copies, gen)
+        o_in = torch.empty(width, md.value_dim, dtype=torch.bfloat16, device=DEV)
+        body = gdn_step(k1, ws, st, layers, slots, hid, res, o_in, torch.empty_like(hid))
+    else:
+        k1 = K1AttnLaunch(K1AttnShape.from_dims(md), tconf, max_positions=8192)
+        k1.build(DEV)
+        ws = k1.workspace(DEV)
+        body = attn_step(k1, ws, st, *make_attn_layers(md, width, copies, gen))
+    g = _graph(body)
+    g.replay()
+    torch.cuda.synchronize()
+    ws.trace.zero_()  # no stamp left from an earlier replay
+    g.replay()
+    torch.cuda.synchronize()
+    assert int(st.health[H_FAILED].item()) == 0, "a K1 wait gave up during the trace"
+    points = trace_points(ws.trace.cpu().tolist(), TRACE_POINTS)
+    print(f"  trace {kind} width {width} ({k1.label()}; us since the first CTA started: "
+          f"min / median / max)", flush=True)  # fmt: skip
+    print("\n".join(format_points(points)), flush=True)
+    return {"kind": kind, "width": width, "label": k1.label(), "points": points}
 
 
 # ------------------------------------------------------------------ vLLM's own front
@@ -545,6 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ncu", action="store_true", help="3 GDN then 3 attention K1 at width 1 (for ncu), exit"
     )
+    ap.add_argument("--trace", action="store_true",
+                    help="after the tables, each front's graph once more with a trace build of "
+                         "the table config: per-CTA times of its points (K1Config.trace)")  # fmt: skip
+    ap.add_argument("--trace-widths", default="1,16", help="with --trace: these widths")
+    ap.add_argument("--trace-json", default=None, help="with --trace: write the traces here")
     args = ap.parse_args(argv)
     if args.ncu:
         return ncu_target(text_config(get_preset(PRESET)),
@@ -611,6 +674,15 @@ def main(argv: list[str] | None = None) -> int:
             wr.writerows(arms)
     for r in rows:
         r.pop("vllm_rows", None)
+    if args.trace:
+        st = RankState.create(0, DEV, float(os.environ.get("MONO_EXT_DEADLINE_S", "2")))
+        gen = torch.Generator(device=DEV).manual_seed(3)
+        kinds = ("gdn",) if args.no_attn else ("gdn", "attn")
+        traces = [trace_front(kind, Dims.from_config(cfg), conf, int(w), args.copies, st, gen)
+                  for kind in kinds for w in args.trace_widths.split(",")]  # fmt: skip
+        if args.trace_json:
+            with open(args.trace_json, "w") as f:
+                json.dump({**provenance(props.name), "traces": traces}, f, indent=1)
     if args.csv:  # every row (the sweep's too), each with the run's provenance
         prov = provenance(props.name)
         rows = [{**r, **prov} for r in rows]

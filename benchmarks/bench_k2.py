@@ -87,6 +87,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _cuda_timing import copy_bandwidth, event_times_us, graph_times_us  # noqa: E402
 from _provenance import provenance  # noqa: E402
+from _trace import format_points, trace_points  # noqa: E402
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
@@ -430,22 +431,20 @@ TRACE_POINTS = (
 def print_trace(su: Setup, sms: int, state: RankState, vname: str, b: int) -> dict:
     """Run the rotation once (weights cold in L2, as timed) with a ``trace`` build and print,
     per stamp of the last launch, min / median / max over CTAs of microseconds since the
-    first CTA started; returns the same as a record for ``--trace-json``."""
+    first CTA started (``_trace.trace_points``); returns the same as a record for
+    ``--trace-json``."""
     k = build_k2(su, sms, trace=True, **variant_overrides(vname))
     ws = k.workspace("cuda")
     body = k2_body(k, su, b, state, ws)
-    for _ in range(3):
+    for _ in range(2):
         body()
     torch.cuda.synchronize()
-    t = ws.trace.cpu().double()
-    t0 = t[:, 0].min()
+    ws.trace.zero_()  # no stamp left from an earlier run
+    body()
+    torch.cuda.synchronize()
+    points = trace_points(ws.trace.cpu().tolist(), TRACE_POINTS)
     print(f"  trace {vname} width {b} (us since the first CTA started: min / median / max)")
-    points = []
-    for i, name in enumerate(TRACE_POINTS):
-        col = (t[:, i] - t0) / 1e3
-        lo, mid, hi = (round(float(x), 2) for x in (col.min(), col.median(), col.max()))
-        print(f"    {i} {name:<13} {lo:7.1f} {mid:7.1f} {hi:7.1f}")
-        points.append({"point": name, "min_us": lo, "median_us": mid, "max_us": hi})
+    print("\n".join(format_points(points)))
     return {"variant": vname, "width": b, "points": points}
 
 

@@ -25,6 +25,10 @@
 #                                         the stage traces $OUT/k2_trace.json, ~4 min
 #   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep, both fronts, at widths 1, 4,
 #                                         16 (writes $OUT/k1_sweep.csv), ~1.5 min
+#   bash tools/gpu/run_kernels.sh k1trace bench_k1 at widths 1-16 (vLLM arms where it imports),
+#                                         then both fronts traced at widths 1 and 16: per CTA
+#                                         start, rows normed, S1 done, first S2 words, end
+#                                         (writes $OUT/k1_vllm.csv, $OUT/k1_trace.json), ~2 min
 #   bash tools/gpu/run_kernels.sh a8      K2's fp8_activations build: the fp8 tests (its own
 #                                         included), the one-plane probe, then bench_k2 fp8
 #                                         block-128 "k2" vs "k2 a8" at widths 1-16 with both
@@ -86,6 +90,9 @@ sweep)
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --widths 1 \
     --stock torch --csv "$OUT/k1_sweep.csv" ;;
+k1trace)
+  run k1_trace python3 benchmarks/bench_k1.py --widths 1,2,4,8,16 --trace \
+    --results-csv "$OUT/k1_vllm.csv" --trace-json "$OUT/k1_trace.json" ;;
 a8)
   bash "$0" fp8
   run stream_fp8 timeout -s KILL 120 python3 benchmarks/bench_stream_fp8.py \
@@ -96,6 +103,6 @@ a8)
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|a8|layer" >&2
   exit 2 ;;
 esac

@@ -44,6 +44,8 @@ __all__ = [
     "pdl_prologue",
     "put_words",
     "seq_tag",
+    "stamp",
+    "stamp_when",
     "step_seq",
     "store_tagged",
     "unpack_tag",
@@ -69,6 +71,24 @@ def global_timer_ns():
     return tl.inline_asm_elementwise(
         "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
     )
+
+
+@triton.jit
+def stamp(trace_ptr, i: tl.constexpr, TRACE: tl.constexpr):
+    """``TRACE`` builds only: this CTA's %globaltimer when all its threads reach point ``i``,
+    into word ``i`` of its 16 (benchmarks place time inside a launch with them:
+    ``bench_k2.py --trace``, ``bench_k1.py --trace``). Other builds compile to nothing here."""
+    if TRACE:
+        tl.debug_barrier()
+        tl.store(trace_ptr + tl.program_id(0) * 16 + i, global_timer_ns())
+
+
+@triton.jit
+def stamp_when(trace_ptr, i: tl.constexpr, when, TRACE: tl.constexpr):
+    """:func:`stamp` where ``when`` (a scalar, the same in every thread of the CTA) holds."""
+    if TRACE:
+        tl.debug_barrier()
+        tl.store(trace_ptr + tl.program_id(0) * 16 + i, global_timer_ns(), mask=when)
 
 
 @triton.jit

@@ -98,12 +98,13 @@ def gdn_build(name, state_dtype, ssm_layout="vk", packing="interleaved", formats
     return _BUILDS[key]
 
 
-def attn_build(name, formats=None):
-    formats = formats or {}
-    key = ("attn", name, tuple(sorted(formats.items())))
+def attn_build(name, formats=None, config=None):
+    formats, config = formats or {}, config or {}
+    key = ("attn", name, tuple(sorted(formats.items())), tuple(sorted(config.items())))
     if key not in _BUILDS:
         shape = K1AttnShape.from_dims(Dims.from_config(_cfg(name)))
-        k1 = K1AttnLaunch(shape, K1Config(grid=_grid()), max_positions=4096, formats=formats)
+        k1 = K1AttnLaunch(shape, K1Config(grid=_grid(), **config), max_positions=4096,
+                          formats=formats)  # fmt: skip
         k1.build(DEV)
         _BUILDS[key] = k1
     return _BUILDS[key]
@@ -473,6 +474,58 @@ def test_gdn_front_preloaded_state_matches_reference(preset):
     gen = new_gen(41)
     w = gdn_weights(md, "interleaved", gen)
     check_gdn_steps(k1, md, w, w, "interleaved", "time_chan", "float32", "vk", gen, WIDTHS)
+
+
+def _check_trace(trace, first_tasks):
+    """Every CTA stamped its start, rows normed, S1 done and end, in that order; exactly the
+    CTAs in ``first_tasks`` stamped their first S2 task's words, between S1 and the end."""
+    from mono_ext.models.qwen3_next.triton.k1 import TRACE_POINTS
+
+    names = ("start", "rows normed", "S1 done", "first S2 words", "end")
+    start, normed, s1, words, end = (TRACE_POINTS.index(p) for p in names)
+    t = trace.cpu()
+    assert bool((t[:, [start, normed, s1, end]] > 0).all()), "a CTA missed a stamp"
+    assert bool((t[:, start] <= t[:, normed]).all() and (t[:, normed] <= t[:, s1]).all())
+    assert bool((t[:, s1] <= t[:, end]).all())
+    has = t[:, words] > 0
+    assert has.nonzero().flatten().tolist() == sorted(first_tasks)
+    assert bool((t[has, s1] <= t[has, words]).all() and (t[has, words] <= t[has, end]).all())
+
+
+@pytest.mark.skipif(INTERP or DEV.type != "cuda", reason="trace stamps read %globaltimer")
+def test_trace_builds_give_the_same_bits_and_ordered_stamps():
+    """``K1Config.trace`` (bench_k1.py --trace): both fronts' outputs and states bit-equal to
+    the default build's on the same inputs, and each CTA's stamps in program order."""
+    md = Dims.from_config(_cfg(REAL))
+    gen = new_gen(51)
+    w, aw = gdn_weights(md, "interleaved", gen), attn_weights(md, gen)
+    conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
+    width = 3
+    slots = step_slots(width, 0, gen, pad=False)
+    hid, res = step_inputs(md, width, gen)
+    pos = torch.randint(0, 4096, (width,), generator=gen, device=DEV)
+    qd, kvd = md.hq * md.head_dim, md.hkv * md.head_dim
+    st, got = rank_state(), {}
+    for traced in (False, True):
+        cfg = {"trace": True} if traced else {}
+        gdn, attn = gdn_build(REAL, "float32", config=cfg), attn_build(REAL, config=cfg)
+        ws, wsa = gdn.workspace(DEV), attn.workspace(DEV)
+        assert (ws.trace is not None) == traced and (wsa.trace is not None) == traced
+        conv, ssm = conv0.clone(), ssm0.clone()
+        o_in, r_out = run_k1_gdn(gdn, st, ws, hid, res, w, conv, ssm, slots, 0)
+        outs = [torch.full((width, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+                for n in (qd, kvd, kvd, qd)]  # fmt: skip
+        ra = torch.full_like(hid, float("nan"))
+        st.bump_epoch()
+        attn.launch(hid, res, aw, pos, *outs, ra, ws=wsa, ctrl=st.ctrl, health=st.health)
+        assert_healthy(st)
+        got[traced] = (o_in, r_out, conv, ssm, *outs, ra)
+        if traced:
+            g = gdn.config.grid
+            _check_trace(ws.trace, [g - 1 - t for t in range(min(g, width * md.hv))])
+            _check_trace(wsa.trace, [g - 1 - t for t in range(min(g, md.hq + md.hkv))])
+    for a, b in zip(got[False], got[True], strict=True):
+        assert torch.equal(a, b), "a trace build computes other bits than the default"
 
 
 def test_dv_split_refused_by_name():

@@ -139,3 +139,23 @@ def test_dv_split_build():
     assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1
     assert b.constexprs["DS"] == 4
     assert ptx_digest(c) != ptx_digest(offline_build("k1 gdn", 1).compile())
+
+
+@pytest.mark.parametrize("kind", ["gdn", "attn"])
+def test_k1_trace_build_stamps_every_point(kind):
+    """``K1Config.trace``: one %globaltimer read per trace point beyond the default build's
+    (whose reads are its bounded waits' deadlines), no spills, still one CTA per SM; the
+    default build reads no trace word."""
+    from mono_ext.models.qwen3_next.triton.k1_kernel import TRACE_POINTS
+
+    plain = offline_build(f"k1 {kind}", 1)
+    b = offline_build(f"k1 {kind} trace", 1)
+    assert b.constexprs["TRACE"] and not plain.constexprs["TRACE"]
+    c = b.compile()
+    ptx, ptx0 = c.asm["ptx"], plain.compile().asm["ptx"]
+    assert ptx.count("%globaltimer") - ptx0.count("%globaltimer") == len(TRACE_POINTS)
+    r = resources(c)
+    assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
+    assert r.regs <= 255 and 0 < r.shared <= SHARED_PER_BLOCK, r
+    res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
+    assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1

@@ -37,6 +37,7 @@ from mono_ext.models.qwen3_next.triton.k1_kernel import (
     S2,
     S3,
     STAGES_ALL,
+    TRACE_POINTS,
     k1_attn_kernel,
     k1_gdn_kernel,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "S2",
     "S3",
     "STAGES_ALL",
+    "TRACE_POINTS",
     "BLOCK_B",
     "K1AttnLaunch",
     "K1AttnShape",
@@ -96,6 +98,7 @@ class K1Workspace:
 
     scratch: Any  # int64 [scratch_words]
     xs: Any  # bf16 [G, Bb, H]
+    trace: Any = None  # int64 [G, 16]: trace builds only (K1Config.trace, TRACE_POINTS)
 
 
 def _check_tensors(label: str, tensors: dict, bad: list[str]) -> None:
@@ -133,18 +136,21 @@ def _dt(name: str) -> Any:
     return getattr(torch, name)
 
 
-def _workspace(words: int, grid: int, hidden: int, device: Any) -> K1Workspace:
+def _workspace(words: int, grid: int, hidden: int, device: Any, trace: bool) -> K1Workspace:
     import torch
 
     return K1Workspace(
         scratch=torch.zeros(max(words, 16), dtype=torch.int64, device=device),
         xs=torch.zeros(grid, BLOCK_B, hidden, dtype=torch.bfloat16, device=device),
+        trace=torch.zeros(grid, 16, dtype=torch.int64, device=device) if trace else None,
     )
 
 
 def _step_args(residual, ws, ctrl, health, n_rows, layer, layers_per_step) -> tuple:
-    """The arguments both kernels take after their tensors (scratch .. has_res), in order."""
-    return (ws.scratch, ws.xs, ctrl, health, n_rows, layer, layers_per_step,
+    """The arguments both kernels take after their tensors (scratch .. has_res), in order.
+    Without a trace tensor the scratch stands in for it (only TRACE builds write it)."""
+    trace = ws.scratch if ws.trace is None else ws.trace
+    return (ws.scratch, ws.xs, ctrl, health, trace, n_rows, layer, layers_per_step,
             0 if residual is None else 1)  # fmt: skip
 
 
@@ -216,7 +222,12 @@ class _K1LaunchBase:
         )
 
     def workspace(self, device: Any) -> K1Workspace:
-        return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden, device)
+        return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden,
+                          device, self._traced())  # fmt: skip
+
+    def _traced(self) -> bool:
+        """Trace stamps (``K1Config.trace``): compiled builds only (they read %globaltimer)."""
+        return self.config.trace and not _interp()
 
     def _s1_rows(self, bn: int) -> int:
         """Rows S1 streams in tiles (:func:`s1_tiles`)."""
@@ -243,6 +254,7 @@ class _K1LaunchBase:
             PRE=_prefetch(c, s.hidden) and not self._quantized(),  # the prefetch assumes bf16
             STAGES=self.stages,
             INTERP=_interp(),
+            TRACE=self._traced(),
             num_warps=c.num_warps,
             num_stages=1,  # only the projection loop is pipelined (its own num_stages)
             **pdl_options(c.pdl),

@@ -86,6 +86,7 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | scratch: oraw   | [Bb, Hv*Dv]            | int64     | tagged fp32 o, read by the same CTA     | S2 -> S3 (split)  |
 | priv xs         | [G, Bb, H]             | bf16      | this CTA's rows s * (1 + w) (operand)   | prologue, same CTA|
 | ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
+| trace           | [G, 16]                | int64     | %globaltimer ns per CTA at TRACE_POINTS | TRACE builds only |
 """
 
 from __future__ import annotations
@@ -94,7 +95,14 @@ import triton
 import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_either
-from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, step_seq, words_to_fp32
+from mono_ext.kernels.triton.primitives import (
+    pdl_prologue,
+    seq_tag,
+    stamp,
+    stamp_when,
+    step_seq,
+    words_to_fp32,
+)
 from mono_ext.models.qwen3_next.triton.k1_recurrence import (
     block_task,
     gdn_s2,
@@ -103,12 +111,16 @@ from mono_ext.models.qwen3_next.triton.k1_recurrence import (
 )
 from mono_ext.models.qwen3_next.triton.k1_words import get_f32, prefetch_l2, put_f32
 
-__all__ = ["S1", "S2", "S3", "STAGES_ALL", "k1_attn_kernel", "k1_gdn_kernel"]
+__all__ = ["S1", "S2", "S3", "STAGES_ALL", "TRACE_POINTS", "k1_attn_kernel", "k1_gdn_kernel"]
 
 S1 = 1  # prologue + projections (+ conv); the interpreter runs each stage as a launch
 S2 = 2  # recurrence + gated norm (GDN) / norm + RoPE (attention)
 S3 = 4  # the blocked recurrence's gated norm (GDN with dv_split > 1)
 STAGES_ALL = 7
+#: what a TRACE build stamps, by word (both kinds): the CTA's start, its rows normed (the
+#: first weight chunk can be asked for), its last S1 tile handed on, its first S2 task's
+#: words all arrived (CTAs with an S2 task), its end
+TRACE_POINTS = ("start", "rows normed", "S1 done", "first S2 words", "end")
 
 
 @triton.jit
@@ -295,7 +307,8 @@ def _gdn_s1(
     FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr,
     PRE: tl.constexpr, CONV: tl.constexpr,
     VD: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, RR: tl.constexpr,
-    Q_QKVZ: tl.constexpr, Q_BA: tl.constexpr, INTERP: tl.constexpr,
+    Q_QKVZ: tl.constexpr, Q_BA: tl.constexpr, INTERP: tl.constexpr, trace_ptr,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
     """GDN S1: input norm, then the projection tiles (ba tiles first: every S2 task needs
     beta and g, then qkvz tiles), flattened over K chunks; each tile's epilogue runs the conv
@@ -313,6 +326,7 @@ def _gdn_s1(
     xs_base = xs_ptr + pid * (BB * H)
     rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
                        H, BB, CH)  # fmt: skip
+    stamp(trace_ptr, 1, TRACE)
 
     slot_r = tl.load(slots_ptr + rows, mask=rmask, other=-1)
     rvalid = rmask & (slot_r >= 0) & (slot_r != null_slot)
@@ -392,7 +406,7 @@ def _attn_s1(
     D: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr,
     HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr,
     Q_QKV: tl.constexpr, QG: tl.constexpr, KVD: tl.constexpr,
-    PA: tl.constexpr, WA: tl.constexpr, INTERP: tl.constexpr,
+    PA: tl.constexpr, WA: tl.constexpr, INTERP: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Attention S1: input norm, then the qkv_proj tiles; gate and v go straight to their
     outputs, raw q and k to the ``qk`` region."""
@@ -406,6 +420,7 @@ def _attn_s1(
     xs_base = xs_ptr + pid * (BB * H)
     rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
                        H, BB, CH)  # fmt: skip
+    stamp(trace_ptr, 1, TRACE)
     kk = tl.arange(0, BK)
     nn = tl.arange(0, BN)
     acc = tl.zeros([BN, BB], dtype=tl.float32)  # acc^T: weight rows x batch rows
@@ -455,7 +470,7 @@ def _attn_s2(
     q_ptr, k_ptr, qk_ptr, ctrl_ptr, health_ptr, pid, G, rows, eps, tag, dd, part, rm, cos, sin,
     sgn, wq_n, wq_p, wk_n, wk_p, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     RD: tl.constexpr, BB: tl.constexpr, KVD: tl.constexpr, WA: tl.constexpr,
-    RID_QK: tl.constexpr, INTERP: tl.constexpr,
+    RID_QK: tl.constexpr, INTERP: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Attention S2: one task per q or k head (all rows): Gemma norm, then RoPE -> q / k."""
     for t in range(G - 1 - pid, HQ + HKV, G):  # last CTAs first: they have fewer S1 rows
@@ -465,6 +480,7 @@ def _attn_s2(
         x = get_f32(qk_ptr, flat, tl.reshape(rm, (BB * D,)), tag, ctrl_ptr, health_ptr, RID_QK,
                  INTERP)  # fmt: skip
         x = tl.reshape(x, (BB, D))
+        stamp_when(trace_ptr, 3, t == G - 1 - pid, TRACE)  # its first task
         pidx = rows[:, None] * WA + t * D + part[None, :]
         xp = words_to_fp32(tl.load(qk_ptr + pidx, mask=rm, other=0, volatile=True))
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
@@ -483,8 +499,8 @@ def _attn_s2(
                                "cs_slot", "cs_t", "cs_c", "ss16"])  # fmt: skip
 def k1_gdn_kernel(
     hid_ptr, res_ptr, rout_ptr, oin_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr,
-    gnw_ptr, conv_ptr, ssm_ptr, slots_ptr, scratch_ptr, xs_ptr, ctrl_ptr, health_ptr, n_rows, layer,
-    layers_per_step, has_res, null_slot, cs_slot, cs_t, cs_c, ss16, eps, qscale,
+    gnw_ptr, conv_ptr, ssm_ptr, slots_ptr, scratch_ptr, xs_ptr, ctrl_ptr, health_ptr, trace_ptr,
+    n_rows, layer, layers_per_step, has_res, null_slot, cs_slot, cs_t, cs_c, ss16, eps, qscale,
     sq_ptr,  # fp32 scales of in_proj_qkvz / in_proj_ba (bf16 planes: any pointer, not read)
     sba_ptr,
     # shapes
@@ -498,13 +514,14 @@ def k1_gdn_kernel(
     Q_BA: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     # the blocked recurrence (k1_recurrence): DS tasks per (row, head), its two regions
     DS: tl.constexpr = 1, OFF_OSQ: tl.constexpr = 0, RID_OSQ: tl.constexpr = 0,
-    OFF_ORAW: tl.constexpr = 0,
+    OFF_ORAW: tl.constexpr = 0, TRACE: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     tag = seq_tag(step_seq(ctrl_ptr, layer, layers_per_step))
+    stamp(trace_ptr, 0, TRACE)
     proj_ptr = scratch_ptr + OFF_PROJ
     KD: tl.constexpr = HK * DK
     VD: tl.constexpr = HV * DV
@@ -560,15 +577,16 @@ def k1_gdn_kernel(
             conv_ptr, slots_ptr, xs_ptr, proj_ptr, sq_ptr, sba_ptr, pid, G, rows, rmask, n_rows,
             has_res, null_slot, cs_slot, cs_t, cs_c, eps, tag, H, HV, DK, DV, KC, WROW,
             INTERLEAVED, BB, BN, BK, FT, HB, NT, CH, NS, PRE, CONV, VD, PQ, PBA, RR,
-            Q_QKVZ, Q_BA, INTERP,
+            Q_QKVZ, Q_BA, INTERP, trace_ptr, TRACE,
         )  # fmt: skip
+    stamp(trace_ptr, 2, TRACE)
     if DS == 1:
         if STAGES & 2:
             gdn_s2(
                 ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows,
                 rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale,
                 tag, HV, DK, DV, WROW, RID_PROJ, PRELOAD, DVS, WB, KD, VD, CONV, RR, LINES, EPL,
-                VH, SL_OFF, INTERP,
+                VH, SL_OFF, INTERP, trace_ptr, TRACE,
             )  # fmt: skip
     else:
         osq_ptr = scratch_ptr + OFF_OSQ
@@ -578,7 +596,7 @@ def k1_gdn_kernel(
                 ssm_ptr, slots_ptr, proj_ptr, osq_ptr, oraw_ptr, ctrl_ptr, health_ptr, G, first,
                 rows, rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, qscale, tag,
                 HV, DK, DV, WROW, RID_PROJ, PRELOAD, WB, KD, VD, CONV, RR, LINES, EPL, VH,
-                SL_OFF, DS, INTERP,
+                SL_OFF, DS, INTERP, trace_ptr, TRACE,
             )  # fmt: skip
         if STAGES & 4:
             tl.debug_barrier()  # this CTA's o words, read back by its threads
@@ -587,25 +605,28 @@ def k1_gdn_kernel(
                 G, first, rows, rmask, n_tasks, null_slot, vh, eps, tag, HV, DV, WROW, RID_OSQ,
                 VD, CONV, VH, DS, INTERP,
             )  # fmt: skip
+    stamp(trace_ptr, 4, TRACE)
 
 
 @triton.jit(do_not_specialize=["n_rows", "layer", "layers_per_step", "has_res", "max_pos"])
 def k1_attn_kernel(
     hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr,
-    v_ptr, gate_ptr, scratch_ptr, xs_ptr, ctrl_ptr, health_ptr, n_rows, layer, layers_per_step,
-    has_res, max_pos, eps,
+    v_ptr, gate_ptr, scratch_ptr, xs_ptr, ctrl_ptr, health_ptr, trace_ptr, n_rows, layer,
+    layers_per_step, has_res, max_pos, eps,
     sqkv_ptr,  # fp32 scales of qkv_proj (a bf16 plane: any pointer, not read)
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
     OFF_QK: tl.constexpr, RID_QK: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr,
     NS: tl.constexpr, PRE: tl.constexpr, Q_QKV: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    TRACE: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     tag = seq_tag(step_seq(ctrl_ptr, layer, layers_per_step))
+    stamp(trace_ptr, 0, TRACE)
     qk_ptr = scratch_ptr + OFF_QK
     QG: tl.constexpr = 2 * HQ * D  # q + gate rows
     KVD: tl.constexpr = HKV * D
@@ -636,10 +657,13 @@ def k1_attn_kernel(
         _attn_s1(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr,
             sqkv_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H, HQ, D, BB, BN, BK, FT,
-            HB, NT, CH, NS, PRE, Q_QKV, QG, KVD, PA, WA, INTERP,
+            HB, NT, CH, NS, PRE, Q_QKV, QG, KVD, PA, WA, INTERP, trace_ptr, TRACE,
         )  # fmt: skip
+    stamp(trace_ptr, 2, TRACE)
     if STAGES & 2:
         _attn_s2(
             q_ptr, k_ptr, qk_ptr, ctrl_ptr, health_ptr, pid, G, rows, eps, tag, dd, part, rm, cos,
             sin, sgn, wq_n, wq_p, wk_n, wk_p, HQ, HKV, D, RD, BB, KVD, WA, RID_QK, INTERP,
+            trace_ptr, TRACE,
         )  # fmt: skip
+    stamp(trace_ptr, 4, TRACE)

@@ -102,6 +102,9 @@ class K1Config:
     # or 4; more than 1 needs state_row_slices = 1), the gated norm a stage of its own
     # (k1_recurrence): at width 1, 32 x dv_split tasks instead of 32
     dv_split: int = 1
+    # per-CTA %globaltimer stamps at the launch's points into ``K1Workspace.trace``
+    # (benchmarks/bench_k1.py --trace; never in a deployment, not in the interpreter)
+    trace: bool = False
 
 
 def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1) -> Program:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mono_ext.kernels.triton.primitives import stamp_when
 from mono_ext.models.qwen3_next.triton.k1_words import prefetch_l2, put_f32, read_f32, wait_all
 
 __all__ = ["block_task", "gdn_s2", "gdn_s2_blocks", "gdn_s3_norm"]
@@ -110,10 +111,12 @@ def gdn_s2(
     DK: tl.constexpr, DV: tl.constexpr, WROW: tl.constexpr, RID_PROJ: tl.constexpr,
     PRELOAD: tl.constexpr, DVS: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
     VD: tl.constexpr, CONV: tl.constexpr, RR: tl.constexpr, LINES: tl.constexpr,
-    EPL: tl.constexpr, VH: tl.constexpr, SL_OFF: tl.constexpr, INTERP: tl.constexpr,
+    EPL: tl.constexpr, VH: tl.constexpr, SL_OFF: tl.constexpr, INTERP: tl.constexpr, trace_ptr,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
     """GDN S2: one task per (row, value head): gated delta rule on the state tile (in place),
-    then the gated RMSNorm -> ``o_in``."""
+    then the gated RMSNorm -> ``o_in``. ``TRACE``: stamps point 3 (``k1_kernel.TRACE_POINTS``)
+    when the CTA's first task has all its words."""
     two = tl.arange(0, 2)
     # every word one task reads, as one block: q (Dk), k (Dk), v (Dv), z (Dv), beta, g
     NW: tl.constexpr = 2 * DK + 2 * DV + 2
@@ -138,6 +141,7 @@ def gdn_s2(
         woff = _task_words(wi, gk, h, 0, DK, DV, DV, KD, CONV, VD, HV)
         wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr,
                   RID_PROJ, INTERP)  # fmt: skip
+        stamp_when(trace_ptr, 3, t == first, TRACE)
         mk = valid & (kq < DK)
         mv = valid & (vh < VH)
         # every word of the task read at once (one round trip)
@@ -184,12 +188,12 @@ def gdn_s2_blocks(
     RID_PROJ: tl.constexpr, PRELOAD: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
     VD: tl.constexpr, CONV: tl.constexpr, RR: tl.constexpr, LINES: tl.constexpr,
     EPL: tl.constexpr, VH: tl.constexpr, QB_OFF: tl.constexpr, DS: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Blocked GDN S2, the recurrence: per (row, head, block of ``VH`` state rows) the delta
     rule on the block (in place); its o (fp32) and sum of o^2 go to ``oraw`` / ``osq`` for
     :func:`gdn_s3_norm`. ``QB_OFF``: a block's offset in a head's state; ``LINES``: its
-    128-byte lines."""
+    128-byte lines. ``TRACE``: as :func:`gdn_s2`."""
     two = tl.arange(0, 2)
     # every word one task reads, as one block: q (Dk), k (Dk), its v and z (VH), beta, g
     NW: tl.constexpr = 2 * DK + 2 * VH + 2
@@ -215,6 +219,7 @@ def gdn_s2_blocks(
         woff = _task_words(wi, gk, h, qb * VH, DK, DV, VH, KD, CONV, VD, HV)
         wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr, RID_PROJ,
                  INTERP)  # fmt: skip
+        stamp_when(trace_ptr, 3, t == first, TRACE)
         mk = valid & (kq < DK)
         mv = valid & (vh < VH)
         qv, kv, bg = _read_qk_gates(proj_ptr, row, gk, h, kq, two, mk, valid, KD, DK, CONV, VD, HV)

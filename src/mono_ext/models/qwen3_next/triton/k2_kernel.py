@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, step_seq
+from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, stamp, step_seq
 from mono_ext.models.qwen3_next.triton.k2_stages import (
     s1_out_proj,
     s1_reduce,
@@ -25,7 +25,6 @@ from mono_ext.models.qwen3_next.triton.k2_stages import (
     s4_ranks,
     s4_reduce,
 )
-from mono_ext.models.qwen3_next.triton.k2_sync import stamp
 
 __all__ = ["STAGE_ORDER", "STAGES_ALL", "k2_kernel"]
 

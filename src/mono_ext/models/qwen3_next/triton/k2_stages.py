@@ -27,6 +27,7 @@ from mono_ext.kernels.triton.primitives import (
     fence_gpu,
     fp32_bits,
     put_words,
+    stamp,
     unpack_value,
     wait_tagged,
     words_to_fp32,
@@ -34,7 +35,6 @@ from mono_ext.kernels.triton.primitives import (
 from mono_ext.models.qwen3_next.triton.k2_sync import (
     prefetch_l2,
     put_partial,
-    stamp,
     sum_partials,
     wait2d,
 )

@@ -1,7 +1,6 @@
 """The device helpers K2's stages share (``k2_stages.py``): bounded waits over 2-D blocks,
-tagged partial sums across slots and ranks, the L2 prefetch of weight blocks and the trace
-stamps of ``TRACE`` builds. All are inlined into
-``k2_kernel``."""
+tagged partial sums across slots and ranks and the L2 prefetch of weight blocks. All are
+inlined into ``k2_kernel``."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.primitives import (
     fp32_bits,
-    global_timer_ns,
     pack_tagged,
     store_tagged,
     wait_tagged,
@@ -20,7 +18,6 @@ from mono_ext.kernels.triton.primitives import (
 __all__ = [
     "prefetch_l2",
     "put_partial",
-    "stamp",
     "sum_partials",
     "wait2d",
 ]
@@ -62,15 +59,6 @@ def prefetch_l2(ptrs, nbytes, mask):
         is_pure=False,
         pack=1,
     )
-
-
-@triton.jit
-def stamp(trace_ptr, i: tl.constexpr, TRACE: tl.constexpr):
-    """``TRACE`` builds only: this CTA's %globaltimer when all its threads reach point i
-    (benchmarks/bench_k2.py --trace reads them to place time inside the launch)."""
-    if TRACE:
-        tl.debug_barrier()
-        tl.store(trace_ptr + tl.program_id(0) * 16 + i, global_timer_ns())
 
 
 @triton.jit
