@@ -528,6 +528,92 @@ def test_trace_builds_give_the_same_bits_and_ordered_stamps():
         assert torch.equal(a, b), "a trace build computes other bits than the default"
 
 
+def test_narrow_dv_split_refused_by_name():
+    shape = K1GdnShape.from_dims(Dims.from_config(_cfg(TINY)))
+    for over in ({"narrow_dv_split": 4}, {"narrow_dv_split": 2, "state_row_slices": 1},
+                 {"narrow_dv_split": 2, **split(2)}):  # fmt: skip
+        with pytest.raises(ValueError, match="narrow_dv_split=.: 1, or state_row_slices"):
+            K1GdnLaunch(shape, K1Config(grid=_grid(), **over))
+    wide = K1GdnLaunch(shape, K1Config(grid=64, narrow_dv_split=2))
+    assert wide.narrow_rows() == 64 // (shape.hv * 2)
+    narrow = wide.narrow_launch
+    assert (narrow.config.dv_split, narrow.config.state_row_slices) == (2, 1)
+    assert narrow.shape == wide.shape and narrow.narrow_launch is None
+    assert wide.for_rows(wide.narrow_rows()) is narrow
+    assert wide.for_rows(wide.narrow_rows() + 1) is wide
+    assert K1GdnLaunch(shape, K1Config(grid=64)).narrow_launch is None
+    assert K1GdnLaunch(shape, K1Config(grid=shape.hv, narrow_dv_split=2)).narrow_launch is None
+
+
+def _gdn_outputs(k1, st, ws, md, hid, res, w, conv0, ssm0, slots):
+    conv, ssm = conv0.clone(), ssm0.clone()
+    o_in, r_out = run_k1_gdn(k1, st, ws, hid, res, w, conv, ssm, slots, 0)
+    assert_healthy(st)
+    return o_in, r_out, conv, ssm
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_narrow_build_gives_the_default_builds_bits(preset):
+    """``K1Config.narrow_dv_split`` 2: the recurrence as 2 blocks per (row, head) is the
+    default's two state slices as tasks of their own, with the same reductions in the same
+    order, so every output and state is bit-equal to the default build's (the batch
+    invariance of a deployment that switches builds by width)."""
+    md = Dims.from_config(_cfg(preset))
+    wide, narrow = gdn_build(preset, "float32"), gdn_build(preset, "float32", config=split(2))
+    assert wide.config.state_row_slices == 2
+    gen = new_gen(61)
+    w = gdn_weights(md, "interleaved", gen)
+    conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
+    st = rank_state()
+    ws_w, ws_n = wide.workspace(DEV), narrow.workspace(DEV)
+    for width in (1, 2, 3):
+        slots = step_slots(width, 0, gen)
+        hid, res = step_inputs(md, width, gen)
+        a = _gdn_outputs(wide, st, ws_w, md, hid, res, w, conv0, ssm0, slots)
+        b = _gdn_outputs(narrow, st, ws_n, md, hid, res, w, conv0, ssm0, slots)
+        for name, x, y in zip(("o_in", "residual_out", "conv", "ssm"), a, b, strict=True):
+            assert torch.equal(x, y), f"{name} at width {width}: the narrow build differs"
+
+
+def test_launches_route_narrow_widths_to_the_narrow_build():
+    """``K1Config.narrow_dv_split``: steps of at most ``narrow_rows()`` rows run the narrow
+    build, wider ones the default, from one workspace, each planned under its own key in
+    ``K1Launches``, with the default build's bits at every width."""
+    from mono_ext.models.qwen3_next.launches import BoundLayer
+    from mono_ext.models.qwen3_next.triton.k1 import K1Launches
+
+    md = Dims.from_config(_cfg(TINY))
+    shape = K1GdnShape.from_dims(md)
+    grid = 2 * 2 * shape.hv  # narrow up to 2 rows
+    routed = K1GdnLaunch(shape, K1Config(grid=grid, narrow_dv_split=2))
+    plain = K1GdnLaunch(shape, K1Config(grid=grid))
+    routed.build(DEV)
+    plain.build(DEV)
+    ws = routed.workspace(DEV)
+    assert ws.scratch.numel() >= routed.narrow_launch.layout.scratch_words
+    st = rank_state()
+    adapter = K1Launches(routed, None, ws, None, st.ctrl, st.health, layers_per_step=1,
+                         null_slot=0)  # fmt: skip
+    gen = new_gen(62)
+    w = gdn_weights(md, "interleaved", gen)
+    conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
+    for width, kind in ((2, "gdn narrow"), (3, "gdn"), (1, "gdn narrow")):
+        slots = step_slots(width, 0, gen)
+        hid, res = step_inputs(md, width, gen)
+        conv, ssm = conv0.clone(), ssm0.clone()
+        o_in = torch.full((width, md.value_dim), float("nan"), dtype=torch.bfloat16, device=DEV)
+        r_out = torch.full_like(hid, float("nan"))
+        st.bump_epoch()
+        adapter.k1_gdn(BoundLayer(0, "linear_attention", w, conv, ssm), hid, res, slots,
+                       o_in=o_in, residual_out=r_out)  # fmt: skip
+        assert_healthy(st)
+        assert (kind, 0, False) in adapter.frozen._entries, f"width {width} did not run {kind}"
+        want = _gdn_outputs(plain, st, plain.workspace(DEV), md, hid, res, w, conv0, ssm0, slots)
+        for name, x, y in zip(("o_in", "residual_out", "conv", "ssm"), (o_in, r_out, conv, ssm),
+                              want, strict=True):  # fmt: skip
+            assert torch.equal(x, y), f"{name} at width {width} differs from the default build"
+
+
 def test_dv_split_refused_by_name():
     shape = K1GdnShape.from_dims(Dims.from_config(_cfg(TINY)))
     with pytest.raises(ValueError, match="dv_split=3: 1, 2 or 4 blocks"):
