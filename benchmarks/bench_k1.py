@@ -210,9 +210,6 @@ SWEEP = (
     # programmatic dependent launch: each of the graph's launches starts launching the next
     # (the boundary gap between consecutive layers' launches)
     {"pdl": True},
-    # S2's first state slice held in registers through all of S1 (32 per thread at 80B-A3B,
-    # taken from the projection loop)
-    {"preload_state": True},
     # half-width K chunks: the same bytes in flight with two more stages, a scale column per
     # chunk either way for block-128 planes
     {"k_chunk": 128, "pipeline_stages": 5},

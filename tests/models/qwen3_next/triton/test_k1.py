@@ -461,21 +461,6 @@ def test_gdn_front_dv_split_matches_reference(preset, n, ssm_layout):
     check_gdn_steps(k1, md, w, w, "interleaved", "time_chan", "float32", ssm_layout, gen, WIDTHS)
 
 
-@pytest.mark.skipif(
-    INTERP,
-    reason="the interpreter runs S1 and S2 as separate launches, "
-    "and only a launch of both preloads the state",
-)
-@pytest.mark.parametrize("preset", PRESETS)
-def test_gdn_front_preloaded_state_matches_reference(preset):
-    """``K1Config.preload_state``: the first S2 task's state slice loaded before S1."""
-    md = Dims.from_config(_cfg(preset))
-    k1 = gdn_build(preset, "float32", config={"preload_state": True})
-    gen = new_gen(41)
-    w = gdn_weights(md, "interleaved", gen)
-    check_gdn_steps(k1, md, w, w, "interleaved", "time_chan", "float32", "vk", gen, WIDTHS)
-
-
 def _check_trace(trace, first_tasks):
     """Every CTA stamped its start, rows normed, S1 done and end, in that order; exactly the
     CTAs in ``first_tasks`` stamped their first S2 task's words, between S1 and the end."""

@@ -484,7 +484,6 @@ class K1GdnLaunch(_K1LaunchBase):
             SSM_KV=self.ssm_layout == "kv",
             INTERLEAVED=self.packing == "interleaved",
             STATE_BYTES=4 if self.state_dtype == "float32" else 2,
-            PRELOAD=c.preload_state and self.stages == STAGES_ALL and not self._split(),
             DVS=c.state_row_slices,
             WB=next_pow2(2 * s.dk + 2 * s.dv // c.dv_split + 2),
             Q_QKVZ=self._q("in_proj_qkvz"),

@@ -31,9 +31,9 @@ by ``runtime.layout.check_handoffs`` at build):
   [Dv, Dk] state tile (fp32 math, stored back in the state's dtype), o = S q, gated RMSNorm;
   one bounded wait covers every word of a task; the state tile in ``DVS`` row slices
   (``K1Config.state_row_slices``; registers). Tasks run from the last CTA down (the first
-  CTAs carry the extra S1 tiles). The first task's state is L2-prefetched before S1 (and,
-  with ``K1Config.preload_state``, its first slice loaded into registers there); later
-  ones are L2-prefetched one task ahead.
+  CTAs carry the extra S1 tiles). The first task's state is L2-prefetched before S1 (not
+  loaded: registers held through S1 are taken from its projection loop); later ones are
+  L2-prefetched one task ahead.
   Attention: one task per q or k head (all rows): wait, Gemma norm, RoPE from a cos/sin
   table (positions, cos/sin and norm weights are loaded before S1).
 - GDN with ``K1Config.dv_split`` > 1 (``k1_recurrence``): S2 runs each (row, head) as
@@ -509,7 +509,7 @@ def k1_gdn_kernel(
     SSM_KV: tl.constexpr, INTERLEAVED: tl.constexpr, STATE_BYTES: tl.constexpr,
     # tiles
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr,
-    NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr, PRELOAD: tl.constexpr,
+    NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr,
     DVS: tl.constexpr, WB: tl.constexpr, Q_QKVZ: tl.constexpr,
     Q_BA: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     # the blocked recurrence (k1_recurrence): DS tasks per (row, head), its two regions
@@ -550,8 +550,7 @@ def k1_gdn_kernel(
         soff = vh[:, None] * DK + kq[None, :]
     SL_OFF: tl.constexpr = VH if SSM_KV else VH * DK  # offset of the second slice / block
 
-    # S2's first task: its whole state tile starts moving into L2 now and (PRELOAD) its
-    # first slice is loaded into registers, so both hide behind S1 instead of following it.
+    # S2's first task: its whole state tile starts moving into L2 now, behind S1.
     b0 = first // (HV * DS)
     s0 = tl.load(slots_ptr + b0, mask=first < n_tasks, other=-1)
     ok0 = (first < n_tasks) & (s0 >= 0) & (s0 != null_slot)
@@ -562,11 +561,6 @@ def k1_gdn_kernel(
         st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + h0 * (DV * DK) + q0 * SL_OFF
     if (STAGES & 2) and not INTERP:
         prefetch_l2(ssm_ptr + st0 + ln * EPL, ok0 & (ln < LINES))
-    if PRELOAD:
-        m0 = ok0 & (vh[:, None] < VH) & (kq[None, :] < DK)
-        S_first = tl.load(ssm_ptr + st0 + soff, mask=m0, other=0.0).to(tl.float32)
-    else:
-        S_first = 0.0  # not read without PRELOAD
     if DS == 1:  # the blocked norm loads its block's weights per task
         gw0 = tl.load(gnw_ptr + vh).to(tl.float32)
         gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
@@ -584,8 +578,8 @@ def k1_gdn_kernel(
         if STAGES & 2:
             gdn_s2(
                 ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows,
-                rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale,
-                tag, HV, DK, DV, WROW, RID_PROJ, PRELOAD, DVS, WB, KD, VD, CONV, RR, LINES, EPL,
+                rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, gw0, gw1, eps, qscale,
+                tag, HV, DK, DV, WROW, RID_PROJ, DVS, WB, KD, VD, CONV, RR, LINES, EPL,
                 VH, SL_OFF, INTERP, trace_ptr, TRACE,
             )  # fmt: skip
     else:
@@ -594,8 +588,8 @@ def k1_gdn_kernel(
         if STAGES & 2:
             gdn_s2_blocks(
                 ssm_ptr, slots_ptr, proj_ptr, osq_ptr, oraw_ptr, ctrl_ptr, health_ptr, G, first,
-                rows, rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, qscale, tag,
-                HV, DK, DV, WROW, RID_PROJ, PRELOAD, WB, KD, VD, CONV, RR, LINES, EPL, VH,
+                rows, rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, qscale, tag,
+                HV, DK, DV, WROW, RID_PROJ, WB, KD, VD, CONV, RR, LINES, EPL, VH,
                 SL_OFF, DS, INTERP, trace_ptr, TRACE,
             )  # fmt: skip
         if STAGES & 4:

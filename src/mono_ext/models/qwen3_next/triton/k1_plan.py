@@ -90,11 +90,6 @@ class K1Config:
     pipeline_stages: int = 3  # software-pipeline stages of the projection loop (copies in flight)
     # L2-prefetch the first pipeline_stages - 1 weight chunks before the input norm
     prefetch_first_chunks: bool = False
-    # GDN: load the first S2 task's state (first slice) into registers before S1. Off, it is
-    # only L2-prefetched there and S1 keeps those 32 registers per thread (178 instead of 255
-    # at 80B-A3B): 1.0-2.2 us faster at every width (docs/results/k1_preload_off_h200.csv
-    # against k1_preload_on_h200.csv)
-    preload_state: bool = False
     # GDN: the [Dv, Dk] state tile in this many row slices (1 or 2; 2 halves the registers)
     state_row_slices: int = 2
     pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)

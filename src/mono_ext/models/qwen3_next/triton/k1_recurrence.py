@@ -46,18 +46,6 @@ def _slot(slots_all, rows, b, null_slot):
 
 
 @triton.jit
-def _load_state(sbase, soff, smask, t, first, S_first, PRELOAD: tl.constexpr):
-    """A task's state rows in fp32; with ``PRELOAD`` the CTA's first task takes the ones the
-    kernel loaded before S1."""
-    if PRELOAD:
-        S = tl.load(sbase + soff, mask=smask & (t != first), other=0.0).to(tl.float32)
-        S = tl.where(t == first, S_first, S)
-    else:
-        S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
-    return S
-
-
-@triton.jit
 def _task_words(wi, gk, h, vofs, DK: tl.constexpr, DV: tl.constexpr, NV: tl.constexpr,
                 KD: tl.constexpr, CONV: tl.constexpr, VD: tl.constexpr,
                 HV: tl.constexpr):  # fmt: skip
@@ -107,9 +95,9 @@ def _qk_gates(qv, kv, bg, two, qscale):
 @triton.jit
 def gdn_s2(
     ssm_ptr, slots_ptr, oin_ptr, proj_ptr, ctrl_ptr, health_ptr, G, first, rows, rmask, n_tasks,
-    null_slot, ss16, ln, vh, kq, soff, S_first, gw0, gw1, eps, qscale, tag, HV: tl.constexpr,
+    null_slot, ss16, ln, vh, kq, soff, gw0, gw1, eps, qscale, tag, HV: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, WROW: tl.constexpr, RID_PROJ: tl.constexpr,
-    PRELOAD: tl.constexpr, DVS: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
+    DVS: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
     VD: tl.constexpr, CONV: tl.constexpr, RR: tl.constexpr, LINES: tl.constexpr,
     EPL: tl.constexpr, VH: tl.constexpr, SL_OFF: tl.constexpr, INTERP: tl.constexpr, trace_ptr,
     TRACE: tl.constexpr,
@@ -136,7 +124,7 @@ def gdn_s2(
             stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + (tn - bn_ * HV) * (DV * DK)
             prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
         smask = valid & (vh[:, None] < VH) & (kq[None, :] < DK)
-        S = _load_state(sbase, soff, smask, t, first, S_first, PRELOAD)
+        S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
         row = b * WROW
         woff = _task_words(wi, gk, h, 0, DK, DV, DV, KD, CONV, VD, HV)
         wait_all(proj_ptr, row + woff, valid & (wi < NW), tag, ctrl_ptr, health_ptr,
@@ -183,9 +171,9 @@ def block_task(t, HV: tl.constexpr, DS: tl.constexpr):
 @triton.jit
 def gdn_s2_blocks(
     ssm_ptr, slots_ptr, proj_ptr, osq_ptr, oraw_ptr, ctrl_ptr, health_ptr, G, first, rows,
-    rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, S_first, qscale, tag,
+    rmask, n_tasks, null_slot, ss16, ln, vh, kq, soff, qscale, tag,
     HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, WROW: tl.constexpr,
-    RID_PROJ: tl.constexpr, PRELOAD: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
+    RID_PROJ: tl.constexpr, WB: tl.constexpr, KD: tl.constexpr,
     VD: tl.constexpr, CONV: tl.constexpr, RR: tl.constexpr, LINES: tl.constexpr,
     EPL: tl.constexpr, VH: tl.constexpr, QB_OFF: tl.constexpr, DS: tl.constexpr,
     INTERP: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
@@ -213,7 +201,7 @@ def gdn_s2_blocks(
             stn = tl.where(okn, sn, 0).to(tl.int64) * ss16 * 16 + hn * (DV * DK) + qn * QB_OFF
             prefetch_l2(ssm_ptr + stn + ln * EPL, okn & (ln < LINES))
         smask = valid & (vh[:, None] < VH) & (kq[None, :] < DK)
-        S = _load_state(sbase, soff, smask, t, first, S_first, PRELOAD)
+        S = tl.load(sbase + soff, mask=smask, other=0.0).to(tl.float32)
         row = b * WROW
         col = h * DV + qb * VH  # the block's first value channel
         woff = _task_words(wi, gk, h, qb * VH, DK, DV, VH, KD, CONV, VD, HV)
