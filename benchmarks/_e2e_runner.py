@@ -460,8 +460,9 @@ def time_batch(
     spec: dict[str, Any], gen: Callable[..., tuple[float, Any]], prompts: Any, b: int
 ) -> dict[str, Any]:
     """TPOT of one batch by the delta method over ``gen(prompts, n)`` wall times (min over
-    ``reps`` of T(N1) and T(N2)): the row's ``t_n1``, ``t_n2`` and ``tpot_s``; with the
-    spec's ``profile_steps``, after the timed reps, ``step_profile``."""
+    ``reps`` of T(N1) and T(N2)): the row's ``t_n1``, ``t_n2`` and ``tpot_s``; after the
+    timed reps, with the spec's ``profile_steps`` its ``step_profile`` (host) and with
+    ``profile_gpu`` its ``gpu_profile`` (device, :func:`profile_gpu`)."""
     t1, t2 = [], []
     for _ in range(spec["reps"]):
         t1.append(gen(prompts, spec["n1"])[0])
