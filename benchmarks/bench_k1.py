@@ -219,9 +219,6 @@ SWEEP = (
     # width 1, 64 or 128 of the 132 CTAs share the state instead of 32
     {"dv_split": 2, "state_row_slices": 1},
     {"dv_split": 4, "state_row_slices": 1},
-    # the blocked recurrence only where each block task has a CTA of its own (widths 1 and
-    # 2 at 80B-A3B), the default elsewhere: the same bits as the default at every width
-    {"narrow_dv_split": 2},
 )
 
 

@@ -179,13 +179,9 @@ class TritonRuntime(PersistentRuntime):
             if launch is not None:
                 launch.build(dev)
                 compiled[launch.label()] = launch.resources
-        # the GDN build's narrow-width build (K1Config.narrow_dv_split), built with it
-        gdn_narrow = gdn.narrow_launch if gdn is not None else None
-        if gdn_narrow is not None:
-            compiled[gdn_narrow.label()] = gdn_narrow.resources
         deadline = float(extra.get("deadline_s") or settings.deadline_s)
         state = RankState.create(ctx.tp_rank, dev, deadline)
-        layouts_of = [x.layout for x in (gdn, gdn_narrow, attn, k2_gdn, k2_attn) if x is not None]
+        layouts_of = [x.layout for x in (gdn, attn, k2_gdn, k2_attn) if x is not None]
         failstop = FailStop(
             CudaHealthSource(state.health),
             rank=ctx.tp_rank,

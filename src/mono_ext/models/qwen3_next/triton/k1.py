@@ -17,7 +17,6 @@ launches the kernels.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -384,8 +383,6 @@ class K1GdnLaunch(_K1LaunchBase):
     resources: Any = field(init=False, default=None)
     _built: bool = field(init=False, default=False)
     _cx: dict = field(init=False, default_factory=dict, repr=False)  # fixed by build()
-    # K1Config.narrow_dv_split's build for steps of few rows (for_rows), or None
-    narrow_launch: K1GdnLaunch | None = field(init=False, default=None, repr=False)
 
     _KIND = "GDN"
     _KERNEL = k1_gdn_kernel
@@ -409,42 +406,7 @@ class K1GdnLaunch(_K1LaunchBase):
             bad.append(f"dv_split={split}: 1, 2 or 4 blocks of at least 16 state rows")
         elif split > 1 and slices != 1:
             bad.append(f"dv_split={split} needs state_row_slices=1 (a block is one slice)")
-        narrow = self.config.narrow_dv_split
-        if narrow != 1 and (split != 1 or narrow != slices):
-            bad.append(f"narrow_dv_split={narrow}: 1, or state_row_slices ({slices}) with "
-                       "dv_split=1 (the narrow blocks must be the default's slices)")  # fmt: skip
         return bad
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        n = self.config.narrow_dv_split
-        if n != 1 and self.narrow_rows() > 0:
-            cfg = dataclasses.replace(self.config, dv_split=n, state_row_slices=1,
-                                      narrow_dv_split=1)  # fmt: skip
-            self.narrow_launch = dataclasses.replace(self, config=cfg)
-
-    def narrow_rows(self) -> int:
-        """The most rows whose blocked recurrence (``K1Config.narrow_dv_split``) puts every
-        block task on a CTA of its own; 0 without a narrow build."""
-        n = self.config.narrow_dv_split
-        return 0 if n == 1 else min(BLOCK_B, self.config.grid // (self.shape.hv * n))
-
-    def for_rows(self, rows: int) -> K1GdnLaunch:
-        """The build a step of ``rows`` rows runs: the narrow build up to :meth:`narrow_rows`
-        rows, where there is one, else this one. Both give every row the same bits."""
-        narrow = self.narrow_launch
-        return narrow if narrow is not None and rows <= self.narrow_rows() else self
-
-    def build(self, device: Any = "cuda") -> None:
-        super().build(device)
-        if self.narrow_launch is not None:
-            self.narrow_launch.build(device)
-
-    def workspace(self, device: Any) -> K1Workspace:
-        """The scratch of this build and of its narrow build (the larger): a step runs one of
-        them, and every tagged word carries its step's epoch, so they share it."""
-        words = max(x.layout.scratch_words for x in (self, self.narrow_launch) if x is not None)
-        return _workspace(words, self.config.grid, self.shape.hidden, device, self._traced())
 
     def _program(self) -> Any:
         return k1_gdn_program(self.shape, self.config.dv_split)
@@ -459,7 +421,6 @@ class K1GdnLaunch(_K1LaunchBase):
             f"{self.ssm_layout} {self._config_label()}"
             f" state_row_slices={self.config.state_row_slices}"
             + (f" dv_split={self.config.dv_split}" if self.config.dv_split > 1 else "")
-            + (f" narrow_dv_split={self.config.narrow_dv_split}" if self.narrow_rows() else "")
             + f"{self._formats_label()}"
         )
 
@@ -575,13 +536,10 @@ class K1GdnLaunch(_K1LaunchBase):
     def launch(self, hidden, residual, weights, conv_state, ssm_state, slots, o_in,
                residual_out, *, ws: K1Workspace, ctrl, health, null_slot: int | None = None,
                layer: int = 0, layers_per_step: int = 1, validate: bool = True) -> None:  # fmt: skip
-        """One K1 for ``hidden.shape[0]`` rows (by :meth:`for_rows`'s build; ``ws`` from
-        :meth:`workspace`). The caller bumps the epoch once per step."""
-        self.for_rows(hidden.shape[0])._launch(
-            (hidden, residual, weights, conv_state, ssm_state, slots, o_in, residual_out),
-            validate, ws, ctrl, health, null_slot=null_slot, layer=layer,
-            layers_per_step=layers_per_step,
-        )  # fmt: skip
+        """One K1 for ``hidden.shape[0]`` rows. The caller bumps the epoch once per step."""
+        self._launch((hidden, residual, weights, conv_state, ssm_state, slots, o_in,
+                      residual_out), validate, ws, ctrl, health, null_slot=null_slot,
+                     layer=layer, layers_per_step=layers_per_step)  # fmt: skip
 
 
 @dataclass
@@ -694,9 +652,7 @@ class K1Launches:
     with the Protocol's signatures) over built :class:`K1GdnLaunch` / :class:`K1AttnLaunch`.
 
     A Triton ``LayerLaunches`` delegates its ``k1_*`` methods here; ``layer.index`` is the
-    tag's layer id, ``layers_per_step`` the number of decoder layers. A GDN step of few rows
-    runs the GDN build's narrow build where it has one (``K1GdnLaunch.for_rows``), planned
-    under a key of its own. Each layer's launch is
+    tag's layer id, ``layers_per_step`` the number of decoder layers. Each layer's launch is
     planned (every tensor checked, the argument table frozen) at its first launch, and again
     only when a step's tensors no longer fit the plan; ``validate`` also checks every tensor
     of every launch.
@@ -729,9 +685,7 @@ class K1Launches:
     def k1_gdn(self, layer, hidden, residual, slots, *, o_in, residual_out) -> None:
         if self.gdn is None or self.gdn_ws is None:
             raise RuntimeError("K1Launches: no GDN build")
-        launch = self.gdn.for_rows(hidden.shape[0])
-        kind = "gdn" if launch is self.gdn else "gdn narrow"
-        self._run(kind, launch, self.gdn_ws, layer,
+        self._run("gdn", self.gdn, self.gdn_ws, layer,
                   (hidden, residual, layer.weights, layer.conv_state, layer.ssm_state, slots,
                    o_in, residual_out), null_slot=self.null_slot)  # fmt: skip
 

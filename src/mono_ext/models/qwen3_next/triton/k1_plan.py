@@ -97,12 +97,6 @@ class K1Config:
     # or 4; more than 1 needs state_row_slices = 1), the gated norm a stage of its own
     # (k1_recurrence): at width 1, 32 x dv_split tasks instead of 32
     dv_split: int = 1
-    # GDN: at the widths where every block task of the recurrence gets a CTA of its own (rows
-    # x Hv x this <= grid: widths 1 and 2 at 80B-A3B on 132 CTAs), a second build that runs
-    # it as this many blocks (k1.K1GdnLaunch.narrow); 1: never. It must equal
-    # state_row_slices: the blocks are then the default's slices, so a row gets the same
-    # reductions in the same order at every width (batch invariance)
-    narrow_dv_split: int = 1
     # per-CTA %globaltimer stamps at the launch's points into ``K1Workspace.trace``
     # (benchmarks/bench_k1.py --trace; never in a deployment, not in the interpreter)
     trace: bool = False

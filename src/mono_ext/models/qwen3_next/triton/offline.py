@@ -13,8 +13,6 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k1 gdn bf16-state     | bf16 recurrent state                                               |
 | k1 gdn kv-state       | [Hv, Dk, Dv] state slots                                           |
 | k1 gdn fp8_block128   | fp8 in_proj_qkvz, bf16 in_proj_ba (an FP8 checkpoint's mix)        |
-| k1 gdn dv-split-2     | the recurrence as 2 tasks per (row, head): the narrow-width build  |
-|                       | of ``K1Config.narrow_dv_split`` 2                                  |
 | k1 gdn dv-split-4     | the recurrence as 4 tasks per (row, head), the gated norm after it |
 | k1 gdn trace          | default with the trace stamps (``bench_k1.py --trace``)            |
 | k1 attn               | default                                                            |
@@ -55,7 +53,6 @@ _BUILDS: dict[str, tuple[str, dict]] = {
     "k1 gdn bf16-state": ("k1 gdn", {"state_dtype": "bfloat16"}),
     "k1 gdn kv-state": ("k1 gdn", {"ssm_layout": "kv"}),
     "k1 gdn fp8_block128": ("k1 gdn", {"formats": {"in_proj_qkvz": "fp8_block128"}}),
-    "k1 gdn dv-split-2": ("k1 gdn", {"config": {"dv_split": 2, "state_row_slices": 1}}),
     "k1 gdn dv-split-4": ("k1 gdn", {"config": {"dv_split": 4, "state_row_slices": 1}}),
     "k1 gdn trace": ("k1 gdn", {"config": {"trace": True}}),
     "k1 attn": ("k1 attn", {}),
