@@ -8,8 +8,9 @@ by ``runtime.layout.check_handoffs`` at build):
 
 - prologue, every CTA: residual add of the B rows and their Gemma weighting ``s * (1 + w)``
   (redundant, so no hand-off), kept in a private bf16 buffer as the dot operand, with the
-  rows' rsqrt for the input norm, which each tile's accumulator takes at its end (one pass
-  over the rows before the first weight chunk); CTA 0 writes ``residual_out``.
+  rows' rsqrt for the input norm, which each tile's accumulator takes at its end (the rows'
+  loads all in flight at once, the operand written once before the first weight chunk);
+  CTA 0 writes ``residual_out``.
 - S1, over the grid: the projection rows in tiles of ``BN`` rows x all of H, whole rounds
   of the grid, then the rest in smaller tiles so that no CTA streams much more than its
   share (``k1.s1_tiles``); GDN: ``in_proj_ba`` first (every S2 task needs beta and g). One
@@ -181,8 +182,16 @@ def _input_norm(
 ):  # fmt: skip
     """s = hidden (+ residual) in fp32; xs = bf16(s * (1 + w)); returns the rows' rsqrt(mean(s^2)
     + eps) [Bb], which each tile's accumulator takes at its end: W (s * (1 + w)) * rsqrt is the
-    Gemma norm's W x_normed, and the rows are read once before the first weight chunk, not
-    twice (the sum, then the scaled rows).
+    Gemma norm's W x_normed, so the operand is written once, before the first weight chunk.
+
+    Two unrolled passes over the H chunks. The first only loads and squares: with no store and
+    no cross-warp sum between one chunk and the next, every chunk's loads are in flight
+    together, and the sums take one reduction at the end. The second takes the chunks again
+    (the compiler keeps the first pass's values in registers; else they come from L1) and
+    stores. Storing chunk by chunk in one pass would put each chunk's
+    loads behind the previous chunk's stores (the compiler cannot tell that ``xs_base`` is not
+    ``hid_ptr``) and behind its reduction's barriers: a global round trip per chunk in front
+    of the weights.
 
     Every CTA computes it into its own ``xs_base`` (the dot operand); CTA 0 writes s (bf16)
     to ``residual_out``.
@@ -191,19 +200,25 @@ def _input_norm(
     rmask = rows < n_rows
     hh = tl.arange(0, CH)
     NCH: tl.constexpr = (H + CH - 1) // CH
-    ss = tl.zeros([BB], dtype=tl.float32)
-    for c in tl.static_range(NCH):  # unrolled: every chunk's loads in flight together
+    sq = tl.zeros([BB, CH], dtype=tl.float32)
+    for c in tl.static_range(NCH):
         hc = c * CH + hh
         m = rmask[:, None] & (hc[None, :] < H)
         off = rows[:, None] * H + hc[None, :]
         s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
         s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
-        tl.store(rout_ptr + off, s.to(tl.bfloat16), mask=m & (pid == 0))
-        ss += tl.sum(s * s, axis=1)
+        sq += s * s
+    for c in tl.static_range(NCH):
+        hc = c * CH + hh
+        m = rmask[:, None] & (hc[None, :] < H)
+        off = rows[:, None] * H + hc[None, :]
         w = tl.load(nw_ptr + hc, mask=hc < H, other=0.0).to(tl.float32)
+        s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
+        tl.store(rout_ptr + off, s.to(tl.bfloat16), mask=m & (pid == 0))
         tl.store(xs_base + off, (s * (1.0 + w[None, :])).to(tl.bfloat16), mask=m)
     tl.debug_barrier()  # xs written by this CTA's threads, read back by all of them
-    return tl.rsqrt(ss / H + eps)
+    return tl.rsqrt(tl.sum(sq, axis=1) / H + eps)
 
 
 @triton.jit
