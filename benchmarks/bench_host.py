@@ -11,7 +11,7 @@ each step a replay of a captured graph holding a small device op and the health 
 decode graph holds the step's launches and the copy), elsewhere over the scripted source (the
 Python part only).
 
-    python benchmarks/bench_host.py [--steps N] [--json PATH] [--profile PATH]
+    python benchmarks/bench_host.py [--steps N] [--engine-work N] [--json PATH] [--profile PATH]
 
 Prints microseconds per step for each part (median over steps) and, on CUDA, per call of each
 device API a step's host path asks or once asked (``calls``: the capture query, the stream
@@ -19,7 +19,9 @@ by index, an event's record and query, the pinned health copy, the output storag
 the step path now asks only the capture query and the address), and writes
 them, with the device, date, commit and command, to ``--json`` (default
 ``docs/results/host_<device>.json``). ``--profile`` also writes the steps' cProfile, slowest
-functions first. The driver asks whether the stream is capturing as it does in the engines.
+functions first. ``--engine-work N`` runs N random table reads before each step (untimed),
+so the hooks run with caches another program has just used, as they do inside an engine.
+The driver asks whether the stream is capturing as it does in the engines.
 The engine adapters also time themselves in the engine (``host_us`` in vLLM's worker report,
 e.g. ``docs/results/e2e_vllm.json``'s ``summary.routed``); this isolates the parts.
 """
@@ -27,13 +29,16 @@ e.g. ``docs/results/e2e_vllm.json``'s ``summary.routed``); this isolates the par
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import datetime as dt
 import json
 import pstats
+import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +48,7 @@ from _provenance import commit  # noqa: E402
 
 from mono_ext.core.spec import BuildKey, Step  # noqa: E402
 from mono_ext.runtime.failstop import FailStop, ScriptedHealthSource  # noqa: E402
+from mono_ext.runtime.host_timer import HostTimer  # noqa: E402
 from mono_ext.runtime.persistent import PersistentLaunches, PersistentRuntime  # noqa: E402
 from mono_ext.runtime.release import ReleaseQueue  # noqa: E402
 
@@ -81,20 +87,48 @@ def device_calls(health, n: int) -> dict[str, float]:
     return out
 
 
-def run_steps(driver, step, replay, sync, n: int) -> dict[str, list[float]]:
-    """``n`` replayed steps' host work, timed part by part (microseconds per step). ``replay``
-    runs the step's graph first; ``sync`` stands for the engine's wait for the previous step's
-    tokens (async scheduling releases step n-1 after step n is enqueued)."""
+def engine_work(entries: int, seed: int = 0) -> Callable[[], None]:
+    """Stand-in for the engine's own host work between two steps: ``entries`` random reads of
+    a 200 000-entry table of Python lists. Inside an engine the hooks run with caches that the
+    engine's step preparation has just filled with its own code and data; in a tight loop they
+    run hot and look several times cheaper than they are there."""
+    rng = random.Random(seed)
+    table = {i: [rng.random() for _ in range(8)] for i in range(200_000)}
+    keys = list(table)
+
+    def work() -> None:
+        s = 0.0
+        for k in rng.sample(keys, entries):
+            s += table[k][3]
+
+    return work
+
+
+def run_steps(driver, step, replay, sync, n: int, between=None) -> dict[str, list[float]]:
+    """``n`` replayed steps' host work, timed part by part (microseconds per step), as the
+    engine adapters run it: ``after_step``, the ticket wrapped as they wrap it (counted once
+    released, its release timed) and queued, taken by the step's output object, released at the
+    next step's token await. ``replay`` runs the step's graph first; ``sync`` stands for the
+    engine's wait for the previous step's tokens (async scheduling releases step n-1 after step
+    n is enqueued); ``between`` for the engine's own work before each step (untimed)."""
     queue = ReleaseQueue()
+    timer = HostTimer()
+    released = collections.Counter()
+
+    def count() -> None:
+        released["steps"] += 1
+
     parts: dict[str, list[float]] = {"after_step": [], "queue": [], "release": [], "total": []}
     pending = None
     for _ in range(n):
+        if between is not None:
+            between()
         if replay is not None:
             replay()  # the step's device work, behind which its health copy lands
         t0 = time.perf_counter_ns()
         ticket = driver.after_step(step, replayed=True)
         t1 = time.perf_counter_ns()
-        queue.add(ticket)
+        queue.add(ticket.then(count).timed(timer))
         taken = queue.take()
         t2 = time.perf_counter_ns()
         if pending is not None:
@@ -108,6 +142,8 @@ def run_steps(driver, step, replay, sync, n: int) -> dict[str, list[float]]:
         parts["after_step"].append((t1 - t0) / 1e3)
         parts["queue"].append((t2 - t1) / 1e3)
         pending = taken
+    if released["steps"] != max(n - 1, 0):
+        raise RuntimeError(f"{released['steps']} of {n - 1} released steps counted")
     return parts
 
 
@@ -123,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile", type=Path, default=None, help="write the steps' cProfile here")
+    p.add_argument(
+        "--engine-work",
+        type=int,
+        default=0,
+        help="random table reads between steps, standing for the engine's host work (0: none)",
+    )
     a = p.parse_args(argv)
 
     import torch
@@ -161,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     step = Step(4, key)
     sync = torch.cuda.current_stream().synchronize if cuda else None
-    parts = run_steps(driver, step, replay, sync, a.steps)
+    between = engine_work(a.engine_work) if a.engine_work > 0 else None
+    parts = run_steps(driver, step, replay, sync, a.steps, between)
     if a.profile:  # a second pass: the profiler's own cost stays out of the times above
         profile = cProfile.Profile()
         profile.enable()
-        run_steps(driver, step, replay, sync, a.steps)
+        run_steps(driver, step, replay, sync, a.steps, between)
         profile.disable()
         a.profile.parent.mkdir(parents=True, exist_ok=True)
         with a.profile.open("w") as f:
@@ -183,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/bench_host.py", *(argv or sys.argv[1:])]),
         "torch": torch.__version__,
         "steps": a.steps,
+        "engine_work": a.engine_work,
         "median_us": us,
         "call_median_us": calls,
         "p90_us": {

@@ -138,3 +138,19 @@ def test_a_timed_ticket_counts_its_release_even_when_it_raises():
     with pytest.raises(RuntimeError, match="step failed"):
         Ticket(bad, 2, what="s").timed(timer).release()
     assert timer.report()["host_calls"] == {"release": 2}
+
+
+def test_wrappers_keep_their_order_and_leave_the_original_ticket_alone():
+    """then() twice runs both afters in order after the check; timed() before or after then()
+    times the whole release once; the ticket wrapped is not changed by its wrappers."""
+    seen: list[str] = []
+    timer = HostTimer()
+    base = Ticket(lambda: seen.append("check"), 3, what="step")
+    wrapped = base.then(lambda: seen.append("a")).timed(timer).then(lambda: seen.append("b"))
+    assert (wrapped.width, wrapped.what) == (3, "step")
+    wrapped.release()
+    assert seen == ["check", "a", "b"]
+    assert timer.report()["host_calls"] == {"release": 1}
+    seen.clear()
+    base.release()
+    assert seen == ["check"] and timer.report()["host_calls"] == {"release": 1}

@@ -47,6 +47,15 @@ def test_run_steps_releases_every_step_but_the_last(bench):
     assert [len(parts[k]) for k in ("after_step", "queue", "release", "total")] == [5, 5, 4, 4]
 
 
+def test_engine_work_runs_before_every_step_and_is_recorded(bench, tmp_path):
+    calls: list[int] = []
+    parts = bench.run_steps(_Driver(), None, None, None, n=6, between=lambda: calls.append(1))
+    assert len(calls) == 6 and len(parts["total"]) == 5
+    out = tmp_path / "host.json"
+    assert bench.main(["--steps", "50", "--engine-work", "100", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["engine_work"] == 100
+
+
 class _Driver:
     """A driver whose tickets release at once."""
 

@@ -10,7 +10,8 @@
 #   bash tools/gpu/run_kernels.sh host    benchmarks/bench_host.py: mono_ext's host time per step
 #                                         with CUDA health copies and per device call (writes
 #                                         $OUT/host_h200.json, the profile to
-#                                         $OUT/host_h200_profile.txt), ~15 s
+#                                         $OUT/host_h200_profile.txt), then with engine work
+#                                         between steps ($OUT/host_h200_engine_work.json), ~25 s
 #   bash tools/gpu/run_kernels.sh stream  benchmarks/bench_stream.py: one weight plane streamed by plain
 #                                         Triton vs the Gluon TMA ring at 44/88/132 CTAs (writes
 #                                         $OUT/stream_h200.json), then bench_stream_fp8.py: one fp8
@@ -64,7 +65,9 @@ fp8)
     tests/models/qwen3_next/triton/test_k2.py -k "fp8 or qdot" ;;
 host)
   run host python3 benchmarks/bench_host.py --json "$OUT/host_h200.json" \
-    --profile "$OUT/host_h200_profile.txt" ;;
+    --profile "$OUT/host_h200_profile.txt"
+  run host_engine_work python3 benchmarks/bench_host.py --engine-work 3000 \
+    --json "$OUT/host_h200_engine_work.json" ;;
 stream)
   # a ring that deadlocks must not take the rest of the call with it
   run stream timeout -s KILL 300 python3 benchmarks/bench_stream.py --json "$OUT/stream_h200.json" \
