@@ -219,6 +219,10 @@ SWEEP = (
     # width 1, 64 or 128 of the 132 CTAs share the state instead of 32
     {"dv_split": 2, "state_row_slices": 1},
     {"dv_split": 4, "state_row_slices": 1},
+    # each row normed once, by one CTA, and handed to every CTA behind a flag: at every width,
+    # and from 5 rows up
+    {"norm_once_above": 0},
+    {"norm_once_above": 4},
 )
 
 

@@ -30,6 +30,12 @@
 #                                         then both fronts traced at widths 1 and 16: per CTA
 #                                         start, rows normed, S1 done, first S2 words, end
 #                                         (writes $OUT/k1_vllm.csv, $OUT/k1_trace.json), ~2 min
+#   bash tools/gpu/run_kernels.sh k1once  K1Config.norm_once_above: its GPU tests (bits equal to
+#                                         the default build's, batch invariance across the
+#                                         switch), then bench_k1 traced at widths 1-16 with
+#                                         norm_once_above 0 and 4 and the default, one call
+#                                         (writes $OUT/k1_once_{0,4,default}.csv and traces),
+#                                         ~2.5 min
 #   bash tools/gpu/run_kernels.sh a8      K2's fp8_activations build: the fp8 tests (its own
 #                                         included), the one-plane probe, then bench_k2 fp8
 #                                         block-128 "k2" vs "k2 a8" at widths 1-16 with both
@@ -96,6 +102,15 @@ k1sweep)
 k1trace)
   run k1_trace python3 benchmarks/bench_k1.py --widths 1,2,4,8,16 --trace \
     --results-csv "$OUT/k1_vllm.csv" --trace-json "$OUT/k1_trace.json" ;;
+k1once)
+  run k1_once_tests python3 -m pytest -q -p no:cacheprovider -s \
+    tests/models/qwen3_next/triton/test_k1.py -k "norm_once or batch_invariant"
+  for n in 0 4 default; do
+    cfg=(); [ "$n" = default ] || cfg=(--config "{\"norm_once_above\": $n}")
+    run "k1_once_$n" python3 benchmarks/bench_k1.py --widths 1,2,4,8,16 --trace \
+      --trace-widths 1,8,16 "${cfg[@]}" --results-csv "$OUT/k1_once_$n.csv" \
+      --trace-json "$OUT/k1_once_${n}_trace.json"
+  done ;;
 a8)
   bash "$0" fp8
   run stream_fp8 timeout -s KILL 120 python3 benchmarks/bench_stream_fp8.py \
@@ -106,6 +121,6 @@ a8)
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|a8|layer" >&2
   exit 2 ;;
 esac

@@ -521,14 +521,22 @@ def test_dv_split_refused_by_name():
         K1GdnLaunch(shape, K1Config(grid=_grid(), dv_split=2))
 
 
-@pytest.mark.parametrize("config", [{}, split(4)], ids=["default", "dv_split4"])
+@pytest.mark.parametrize(
+    "config",
+    [{}, split(4), {"norm_once_above": 4}],
+    ids=["default", "dv_split4", "norm_once_above4"],
+)
 def test_fronts_batch_invariant(config):
     """A row's outputs and states are bit-identical whatever the other rows and the width:
-    the first rows of a 16-row step, run again at fewer rows (padding included)."""
+    the first rows of a 16-row step, run again at fewer rows (padding included); with
+    ``norm_once_above`` 4, across the switch between the two norms (16 and 9 rows hand the
+    rows over, 1 row norms in every CTA)."""
     preset = PRESETS[0]
     md = Dims.from_config(_cfg(preset))
     gen = new_gen(31)
-    gdn, attn = gdn_build(preset, "float32", config=config), attn_build(preset)
+    attn_config = {k: v for k, v in config.items() if k == "norm_once_above"}
+    gdn = gdn_build(preset, "float32", config=config)
+    attn = attn_build(preset, config=attn_config)
     w, aw = gdn_weights(md, "interleaved", gen), attn_weights(md, gen)
     conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
     slots = step_slots(16, 0, gen)
@@ -555,6 +563,55 @@ def test_fronts_batch_invariant(config):
         for name, got, full in zip(names, runs[width], runs[16], strict=True):
             want = full[: got.shape[0]]
             assert torch.equal(got, want), f"{name} at width {width} differs from width 16's"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_norm_once_builds_give_the_default_builds_bits(preset):
+    """``K1Config.norm_once_above``: each row normed once, by one CTA, and handed to every CTA
+    behind a flag is the same code on the same values as every CTA norming every row, so both
+    fronts' outputs and states are bit-equal to the default build's, with the hand-off at every
+    width (0) and from 3 rows up (2); width 3 without a residual (a first layer)."""
+    md = Dims.from_config(_cfg(preset))
+    gen = new_gen(71)
+    w, aw = gdn_weights(md, "interleaved", gen), attn_weights(md, gen)
+    conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
+    qd, kvd = md.hq * md.head_dim, md.hkv * md.head_dim
+    configs = {"default": {}, "once": {"norm_once_above": 0}, "above 2": {"norm_once_above": 2}}
+    builds = {n: (gdn_build(preset, "float32", config=c), attn_build(preset, config=c))
+              for n, c in configs.items()}  # fmt: skip
+    st = rank_state()
+    for width in (1, 3, 16):
+        slots = step_slots(width, 0, gen)
+        hid, res = step_inputs(md, width, gen, residual=width != 3)
+        pos = torch.randint(0, 4096, (width,), generator=gen, device=DEV)
+        got = {}
+        for name, (gdn, attn) in builds.items():
+            assert (gdn.workspace(DEV).xs.shape[0] == gdn.config.grid + 1) == (name != "default")
+            conv, ssm = conv0.clone(), ssm0.clone()
+            o_in, r_out = run_k1_gdn(gdn, st, gdn.workspace(DEV), hid, res, w, conv, ssm, slots,
+                                     0)  # fmt: skip
+            outs = [torch.full((width, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+                    for n in (qd, kvd, kvd, qd)]  # fmt: skip
+            ra = torch.full_like(hid, float("nan"))
+            st.bump_epoch()
+            attn.launch(hid, res, aw, pos, *outs, ra, ws=attn.workspace(DEV), ctrl=st.ctrl,
+                        health=st.health)  # fmt: skip
+            assert_healthy(st)
+            got[name] = (o_in, r_out, conv, ssm, *outs, ra)
+        outputs = ("o_in", "residual_out", "conv", "ssm", "q", "k", "v", "gate", "attn res")
+        for name in ("once", "above 2"):
+            for out, a, b in zip(outputs, got["default"], got[name], strict=True):
+                assert not a.isnan().any(), f"{out} at width {width}: not written"
+                assert torch.equal(a, b), f"{out} at width {width}: {name} differs"
+
+
+def test_norm_once_above_refused_by_name():
+    shape = K1GdnShape.from_dims(Dims.from_config(_cfg(TINY)))
+    with pytest.raises(ValueError, match="norm_once_above=17: 0..16 rows"):
+        K1GdnLaunch(shape, K1Config(grid=_grid(), norm_once_above=17))
+    with pytest.raises(ValueError, match="norm_once_above=-1: 0..16 rows"):
+        K1AttnLaunch(K1AttnShape.from_dims(Dims.from_config(_cfg(TINY))),
+                     K1Config(grid=_grid(), norm_once_above=-1))  # fmt: skip
 
 
 def test_launches_adapter_matches_direct_launch():

@@ -159,3 +159,21 @@ def test_k1_trace_build_stamps_every_point(kind):
     assert r.regs <= 255 and 0 < r.shared <= SHARED_PER_BLOCK, r
     res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
     assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1
+
+
+@pytest.mark.parametrize("kind", ["gdn", "attn"])
+def test_k1_norm_once_build_fences_its_hand_off(kind):
+    """``K1Config.norm_once_above`` 0: no spills, still one CTA per SM; beyond the default
+    build's fences, one after the shared rows' stores (before the flags) and one after the
+    flags are seen (before the rows are read); the default build has no nflag region."""
+    plain = offline_build(f"k1 {kind}", 1)
+    b = offline_build(f"k1 {kind} norm-once", 1)
+    assert b.constexprs["NONCE"] == 0 and "NONCE" not in plain.constexprs
+    c = b.compile()
+    ptx, ptx0 = c.asm["ptx"], plain.compile().asm["ptx"]
+    assert ptx.count("fence.acq_rel.gpu") - ptx0.count("fence.acq_rel.gpu") == 2
+    r = resources(c)
+    assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
+    assert r.regs <= 255 and 0 < r.shared <= SHARED_PER_BLOCK, r
+    res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
+    assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1

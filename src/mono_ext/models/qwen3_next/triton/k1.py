@@ -33,6 +33,7 @@ from mono_ext.kernels.triton.launcher import (
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, pdl_options
 from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reasons
 from mono_ext.models.qwen3_next.triton.k1_kernel import (
+    S0,
     S1,
     S2,
     S3,
@@ -56,6 +57,7 @@ from mono_ext.models.qwen3_next.triton.k1_plan import (
 from mono_ext.runtime.layout import plan_layout
 
 __all__ = [
+    "S0",
     "S1",
     "S2",
     "S3",
@@ -97,7 +99,7 @@ class K1Workspace:
     """One rank's K1 scratch: the tagged mailbox region and per-CTA normed rows."""
 
     scratch: Any  # int64 [scratch_words]
-    xs: Any  # bf16 [G, Bb, H]
+    xs: Any  # bf16 [G, Bb, H]; [G + 1, Bb, H] with norm_once_above (the last: the shared rows)
     trace: Any = None  # int64 [G, 16]: trace builds only (K1Config.trace, TRACE_POINTS)
 
 
@@ -136,12 +138,13 @@ def _dt(name: str) -> Any:
     return getattr(torch, name)
 
 
-def _workspace(words: int, grid: int, hidden: int, device: Any, trace: bool) -> K1Workspace:
+def _workspace(words: int, grid: int, hidden: int, device: Any, trace: bool,
+               shared_rows: bool = False) -> K1Workspace:  # fmt: skip
     import torch
 
     return K1Workspace(
         scratch=torch.zeros(max(words, 16), dtype=torch.int64, device=device),
-        xs=torch.zeros(grid, BLOCK_B, hidden, dtype=torch.bfloat16, device=device),
+        xs=torch.zeros(grid + shared_rows, BLOCK_B, hidden, dtype=torch.bfloat16, device=device),
         trace=torch.zeros(grid, 16, dtype=torch.int64, device=device) if trace else None,
     )
 
@@ -179,12 +182,14 @@ class _K1LaunchBase:
 
     def __post_init__(self) -> None:
         bad = self.shape.refusals() + self._refusals() + self._format_refusals()
+        if not 0 <= self.config.norm_once_above <= BLOCK_B:
+            bad.append(f"norm_once_above={self.config.norm_once_above}: 0..{BLOCK_B} rows")
         if bad:
             raise ValueError(f"K1 {self._KIND} refused: " + "; ".join(bad))
         self.layout = plan_layout(self._program())
 
     def _program(self) -> Any:
-        return type(self)._PROGRAM(self.shape)
+        return type(self)._PROGRAM(self.shape, norm_once=self.config.norms_once())
 
     def _fmt(self, plane: str) -> str:
         return self.formats.get(plane, "bf16")
@@ -219,11 +224,12 @@ class _K1LaunchBase:
         return (
             f"grid{c.grid} w{c.num_warps} tile_rows={c.tile_rows} k_chunk={c.k_chunk}"
             f" pipeline_stages={c.pipeline_stages}"
+            + (f" norm_once_above={c.norm_once_above}" if c.norms_once() else "")
         )
 
     def workspace(self, device: Any) -> K1Workspace:
         return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden,
-                          device, self._traced())  # fmt: skip
+                          device, self._traced(), self.config.norms_once())  # fmt: skip
 
     def _traced(self) -> bool:
         """Trace stamps (``K1Config.trace``): compiled builds only (they read %globaltimer)."""
@@ -258,7 +264,17 @@ class _K1LaunchBase:
             num_warps=c.num_warps,
             num_stages=1,  # only the projection loop is pipelined (its own num_stages)
             **pdl_options(c.pdl),
+            **self._norm_once_constexprs(),
         )
+
+    def _norm_once_constexprs(self) -> dict:
+        """The norm-once hand-off's constexprs; none without it (the same compile as a build
+        that never had them)."""
+        if not self.config.norms_once():
+            return {}
+        lay = self.layout
+        return dict(NONCE=self.config.norm_once_above, OFF_NFLAG=lay.offsets["nflag"],
+                    RID_NFLAG=lay.region_id("nflag"))  # fmt: skip
 
     def _check(self, hidden, residual, residual_out, weights, rows: dict, params: dict,
                more: list[str] | tuple = ()) -> int:  # fmt: skip
@@ -334,7 +350,8 @@ class _K1LaunchBase:
         cx = self._cx
         passes = [cx]
         if self._split():  # interpreter: programs run in turn; a wait would need later ones
-            passes = [{**cx, "STAGES": st & self.stages} for st in self._passes()]
+            first = (S0,) if self.config.norms_once() else ()
+            passes = [{**cx, "STAGES": st & self.stages} for st in (*first, *self._passes())]
         return FrozenLaunch(self._KERNEL, self.config.grid, args, names, values, passes,
                             compiled=not _interp(), max_rows=BLOCK_B)  # fmt: skip
 
@@ -409,7 +426,7 @@ class K1GdnLaunch(_K1LaunchBase):
         return bad
 
     def _program(self) -> Any:
-        return k1_gdn_program(self.shape, self.config.dv_split)
+        return k1_gdn_program(self.shape, self.config.dv_split, self.config.norms_once())
 
     def _passes(self) -> tuple[int, ...]:
         return (S1, S2, S3) if self.config.dv_split > 1 else (S1, S2)

@@ -10,7 +10,10 @@ by ``runtime.layout.check_handoffs`` at build):
   (redundant, so no hand-off), kept in a private bf16 buffer as the dot operand, with the
   rows' rsqrt for the input norm, which each tile's accumulator takes at its end (the rows'
   loads all in flight at once, the operand written once before the first weight chunk);
-  CTA 0 writes ``residual_out``.
+  CTA 0 writes ``residual_out``. Steps wider than ``NONCE`` (``K1Config.norm_once_above``;
+  by default none) instead norm each row once, in S0: CTA p norms row p into the shared
+  ``xs[G]`` and its ``residual_out`` and flags it with its rsqrt; S1 waits for the flags and
+  reads the shared rows (the same values, so the same bits).
 - S1, over the grid: the projection rows in tiles of ``BN`` rows x all of H, whole rounds
   of the grid, then the rest in smaller tiles so that no CTA streams much more than its
   share (``k1.s1_tiles``); GDN: ``in_proj_ba`` first (every S2 task needs beta and g). One
@@ -86,6 +89,8 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | scratch: osq    | [Bb, Hv, dv_split]     | int64     | tagged fp32 sum of o^2 per block        | S2 -> S3 (split)  |
 | scratch: oraw   | [Bb, Hv*Dv]            | int64     | tagged fp32 o, read by the same CTA     | S2 -> S3 (split)  |
 | priv xs         | [G, Bb, H]             | bf16      | this CTA's rows s * (1 + w) (operand)   | prologue, same CTA|
+| xs[G] (shared)  | [Bb, H]                | bf16      | each row s * (1 + w), normed once       | S0 -> S1 (flag)   |
+| scratch: nflag  | [Bb]                   | int64     | tagged fp32 rsqrt per row, after xs[G]  | S0 -> S1 (once)   |
 | ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
 | trace           | [G, 16]                | int64     | %globaltimer ns per CTA at TRACE_POINTS | TRACE builds only |
 """
@@ -97,6 +102,7 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_either
 from mono_ext.kernels.triton.primitives import (
+    fence_gpu,
     pdl_prologue,
     seq_tag,
     stamp,
@@ -112,12 +118,22 @@ from mono_ext.models.qwen3_next.triton.k1_recurrence import (
 )
 from mono_ext.models.qwen3_next.triton.k1_words import get_f32, prefetch_l2, put_f32
 
-__all__ = ["S1", "S2", "S3", "STAGES_ALL", "TRACE_POINTS", "k1_attn_kernel", "k1_gdn_kernel"]
+__all__ = [
+    "S0",
+    "S1",
+    "S2",
+    "S3",
+    "STAGES_ALL",
+    "TRACE_POINTS",
+    "k1_attn_kernel",
+    "k1_gdn_kernel",
+]
 
 S1 = 1  # prologue + projections (+ conv); the interpreter runs each stage as a launch
 S2 = 2  # recurrence + gated norm (GDN) / norm + RoPE (attention)
 S3 = 4  # the blocked recurrence's gated norm (GDN with dv_split > 1)
-STAGES_ALL = 7
+S0 = 8  # each row normed once and flagged (K1Config.norm_once_above); runs before S1
+STAGES_ALL = 15
 #: what a TRACE build stamps, by word (both kinds): the CTA's start, its rows normed (the
 #: first weight chunk can be asked for), its last S1 tile handed on, its first S2 task's
 #: words all arrived (CTAs with an S2 task), its end
@@ -178,7 +194,7 @@ def _prefetch_w(w_ptr, w2_ptr, it, n_it, pid, G, KCH, NA, LIM1, LIM2, H: tl.cons
 @triton.jit
 def _input_norm(
     hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
-    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr,
+    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr, ONE: tl.constexpr = False,
 ):  # fmt: skip
     """s = hidden (+ residual) in fp32; xs = bf16(s * (1 + w)); returns the rows' rsqrt(mean(s^2)
     + eps) [Bb], which each tile's accumulator takes at its end: W (s * (1 + w)) * rsqrt is the
@@ -193,11 +209,15 @@ def _input_norm(
     ``hid_ptr``) and behind its reduction's barriers: a global round trip per chunk in front
     of the weights.
 
-    Every CTA computes it into its own ``xs_base`` (the dot operand); CTA 0 writes s (bf16)
-    to ``residual_out``.
+    The ``n_rows`` rows are normed into ``xs_base``, and CTA ``pid`` 0 writes their s (bf16) to
+    ``residual_out``; ``ONE``: only row ``pid`` (here a row index), its residual_out too. A row's
+    values and its sum depend on that row only, whichever other rows are masked in.
     """
     rows = tl.arange(0, BB)
-    rmask = rows < n_rows
+    if ONE:  # noqa: SIM108 (a constexpr branch)
+        rmask = rows == pid
+    else:
+        rmask = rows < n_rows
     hh = tl.arange(0, CH)
     NCH: tl.constexpr = (H + CH - 1) // CH
     sq = tl.zeros([BB, CH], dtype=tl.float32)
@@ -215,10 +235,65 @@ def _input_norm(
         w = tl.load(nw_ptr + hc, mask=hc < H, other=0.0).to(tl.float32)
         s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
         s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
-        tl.store(rout_ptr + off, s.to(tl.bfloat16), mask=m & (pid == 0))
+        tl.store(rout_ptr + off, s.to(tl.bfloat16), mask=m & ((pid == 0) | ONE))
         tl.store(xs_base + off, (s * (1.0 + w[None, :])).to(tl.bfloat16), mask=m)
     tl.debug_barrier()  # xs written by this CTA's threads, read back by all of them
     return tl.rsqrt(tl.sum(sq, axis=1) / H + eps)
+
+
+@triton.jit
+def _norm_publish(
+    hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res, eps, tag,
+    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """S0 (steps wider than ``norm_once_above``): CTA p norms rows p, p + G, ... into the
+    shared ``xs[G]`` and writes their ``residual_out``, then flags each row with its rsqrt.
+    Every CTA norming every row reads and writes all of them through L2 before its first
+    weight chunk; once per row, the rest of the grid waits for one flag round trip."""
+    rows = tl.arange(0, BB)
+    for r in range(pid, n_rows, G):
+        rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_ptr + G * (BB * H), rout_ptr, n_rows,
+                           has_res, eps, r, H, BB, CH, ONE=True)  # fmt: skip
+        fence_gpu(INTERP)  # every thread's xs stores (the norm ends in a barrier) before the flag
+        put_f32(nflag_ptr, rows, rstd, rows == r, tag, INTERP)
+
+
+@triton.jit
+def _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask, tag, H: tl.constexpr,
+                 BB: tl.constexpr, RID_NFLAG: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """The rows S0 normed once: wait for their flags (this step's tag), whose words are their
+    rsqrt; after the fence the shared ``xs[G]`` is this CTA's to read."""
+    rstd = get_f32(nflag_ptr, rows, rmask, tag, ctrl_ptr, health_ptr, RID_NFLAG, INTERP)
+    fence_gpu(INTERP)
+    return xs_ptr + G * (BB * H), rstd
+
+
+@triton.jit
+def _normed_rows(
+    hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr, health_ptr, pid, G, rows,
+    rmask, n_rows, has_res, eps, tag, H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr,
+    NONCE: tl.constexpr, RID_NFLAG: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """S1's dot operand and the rows' rsqrt [Bb]: this CTA's own norm of every row (steps of
+    at most ``NONCE`` rows), else the shared rows of S0 (:func:`_shared_rows`). Both are the
+    same code on the same values, so the same bits. ``NONCE`` 0 compiles the hand-off only
+    (every step has a row), ``BB`` the own norm only."""
+    if NONCE == 0:
+        xs_base, rstd = _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask, tag,
+                                     H, BB, RID_NFLAG, INTERP)  # fmt: skip
+    elif NONCE < BB:
+        if n_rows > NONCE:
+            xs_base, rstd = _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask,
+                                         tag, H, BB, RID_NFLAG, INTERP)  # fmt: skip
+        else:
+            xs_base = xs_ptr + pid * (BB * H)
+            rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps,
+                               pid, H, BB, CH)  # fmt: skip
+    else:
+        xs_base = xs_ptr + pid * (BB * H)
+        rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+                           H, BB, CH)  # fmt: skip
+    return xs_base, rstd
 
 
 @triton.jit
@@ -323,7 +398,8 @@ def _gdn_s1(
     PRE: tl.constexpr, CONV: tl.constexpr,
     VD: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, RR: tl.constexpr,
     Q_QKVZ: tl.constexpr, Q_BA: tl.constexpr, INTERP: tl.constexpr, trace_ptr,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, nflag_ptr, ctrl_ptr, health_ptr, NONCE: tl.constexpr,
+    RID_NFLAG: tl.constexpr,
 ):  # fmt: skip
     """GDN S1: input norm, then the projection tiles (ba tiles first: every S2 task needs
     beta and g, then qkvz tiles), flattened over K chunks; each tile's epilogue runs the conv
@@ -338,9 +414,9 @@ def _gdn_s1(
             _prefetch_w(wba_ptr, wq_ptr, pi, n_it, pid, G, KCH, NA, PBA, PQ, H, FT, BN, HB,
                         BK)  # fmt: skip
 
-    xs_base = xs_ptr + pid * (BB * H)
-    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
-                       H, BB, CH)  # fmt: skip
+    xs_base, rstd = _normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
+                                 health_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H,
+                                 BB, CH, NONCE, RID_NFLAG, INTERP)  # fmt: skip
     stamp(trace_ptr, 1, TRACE)
 
     slot_r = tl.load(slots_ptr + rows, mask=rmask, other=-1)
@@ -422,6 +498,7 @@ def _attn_s1(
     HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr,
     Q_QKV: tl.constexpr, QG: tl.constexpr, KVD: tl.constexpr,
     PA: tl.constexpr, WA: tl.constexpr, INTERP: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
+    nflag_ptr, ctrl_ptr, health_ptr, NONCE: tl.constexpr, RID_NFLAG: tl.constexpr,
 ):  # fmt: skip
     """Attention S1: input norm, then the qkv_proj tiles; gate and v go straight to their
     outputs, raw q and k to the ``qk`` region."""
@@ -432,9 +509,9 @@ def _attn_s1(
         for pi in tl.static_range(NS - 1):
             _prefetch_w(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, BN, HB,
                         BK)  # fmt: skip
-    xs_base = xs_ptr + pid * (BB * H)
-    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
-                       H, BB, CH)  # fmt: skip
+    xs_base, rstd = _normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
+                                 health_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H,
+                                 BB, CH, NONCE, RID_NFLAG, INTERP)  # fmt: skip
     stamp(trace_ptr, 1, TRACE)
     kk = tl.arange(0, BK)
     nn = tl.arange(0, BN)
@@ -530,6 +607,8 @@ def k1_gdn_kernel(
     # the blocked recurrence (k1_recurrence): DS tasks per (row, head), its two regions
     DS: tl.constexpr = 1, OFF_OSQ: tl.constexpr = 0, RID_OSQ: tl.constexpr = 0,
     OFF_ORAW: tl.constexpr = 0, TRACE: tl.constexpr = False,
+    # each row normed once (K1Config.norm_once_above; BB: never), its flags' region
+    NONCE: tl.constexpr = 16, OFF_NFLAG: tl.constexpr = 0, RID_NFLAG: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -580,13 +659,19 @@ def k1_gdn_kernel(
         gw0 = tl.load(gnw_ptr + vh).to(tl.float32)
         gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
 
+    nflag_ptr = scratch_ptr + OFF_NFLAG
+    if (STAGES & 8) and NONCE < BB:  # noqa: SIM102 (compiled in, then a branch per step)
+        if n_rows > NONCE:
+            _norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows,
+                          has_res, eps, tag, H, BB, CH, INTERP)  # fmt: skip
     if STAGES & 1:
         _gdn_s1(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr,
             conv_ptr, slots_ptr, xs_ptr, proj_ptr, sq_ptr, sba_ptr, pid, G, rows, rmask, n_rows,
             has_res, null_slot, cs_slot, cs_t, cs_c, eps, tag, H, HV, DK, DV, KC, WROW,
             INTERLEAVED, BB, BN, BK, FT, HB, NT, CH, NS, PRE, CONV, VD, PQ, PBA, RR,
-            Q_QKVZ, Q_BA, INTERP, trace_ptr, TRACE,
+            Q_QKVZ, Q_BA, INTERP, trace_ptr, TRACE, nflag_ptr, ctrl_ptr, health_ptr, NONCE,
+            RID_NFLAG,
         )  # fmt: skip
     stamp(trace_ptr, 2, TRACE)
     if DS == 1:
@@ -629,6 +714,8 @@ def k1_attn_kernel(
     NS: tl.constexpr, PRE: tl.constexpr, Q_QKV: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     TRACE: tl.constexpr = False,
+    # each row normed once (K1Config.norm_once_above; BB: never), its flags' region
+    NONCE: tl.constexpr = 16, OFF_NFLAG: tl.constexpr = 0, RID_NFLAG: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -662,11 +749,17 @@ def k1_attn_kernel(
     wk_n = tl.load(kn_ptr + dd).to(tl.float32)
     wk_p = tl.load(kn_ptr + part).to(tl.float32)
 
+    nflag_ptr = scratch_ptr + OFF_NFLAG
+    if (STAGES & 8) and NONCE < BB:  # noqa: SIM102 (compiled in, then a branch per step)
+        if n_rows > NONCE:
+            _norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows,
+                          has_res, eps, tag, H, BB, CH, INTERP)  # fmt: skip
     if STAGES & 1:
         _attn_s1(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr,
             sqkv_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H, HQ, D, BB, BN, BK, FT,
-            HB, NT, CH, NS, PRE, Q_QKV, QG, KVD, PA, WA, INTERP, trace_ptr, TRACE,
+            HB, NT, CH, NS, PRE, Q_QKV, QG, KVD, PA, WA, INTERP, trace_ptr, TRACE, nflag_ptr,
+            ctrl_ptr, health_ptr, NONCE, RID_NFLAG,
         )  # fmt: skip
     stamp(trace_ptr, 2, TRACE)
     if STAGES & 2:

@@ -100,35 +100,58 @@ class K1Config:
     # per-CTA %globaltimer stamps at the launch's points into ``K1Workspace.trace``
     # (benchmarks/bench_k1.py --trace; never in a deployment, not in the interpreter)
     trace: bool = False
+    # steps of more rows than this norm each row once, in one CTA, into a buffer every CTA
+    # reads, behind a flag word per row carrying its rsqrt; narrower steps have every CTA norm
+    # every row into its own buffer (the same bits). Every CTA reading and writing all 16 rows
+    # is L2 traffic of the whole grid before the first weight chunk; a hand-off adds a flag
+    # round trip. BLOCK_B (16, the default): never
+    norm_once_above: int = BLOCK_B
+
+    def norms_once(self) -> bool:
+        """Whether some width (at most BLOCK_B rows) takes the norm-once hand-off."""
+        return self.norm_once_above < BLOCK_B
 
 
-def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1) -> Program:
+def _norm_once(regions: tuple, stages: tuple, norm_once: bool) -> tuple[tuple, tuple]:
+    """With ``norm_once``: the ``nflag`` region (a flag word per row) and the stage that
+    writes it first, the projections' stage waiting on it."""
+    if not norm_once:
+        return regions, stages
+    first = stages[0]
+    s1 = Stage(first.name, [wait("nflag"), *first.ops])
+    return (*regions, Region("nflag", BLOCK_B)), (
+        Stage("input_norm_once", [write("nflag")]),
+        s1,
+        *stages[1:],
+    )
+
+
+def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1, norm_once: bool = False) -> Program:
     """S1 writes the proj region; S2 waits on it (checked at build). Split recurrence
     (``dv_split`` > 1): S2 also writes each block's sum of o^2 (``osq``) and its o (``oraw``,
-    read back by the same CTA), and the gated norm, a stage after it, waits on ``osq``."""
+    read back by the same CTA), and the gated norm, a stage after it, waits on ``osq``.
+    ``norm_once`` (``K1Config.norm_once_above``): see :func:`_norm_once`."""
     proj = Region("proj", BLOCK_B * shape.payload_words)
     s1 = Stage("in_proj_conv", [write("proj")])
     if dv_split == 1:
-        return Program("k1_gdn", (proj,), (s1, Stage("recurrence", [wait("proj")])))
-    heads = BLOCK_B * shape.hv
-    return Program(
-        "k1_gdn",
-        (proj, Region("osq", heads * dv_split), Region("oraw", heads * shape.dv)),
-        (
+        regions: tuple = (proj,)
+        stages: tuple = (s1, Stage("recurrence", [wait("proj")]))
+    else:
+        heads = BLOCK_B * shape.hv
+        regions = (proj, Region("osq", heads * dv_split), Region("oraw", heads * shape.dv))
+        stages = (
             s1,
             Stage("recurrence", [wait("proj"), write("osq"), write("oraw")]),
             Stage("gated_norm", [wait("osq")]),
-        ),
-    )
+        )
+    return Program("k1_gdn", *_norm_once(regions, stages, norm_once))
 
 
-def k1_attn_program(shape: K1AttnShape) -> Program:
+def k1_attn_program(shape: K1AttnShape, norm_once: bool = False) -> Program:
     words = BLOCK_B * (shape.hq + shape.hkv) * shape.head_dim
-    return Program(
-        "k1_attn",
-        (Region("qk", words),),
-        (Stage("qkv_proj", [write("qk")]), Stage("norm_rope", [wait("qk")])),
-    )
+    regions = (Region("qk", words),)
+    stages = (Stage("qkv_proj", [write("qk")]), Stage("norm_rope", [wait("qk")]))
+    return Program("k1_attn", *_norm_once(regions, stages, norm_once))
 
 
 def gdn_row_map(shape: K1GdnShape, packing: str) -> list[int]:

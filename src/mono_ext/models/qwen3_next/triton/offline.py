@@ -15,9 +15,11 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k1 gdn fp8_block128   | fp8 in_proj_qkvz, bf16 in_proj_ba (an FP8 checkpoint's mix)        |
 | k1 gdn dv-split-4     | the recurrence as 4 tasks per (row, head), the gated norm after it |
 | k1 gdn trace          | default with the trace stamps (``bench_k1.py --trace``)            |
+| k1 gdn norm-once      | each row normed once and handed to every CTA (norm_once_above 0)   |
 | k1 attn               | default                                                            |
 | k1 attn fp8_block128  | fp8 qkv_proj                                                       |
 | k1 attn trace         | default with the trace stamps                                      |
+| k1 attn norm-once     | each row normed once and handed to every CTA (norm_once_above 0)   |
 | k2 gdn bf16           | default (out_proj)                                                 |
 | k2 gdn fp8_block128   | out_proj, w13, w2 and the shared expert fp8 block-128              |
 | k2 attn gated bf16    | the attention layers' build (o_proj, output gate folded into S1)   |
@@ -55,9 +57,11 @@ _BUILDS: dict[str, tuple[str, dict]] = {
     "k1 gdn fp8_block128": ("k1 gdn", {"formats": {"in_proj_qkvz": "fp8_block128"}}),
     "k1 gdn dv-split-4": ("k1 gdn", {"config": {"dv_split": 4, "state_row_slices": 1}}),
     "k1 gdn trace": ("k1 gdn", {"config": {"trace": True}}),
+    "k1 gdn norm-once": ("k1 gdn", {"config": {"norm_once_above": 0}}),
     "k1 attn": ("k1 attn", {}),
     "k1 attn fp8_block128": ("k1 attn", {"formats": {"qkv_proj": "fp8_block128"}}),
     "k1 attn trace": ("k1 attn", {"config": {"trace": True}}),
+    "k1 attn norm-once": ("k1 attn", {"config": {"norm_once_above": 0}}),
     "k2 gdn bf16": ("k2", {"kind": "gdn"}),
     "k2 gdn fp8_block128": (
         "k2",
