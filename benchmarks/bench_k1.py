@@ -220,9 +220,10 @@ SWEEP = (
     {"dv_split": 2, "state_row_slices": 1},
     {"dv_split": 4, "state_row_slices": 1},
     # each row normed once, by one CTA, and handed to every CTA behind a flag: at every width,
-    # and from 5 rows up
+    # from 5 rows up, and with the first weight chunks moving into L2 while the flags come
     {"norm_once_above": 0},
     {"norm_once_above": 4},
+    {"norm_once_above": 0, "prefetch_first_chunks": True},
 )
 
 

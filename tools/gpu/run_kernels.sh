@@ -33,9 +33,9 @@
 #   bash tools/gpu/run_kernels.sh k1once  K1Config.norm_once_above: its GPU tests (bits equal to
 #                                         the default build's, batch invariance across the
 #                                         switch), then bench_k1 traced at widths 1-16 with
-#                                         norm_once_above 0 and 4 and the default, one call
-#                                         (writes $OUT/k1_once_{0,4,default}.csv and traces),
-#                                         ~2.5 min
+#                                         norm_once_above 0, 4, 0 with the first chunks'
+#                                         L2 prefetch, and the default, one call (writes
+#                                         $OUT/k1_once_{0,4,0pre,default}.csv and traces), ~3 min
 #   bash tools/gpu/run_kernels.sh a8      K2's fp8_activations build: the fp8 tests (its own
 #                                         included), the one-plane probe, then bench_k2 fp8
 #                                         block-128 "k2" vs "k2 a8" at widths 1-16 with both
@@ -105,8 +105,12 @@ k1trace)
 k1once)
   run k1_once_tests python3 -m pytest -q -p no:cacheprovider -s \
     tests/models/qwen3_next/triton/test_k1.py -k "norm_once or batch_invariant"
-  for n in 0 4 default; do
-    cfg=(); [ "$n" = default ] || cfg=(--config "{\"norm_once_above\": $n}")
+  for n in 0 4 0pre default; do
+    case $n in
+      default) cfg=() ;;
+      0pre) cfg=(--config '{"norm_once_above": 0, "prefetch_first_chunks": true}') ;;
+      *) cfg=(--config "{\"norm_once_above\": $n}") ;;
+    esac
     run "k1_once_$n" python3 benchmarks/bench_k1.py --widths 1,2,4,8,16 --trace \
       --trace-widths 1,8,16 "${cfg[@]}" --results-csv "$OUT/k1_once_$n.csv" \
       --trace-json "$OUT/k1_once_${n}_trace.json"
