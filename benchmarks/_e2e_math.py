@@ -65,8 +65,9 @@ def gpu_step_summary(
     of ``n1`` and one of ``n2`` tokens: what the second run has more, over ``n2 - n1`` (the
     delta method of :func:`delta_tpot`, so prefill and start-up cancel). ``busy_us`` is the
     union of the events' intervals, ``idle_us`` the step's TPOT (from the timed reps) minus
-    it: time the device waited on the host. ``kernels``: the ``top`` names by time per step,
-    with launches per step."""
+    it: time the device waited on the host; ``overlap_us`` the events' summed time minus busy:
+    time they ran alongside one another (two streams, a copy under a kernel). ``kernels``: the
+    ``top`` names by time per step, with launches per step."""
     steps = n2 - n1
     if steps <= 0:
         raise ValueError(f"need N2 > N1, got {n1}, {n2}")
@@ -90,11 +91,13 @@ def gpu_step_summary(
         for name in t2
     ]
     kernels.sort(key=lambda k: -k["us_per_step"])
+    summed = (sum(t[0] for t in t2.values()) - sum(t[0] for t in t1.values())) / steps
     tpot_us = tpot_s * 1e6
     return dict(
         tpot_us=round(tpot_us, 2),
         busy_us=round(busy, 2),
         idle_us=round(tpot_us - busy, 2),
+        overlap_us=round(summed - busy, 2),
         events_per_step=round((len(ev2) - len(ev1)) / steps, 2),
         kernels=kernels[:top],
     )

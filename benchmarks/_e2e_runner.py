@@ -522,8 +522,9 @@ def profile_gpu(
 
 
 def gpu_profile_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """``summary.gpu_profile``: per offline run and batch with a device profile, its busy and
-    idle time per step and its five costliest kernels."""
+    """``summary.gpu_profile``: per offline run and batch with a device profile, its busy,
+    idle and overlapping time per step and its five costliest kernels (``overlap_us`` None in
+    profiles taken before it was recorded)."""
     rows = []
     for k, r in sorted(runs.items()):
         for b, v in sorted((r.get("batches") or {}).items(), key=lambda x: int(x[0])):
@@ -532,6 +533,7 @@ def gpu_profile_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 rows.append(
                     {"run": k, "batch": int(b),
                      **{x: g[x] for x in ("tpot_us", "busy_us", "idle_us", "events_per_step")},
+                     "overlap_us": g.get("overlap_us"),
                      "top": [(x["name"], x["us_per_step"]) for x in g["kernels"][:5]]}
                 )  # fmt: skip
     return rows
@@ -740,14 +742,17 @@ def print_tables(s: dict[str, Any]) -> str:
             )
     if s.get("gpu_profile"):
         lines.append("\ndevice per decode step (torch.profiler, delta of T(N2) and T(N1)):")
-        lines.append("| run | batch | TPOT us | busy us | idle us | events | costliest |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append(
+            "| run | batch | TPOT us | busy us | idle us | overlap us | events | costliest |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|")
         for r in s["gpu_profile"]:
             top = ", ".join(f"{n[:40]} {t:.1f}" for n, t in r["top"][:3])
             lines.append(
                 f"| {r['run']} | {r['batch']} | {_f(r['tpot_us'], '{:.1f}')} | "
                 f"{_f(r['busy_us'], '{:.1f}')} | {_f(r['idle_us'], '{:.1f}')} | "
-                f"{_f(r['events_per_step'], '{:.1f}')} | {top} |"
+                f"{_f(r.get('overlap_us'), '{:.1f}')} | {_f(r['events_per_step'], '{:.1f}')} | "
+                f"{top} |"
             )
     for k, v in s["routed"].items():
         lines.append(

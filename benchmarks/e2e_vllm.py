@@ -123,8 +123,9 @@ machine stays warm, so results go to /tmp/e2e and are copied to $OUT after every
 ``--profile-gpu``: after each batch's timing, one more T(N1) and T(N2) under torch.profiler
 (device activity of this process: the offline engine runs in-process, not with ``--mp``); per
 decode step (the delta of the two, as for TPOT) the device's busy time (union of kernel and
-copy intervals), its idle time (TPOT minus busy: the device waiting on the host) and the
-kernels by time, in ``runs.*.batches.*.gpu_profile`` and ``summary.gpu_profile``. For a
+copy intervals), its idle time (TPOT minus busy: the device waiting on the host), its overlap
+(the events' summed time minus busy: work running alongside other work, e.g. a second stream)
+and the kernels by time, in ``runs.*.batches.*.gpu_profile`` and ``summary.gpu_profile``. For a
 step-cost difference between the arms, e.g. ``--layers 16 --batches 16 --profile-gpu``.
 
 ``--estimate`` prints the plan with estimated seconds per entry and exits. If the machine

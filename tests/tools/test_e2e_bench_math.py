@@ -225,6 +225,7 @@ def test_gpu_step_summary_takes_the_delta_of_two_runs():
 
     g = bench.gpu_step_summary(trace(4), trace(12), 4, 12, tpot_s=50e-6, top=2)
     assert (g["tpot_us"], g["busy_us"], g["idle_us"]) == (50.0, 32.0, 18.0)
+    assert g["overlap_us"] == 5.0  # the copy ran under the layer kernel
     assert g["events_per_step"] == 3.0
     assert [k["name"] for k in g["kernels"]] == ["layer", "copy"]  # by time, top 2
     assert g["kernels"][0] == dict(name="layer", us_per_step=30.0, calls_per_step=1.0)
@@ -243,12 +244,15 @@ def test_gpu_profile_rows_and_table():
     rows = bench.runner.gpu_profile_rows(runs)
     assert rows == [
         {"run": "L16-on", "batch": 16, "tpot_us": 40.0, "busy_us": 21.0, "idle_us": 19.0,
-         "events_per_step": 1.0, "top": [("k", 21.0)]}
+         "events_per_step": 1.0, "overlap_us": 0.0, "top": [("k", 21.0)]}
     ]  # fmt: skip
     floor = dict(copy_bw_TBps=4.2, ssm_state_dtype="bf16", distinct_experts=10.0, ctx_mean=700)
     summary = dict(floor_model=floor, tpot=[], accuracy=[], routed={}, failed=[], gpu_profile=rows)
     table = bench.runner.print_tables(summary)
-    assert "| L16-on | 16 | 40.0 | 21.0 | 19.0 | 1.0 | k 21.0 |" in table
+    assert "| L16-on | 16 | 40.0 | 21.0 | 19.0 | 0.0 | 1.0 | k 21.0 |" in table
+    old = dict(rows[0], overlap_us=None)  # a profile recorded before overlap_us
+    table = bench.runner.print_tables(dict(summary, gpu_profile=[old]))
+    assert "| L16-on | 16 | 40.0 | 21.0 | 19.0 | - | 1.0 | k 21.0 |" in table
 
 
 def test_fp8_planes_count_one_byte_and_a_scale_per_block():
