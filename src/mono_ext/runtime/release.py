@@ -57,15 +57,10 @@ class Ticket:
         self._hook = _hook
 
     def release(self) -> None:
-        timer = self._timer
-        if timer is None:
+        if self._timer is None:
             self._release()
-            return
-        t = timer.start()
-        try:
-            self._release()
-        finally:
-            timer.stop(self._hook, t)
+        else:
+            self._timer.call(self._hook, self._release)
 
     def _release(self) -> None:
         self._check()

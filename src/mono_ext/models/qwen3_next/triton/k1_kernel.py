@@ -204,10 +204,9 @@ def _input_norm(
     no cross-warp sum between one chunk and the next, every chunk's loads are in flight
     together, and the sums take one reduction at the end. The second takes the chunks again
     (the compiler keeps the first pass's values in registers; else they come from L1) and
-    stores. Storing chunk by chunk in one pass would put each chunk's
-    loads behind the previous chunk's stores (the compiler cannot tell that ``xs_base`` is not
-    ``hid_ptr``) and behind its reduction's barriers: a global round trip per chunk in front
-    of the weights.
+    stores. Storing chunk by chunk in one pass would put each chunk's loads behind the
+    previous chunk's stores (the compiler cannot tell that ``xs_base`` is not ``hid_ptr``) and
+    behind its reduction's barriers: a global round trip per chunk in front of the weights.
 
     The ``n_rows`` rows are normed into ``xs_base``, and CTA ``pid`` 0 writes their s (bf16) to
     ``residual_out``; ``ONE``: only row ``pid`` (here a row index), its residual_out too. A row's
@@ -244,18 +243,22 @@ def _input_norm(
 @triton.jit
 def _norm_publish(
     hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res, eps, tag,
-    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr,
+    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr, NONCE: tl.constexpr,
+    STAGES: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """S0 (steps wider than ``norm_once_above``): CTA p norms rows p, p + G, ... into the
-    shared ``xs[G]`` and writes their ``residual_out``, then flags each row with its rsqrt.
-    Every CTA norming every row reads and writes all of them through L2 before its first
-    weight chunk; once per row, the rest of the grid waits for one flag round trip."""
-    rows = tl.arange(0, BB)
-    for r in range(pid, n_rows, G):
-        rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_ptr + G * (BB * H), rout_ptr, n_rows,
-                           has_res, eps, r, H, BB, CH, ONE=True)  # fmt: skip
-        fence_gpu(INTERP)  # every thread's xs stores (the norm ends in a barrier) before the flag
-        put_f32(nflag_ptr, rows, rstd, rows == r, tag, INTERP)
+    """S0 (both kernels; steps wider than ``NONCE`` rows, builds with ``NONCE`` < ``BB`` only):
+    CTA p norms rows p, p + G, ... into the shared ``xs[G]`` and writes their
+    ``residual_out``, then flags each row with its rsqrt. Every CTA norming every row reads and
+    writes all of them through L2 before its first weight chunk; once per row, the rest of the
+    grid waits for one flag round trip."""
+    if (STAGES & 8) and NONCE < BB:  # noqa: SIM102 (compiled in, then a branch per step)
+        if n_rows > NONCE:
+            rows = tl.arange(0, BB)
+            for r in range(pid, n_rows, G):
+                rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_ptr + G * (BB * H), rout_ptr,
+                                   n_rows, has_res, eps, r, H, BB, CH, ONE=True)  # fmt: skip
+                fence_gpu(INTERP)  # every thread's xs stores (the norm's barrier) before flags
+                put_f32(nflag_ptr, rows, rstd, rows == r, tag, INTERP)
 
 
 @triton.jit
@@ -269,15 +272,25 @@ def _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask, tag, H
 
 
 @triton.jit
+def _own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows, has_res, eps,
+              H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr):  # fmt: skip
+    """This CTA's norm of every row into its own ``xs[pid]``: the operand and the rsqrt."""
+    xs_base = xs_ptr + pid * (BB * H)
+    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
+                       H, BB, CH)  # fmt: skip
+    return xs_base, rstd
+
+
+@triton.jit
 def _normed_rows(
     hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr, health_ptr, pid, G, rows,
     rmask, n_rows, has_res, eps, tag, H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr,
     NONCE: tl.constexpr, RID_NFLAG: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """S1's dot operand and the rows' rsqrt [Bb]: this CTA's own norm of every row (steps of
-    at most ``NONCE`` rows), else the shared rows of S0 (:func:`_shared_rows`). Both are the
-    same code on the same values, so the same bits. ``NONCE`` 0 compiles the hand-off only
-    (every step has a row), ``BB`` the own norm only."""
+    """S1's dot operand and the rows' rsqrt [Bb]: this CTA's own norm of every row
+    (:func:`_own_rows`, steps of at most ``NONCE`` rows), else the shared rows of S0
+    (:func:`_shared_rows`). Both are the same code on the same values, so the same bits.
+    ``NONCE`` 0 compiles the hand-off only (every step has a row), ``BB`` the own norm only."""
     if NONCE == 0:
         xs_base, rstd = _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask, tag,
                                      H, BB, RID_NFLAG, INTERP)  # fmt: skip
@@ -286,13 +299,11 @@ def _normed_rows(
             xs_base, rstd = _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask,
                                          tag, H, BB, RID_NFLAG, INTERP)  # fmt: skip
         else:
-            xs_base = xs_ptr + pid * (BB * H)
-            rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps,
-                               pid, H, BB, CH)  # fmt: skip
+            xs_base, rstd = _own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows,
+                                      has_res, eps, H, BB, CH)  # fmt: skip
     else:
-        xs_base = xs_ptr + pid * (BB * H)
-        rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
-                           H, BB, CH)  # fmt: skip
+        xs_base, rstd = _own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows, has_res,
+                                  eps, H, BB, CH)  # fmt: skip
     return xs_base, rstd
 
 
@@ -660,10 +671,8 @@ def k1_gdn_kernel(
         gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
 
     nflag_ptr = scratch_ptr + OFF_NFLAG
-    if (STAGES & 8) and NONCE < BB:  # noqa: SIM102 (compiled in, then a branch per step)
-        if n_rows > NONCE:
-            _norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows,
-                          has_res, eps, tag, H, BB, CH, INTERP)  # fmt: skip
+    _norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res,
+                  eps, tag, H, BB, CH, NONCE, STAGES, INTERP)  # fmt: skip
     if STAGES & 1:
         _gdn_s1(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr,
@@ -750,10 +759,8 @@ def k1_attn_kernel(
     wk_p = tl.load(kn_ptr + part).to(tl.float32)
 
     nflag_ptr = scratch_ptr + OFF_NFLAG
-    if (STAGES & 8) and NONCE < BB:  # noqa: SIM102 (compiled in, then a branch per step)
-        if n_rows > NONCE:
-            _norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows,
-                          has_res, eps, tag, H, BB, CH, INTERP)  # fmt: skip
+    _norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res,
+                  eps, tag, H, BB, CH, NONCE, STAGES, INTERP)  # fmt: skip
     if STAGES & 1:
         _attn_s1(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr,
