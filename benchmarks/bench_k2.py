@@ -166,10 +166,10 @@ def variant_overrides(name: str) -> dict:
     return out
 
 
-PREFIXES = {  # stage bits: S1 (+reduce), +norm (256: a wide step's norm once)/router, ...
+PREFIXES = {  # stage bits: S1 (+reduce and the norm's parts), +norm/router, ...
     "S1 out_proj+residual": 3,
-    "+S2 norm+router": 256 | 7,
-    "+S3 topk+gate_up": 256 | 31,
+    "+S2 norm+router": 7,
+    "+S3 topk+gate_up": 31,
     "+S4 down (+reduce = all)": STAGES_ALL,
 }
 

@@ -90,14 +90,14 @@ def test_one_compile_for_every_width(compiled, name):
     assert len(digests) == 1, f"{name}: widths {WIDTHS} compile to different code"
 
 
-def test_k2_norm_once_hand_off_is_fenced(compiled):
-    """The norm-once hand-off is the one whose payload sits outside its tagged words (the
-    shared normed rows): the writer's fence must come between its row stores and its flag
-    stores, and each reader's after its flag wait, or a reader could see a flag before the
-    rows. Both fences live in the K2 build every deployment compiles."""
+def test_k2_norm_hand_off_is_fenced(compiled):
+    """The norm's hand-off is the one whose payload sits outside its tagged words (the shared
+    u planes): the reduce task's fence must come between its plane stores and its sums, and
+    each reader's after its wait for the sums, or a reader could see the sums before the
+    planes. Both fences live in the K2 build every deployment compiles."""
     _, c = compiled["k2 gdn bf16", 1]
     ptx = c.asm["ptx"]
-    assert ptx.count("fence.acq_rel.gpu") >= 2, "the norm-once hand-off lost a fence"
+    assert ptx.count("fence.acq_rel.gpu") >= 2, "the norm's hand-off lost a fence"
     assert "st.relaxed.gpu.global.b64" in ptx and "ld.volatile.global" in ptx
 
 

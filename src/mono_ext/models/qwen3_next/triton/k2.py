@@ -31,7 +31,9 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 | shared_down     | [H, Is_r]             | bf16  | row-parallel                           | engine (read only)   |
 | shared_expert_  | [1, H]                | bf16  | replicated                             | engine (read only)   |
 | gate            |                       |       |                                        |                      |
-| scratch: resid  | [Bb * H] words        | int64 | tagged fp32 bits of residual_out       | S1 (reduce) -> S2    |
+| scratch: nsum   | [H / cols][Bb][2]     | int64 | tagged fp32 per (reduce column block,  | S1 (reduce) -> S2    |
+|                 | words                 |       | row): sum of r^2, sum of u * shared_   |                      |
+|                 |                       |       | expert_gate (u = r * (1 + w))          |                      |
 | scratch: logits | [KS][Bb][E] words     | int64 | tagged fp32 partial router logits,     | S2 -> S3             |
 |                 |                       |       | one K-split each, summed in ks order   |                      |
 | scratch: picks  | [Bb][2][top_k] words  | int64 | tagged: a row's expert ids by rank,    | S3 top-k -> S3 union |
@@ -40,17 +42,15 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 |                 |                       |       | (row, pick) pair; shared at Pm + row   |                      |
 | peer: ar1       | [2][tp][Bb * H] words | int64 | tagged fp32 out_proj partials          | S1 push (tp > 1)     |
 | peer: ar2       | [2][tp][Bb * H] words | int64 | tagged fp32 MoE partials               | S4 push (tp > 1)     |
-| scratch: nflag  | [Bb] words            | int64 | row normed into xs[G] (norm once);     | S2 norm once -> S2   |
-|                 |                       |       | payload sigmoid(shared_expert_gate.x)  |                      |
-| priv xs         | [G + 2, 2, Bb, H]     | bf16  | this CTA's normed rows: bf16(x), and   | S2, same CTA         |
-|                 |                       |       | bf16(x - bf16(x)) for the router;      | (fp8_activations:    |
-|                 |                       |       | fp8_activations builds then keep their | S4 into both)        |
-|                 |                       |       | down run's e4m3 activations there;     |                      |
-|                 |                       |       | xs[G]: the rows normed once, shared;   | S2 norm once -> all  |
-|                 |                       |       | xs[G + 1] plane 0: the rows' e4m3      | S3 top-k -> S3       |
-|                 |                       |       | codes + scales per K chunk (a8)        | gate_up (a8)         |
-| priv wsc        | [G, Um + 1, Bb]       | fp32  | routing weight per (slot, row); slot   | S2/S3, same CTA      |
-|                 |                       |       | Um holds sigmoid(shared_expert_gate.x) |                      |
+| priv xs         | [G + 2, 2, Bb, H]     | bf16  | xs[G]: every row's u, bf16(u) and      | S1 (reduce) -> all,  |
+|                 |                       |       | bf16(u - bf16(u)), shared (behind the  | behind nsum          |
+|                 |                       |       | nsum words); xs[G + 1] plane 0: the    | S3 top-k -> S3       |
+|                 |                       |       | rows' e4m3 codes + scales per K chunk  | gate_up (a8)         |
+|                 |                       |       | (a8); xs[p]: CTA p's down run's e4m3   | S4, same CTA (a8)    |
+|                 |                       |       | activations (a8)                       |                      |
+| priv wsc        | [G, Um + 2, Bb]       | fp32  | routing weight per (slot, row); slot   | S2/S3, same CTA      |
+|                 |                       |       | Um holds sigmoid(shared_expert_gate.x),|                      |
+|                 |                       |       | slot Um + 1 each row's rsqrt           |                      |
 | priv ppos       | [G, Um + 1, Bb]       | int32 | pair row of (slot, row) in act, or -1  | S3, same CTA         |
 | priv meta       | [G, META]             | int32 | union list (Um), then U and n_pairs    | S3, same CTA         |
 | priv eslot      | [G, 2, EP]            | int32 | per expert: its union slot, then its   | S3 union, same CTA   |
@@ -58,11 +58,12 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 | ctrl / health   | see runtime.health    |       | epoch read for tags; sticky failed word| host / bounded waits |
 | peers           | [tp]                  | int64 | byte address of each rank's buffer     | host (runtime.peers) |
 
-Each row is normed once: one CTA per ``norm_rows_per_wait`` rows writes the normed rows into
-``xs[G]`` and flags each row, the only hand-off whose payload is not in its tagged words (the
-writer fences between the rows and the flags, the readers after the flags). Steps no wider
-than ``norm_once_above`` rows have every CTA norm every row into its own ``xs`` instead: the
-same code on the same words, so the same bits.
+The norm never waits for a whole row. Gemma's RMSNorm of r is u = r * (1 + w) times one
+scalar per row, so each reduce task writes its columns of u into ``xs[G]`` and its sums of
+r^2 (and of u * shared_expert_gate) into ``nsum``; every CTA sums a row's blocks in one fixed
+order into its rsqrt, and the router and gate_up multiply u and scale their sums by it. The
+u planes are the only hand-off whose payload is not in its tagged words (the writer fences
+between the planes and the sums, the readers after the sums).
 
 Each row's top-k is computed by one CTA and its picks published; every CTA then builds the
 same union and routing tables from them. The union of picked experts (ascending expert id)
@@ -147,15 +148,6 @@ class K2Config:
     down_i_chunk: int = 256  # down I chunk (its K)
     reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
     act_rows_per_wait: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
-    # rows per norm wait (each wait covers all of H): 2 halves the serial waits and was faster
-    # at every width on the H200 (docs/results/k2_vllm_norm_pdl.csv); 4 spills
-    norm_rows_per_wait: int = 2
-    # steps of more rows than this norm each row once, in one CTA per norm_rows_per_wait rows,
-    # and hand the normed rows to every CTA behind one flag per row; narrower steps have every
-    # CTA norm every row itself (one wait round per norm_rows_per_wait rows, no hand-off; the
-    # same bits). Once at every width (0) was fastest at widths 1-8 and within 3 us at 16,
-    # every CTA (16) up to 36 us slower (docs/results/k2_vllm.csv, k2_norm_once_h200.csv)
-    norm_once_above: int = 0
     # L2 prefetch of router/shared (after S1) and down planes (S4): off, since K2 was faster
     # without it at every width, 1-7 us (docs/results/k2_sweep_prefetch_h200.csv,
     # k2_vllm_8613b35.csv)
@@ -209,18 +201,16 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
     peer = shape.tp > 1
     regions = [
         Region("p1", splits * bb * h, peer=peer),
-        Region("resid", bb * h),
         Region("logits", config.router_k_splits * bb * shape.experts),
         Region("picks", bb * 2 * shape.top_k),
         Region("act", (shape.slots + 1) * bb * shape.act_words),
         Region("p4l", (shape.pairs + bb) * h),
-        Region("nflag", bb),
+        Region("nsum", -(-h // config.reduce_cols) * bb * 2),
     ]
     stages = [
         Stage("out_proj", [push("p1") if peer else write("p1")]),
-        Stage("residual", [wait("p1"), write("resid")]),
-        Stage("norm_once", [wait("resid"), write("nflag")]),
-        Stage("norm_router", [wait("resid"), wait("nflag"), write("logits")]),
+        Stage("residual", [wait("p1"), write("nsum")]),
+        Stage("norm_router", [wait("nsum"), write("logits")]),
         Stage("topk", [wait("logits"), write("picks")]),
         Stage("gate_up", [wait("picks"), write("act")]),
         Stage("down", [wait("act"), write("p4l")]),
@@ -238,9 +228,9 @@ class K2Workspace:
     """One rank's scratch: mailbox regions and per-CTA private rows (zeroed once)."""
 
     scratch: Any  # int64 [scratch_words]
-    xs: Any  # bf16 [G + 2, 2, Bb, H]: per CTA, the shared normed rows, the shared a8 codes
+    xs: Any  # bf16 [G + 2, 2, Bb, H]: per CTA (a8), the shared u planes, the shared a8 codes
     eslot: Any  # int32 [G, 2, EP]: per expert its union slot, then its picked flag
-    wsc: Any  # fp32 [G, Um + 1, Bb]
+    wsc: Any  # fp32 [G, Um + 2, Bb]
     ppos: Any  # int32 [G, Um + 1, Bb]
     meta: Any  # int32 [G, Um + 1]
     trace: Any = None  # int64 [G, 16] (``trace`` builds only)
@@ -317,8 +307,6 @@ class K2Launch:
                 f"down_prefetch_bytes={c.down_prefetch_bytes} must be 0 or a positive multiple "
                 "of 16 (bulk prefetch sizes)"
             )
-        if c.norm_once_above < 0:
-            raise ValueError(f"norm_once_above={c.norm_once_above} must be >= 0 (rows)")
         self.out_proj_k_splits = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
         self._check_formats()
@@ -403,7 +391,7 @@ class K2Launch:
             ),
             xs=torch.zeros(g + 2, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
             eslot=torch.zeros(g, 2, _next_pow2(s.experts), dtype=torch.int32, device=device),
-            wsc=torch.zeros(g, s.slots + 1, BLOCK_B, dtype=torch.float32, device=device),
+            wsc=torch.zeros(g, s.slots + 2, BLOCK_B, dtype=torch.float32, device=device),
             ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),
             meta=torch.zeros(g, self.meta_words, dtype=torch.int32, device=device),
             trace=(
@@ -443,21 +431,19 @@ class K2Launch:
             IR=s.moe_inter,
             ISR=s.shared_inter,
             OFF_P1=lay.offsets["p1"],
-            OFF_RESID=lay.offsets["resid"],
             OFF_LOGITS=lay.offsets["logits"],
             OFF_ACT=lay.offsets["act"],
             OFF_P4L=lay.offsets["p4l"],
             OFF_P4=lay.offsets.get("p4", 0),
             OFF_PICKS=lay.offsets["picks"],
-            OFF_NFLAG=lay.offsets["nflag"],
+            OFF_NSUM=lay.offsets["nsum"],
             RID_P1=rid["p1"],
-            RID_RESID=rid["resid"],
             RID_LOGITS=rid["logits"],
             RID_PICKS=rid["picks"],
             RID_ACT=rid["act"],
             RID_P4L=rid["p4l"],
             RID_P4=rid.get("p4", 0),
-            RID_NFLAG=rid["nflag"],
+            RID_NSUM=rid["nsum"],
             RANKS=s.tp,
             SYS=self.sys_scope,
             BB=BLOCK_B,
@@ -475,8 +461,7 @@ class K2Launch:
             CB=c.reduce_cols,
             TKP=_next_pow2(s.top_k),
             PKWP=_next_pow2(2 * s.top_k),
-            RN=c.norm_rows_per_wait,
-            NONCE=c.norm_once_above,
+            TRP=_next_pow2(-(-s.hidden // c.reduce_cols)),
             HP=_next_pow2(s.hidden),
             PREFETCH=c.prefetch and not _interp(),
             PF4=c.down_prefetch_bytes,

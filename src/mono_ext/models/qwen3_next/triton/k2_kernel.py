@@ -14,9 +14,7 @@ from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, stamp, ste
 from mono_ext.models.qwen3_next.triton.k2_stages import (
     s1_out_proj,
     s1_reduce,
-    s2_norm,
-    s2_norm_publish,
-    s2_norm_take,
+    s2_norm_sums,
     s2_router,
     s3_gate_up,
     s3_topk,
@@ -31,18 +29,16 @@ __all__ = ["STAGE_ORDER", "STAGES_ALL", "k2_kernel"]
 
 # Stage bits (a debugging aid and the CPU interpreter path: run one stage per launch).
 S1_MATMUL = 1  # out_proj partials (TP: push to peers; TP1: residual + outputs)
-S1_REDUCE = 2  # TP: wait for every rank's partials, residual add, outputs
-S2_ROUTER = 4  # the normed rows (taken, or normed here), shared-expert gate, router logits
+S1_REDUCE = 2  # every rank's partials summed, residual add, outputs, the norm's parts
+S2_ROUTER = 4  # each row's rsqrt from the norm's parts, shared-expert gate, router logits
 S3_TOPK = 8  # top-k: one row per CTA, its picks published
 S3_EXPERT = 16  # every row's picks -> union and routing tables, gate_up blocks -> activations
 S4_MATMUL = 32  # down over (slot, H block) tasks -> one partial per (pair, H row)
 S4_REDUCE = 64  # each row's pairs summed in order (TP1: outputs; TP: push to every rank)
 S4_RANKS = 128  # TP: every rank's sums, in rank order -> outputs
-S2_NORM_ONCE = 256  # each row normed once, by one CTA, and flagged (norm_once_above)
-STAGES_ALL = 511
+STAGES_ALL = 255
 STAGE_ORDER = (
-    S1_MATMUL, S1_REDUCE, S2_NORM_ONCE, S2_ROUTER, S3_TOPK, S3_EXPERT, S4_MATMUL, S4_REDUCE,
-    S4_RANKS,
+    S1_MATMUL, S1_REDUCE, S2_ROUTER, S3_TOPK, S3_EXPERT, S4_MATMUL, S4_REDUCE, S4_RANKS,
 )  # fmt: skip
 
 
@@ -56,17 +52,17 @@ def k2_kernel(
     H: tl.constexpr, KO: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr,
     NORM_TOPK: tl.constexpr, IR: tl.constexpr, ISR: tl.constexpr,
     # layout (runtime.layout offsets and region ids)
-    OFF_P1: tl.constexpr, OFF_RESID: tl.constexpr, OFF_LOGITS: tl.constexpr, OFF_ACT: tl.constexpr,
+    OFF_P1: tl.constexpr, OFF_LOGITS: tl.constexpr, OFF_ACT: tl.constexpr,
     OFF_P4L: tl.constexpr, OFF_P4: tl.constexpr, OFF_PICKS: tl.constexpr,
-    OFF_NFLAG: tl.constexpr, RID_P1: tl.constexpr, RID_RESID: tl.constexpr,
+    OFF_NSUM: tl.constexpr, RID_P1: tl.constexpr,
     RID_LOGITS: tl.constexpr, RID_PICKS: tl.constexpr, RID_ACT: tl.constexpr,
-    RID_P4L: tl.constexpr, RID_P4: tl.constexpr, RID_NFLAG: tl.constexpr,
+    RID_P4L: tl.constexpr, RID_P4: tl.constexpr, RID_NSUM: tl.constexpr,
     RANKS: tl.constexpr, SYS: tl.constexpr,
     # tiles
     BB: tl.constexpr, BN: tl.constexpr, BN3: tl.constexpr, BN4: tl.constexpr, BK1: tl.constexpr,
     KSPL1: tl.constexpr, KS2: tl.constexpr, BK2: tl.constexpr, BK3: tl.constexpr, BI4: tl.constexpr,
-    JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr, RN: tl.constexpr, NONCE: tl.constexpr,
-    TKP: tl.constexpr,
+    JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr,
+    TKP: tl.constexpr, TRP: tl.constexpr,
     PKWP: tl.constexpr,
     HP: tl.constexpr, PREFETCH: tl.constexpr, PF4: tl.constexpr, GATED: tl.constexpr,
     NPP: tl.constexpr,
@@ -105,20 +101,18 @@ def k2_kernel(
     rows = tl.arange(0, BB)
     rmask = rows < n_rows
     nn = tl.arange(0, BN)
-    xs_base = xs_ptr + pid * (2 * BB * H)  # plane 0: bf16(x); plane 1: bf16(x - plane 0)
-    xn_base = xs_ptr + G * (2 * BB * H)  # the same planes, shared: each row normed once
+    xs_base = xs_ptr + pid * (2 * BB * H)  # A8: this CTA's down run's e4m3 activations
+    xn_base = xs_ptr + G * (2 * BB * H)  # shared: plane 0 bf16(u), plane 1 bf16(u - plane 0)
     xq_base = xs_ptr + (G + 1) * (2 * BB * H)  # A8: the rows' e4m3 codes and scales, shared
-    once = n_rows > NONCE  # each row normed by one CTA (s2_norm_publish), not by every CTA
     eslot_base = eslot_ptr + pid * (2 * EP)
-    wsc_base = wsc_ptr + pid * ((UM + 1) * BB)
+    wsc_base = wsc_ptr + pid * ((UM + 2) * BB)  # slots: routed, shared, the rows' rsqrt
     ppos_base = ppos_ptr + pid * ((UM + 1) * BB)
     meta_base = meta_ptr + pid * META
-    resid_ptr = scratch_ptr + OFF_RESID
     logits_ptr = scratch_ptr + OFF_LOGITS
     act_ptr = scratch_ptr + OFF_ACT
     p4l_ptr = scratch_ptr + OFF_P4L
     picks_ptr = scratch_ptr + OFF_PICKS
-    nflag_ptr = scratch_ptr + OFF_NFLAG
+    nsum_ptr = scratch_ptr + OFF_NSUM
     if RANKS == 1:
         p1_read = scratch_ptr + OFF_P1
         p4_read = scratch_ptr + OFF_P4
@@ -141,38 +135,26 @@ def k2_kernel(
     stamp(trace_ptr, 1, TRACE)
     if STAGES & 2:
         s1_reduce(
-            res_in_ptr, out_r_ptr, p1_read, resid_ptr, ctrl_ptr, health_ptr, pid, G, rows, rmask,
-            n_rows, slot1, tag, H, BB, CB, TR, NS1, W_P, RID_P1, INTERP,
+            res_in_ptr, out_r_ptr, p1_read, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base, nsum_ptr,
+            ctrl_ptr, health_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H, BB, CB, TR, NS1,
+            W_P, RID_P1, Q_SEG, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 2, TRACE)
-    if (STAGES & 256) and once:
-        s2_norm_publish(
-            norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xn_base, nflag_ptr, ctrl_ptr, health_ptr,
-            pid, G, n_rows, tag, eps, H, HP, RN, BB, RID_RESID, Q_SEG, INTERP,
-        )  # fmt: skip
-    # the normed rows the router and gate_up read: the shared planes or this CTA's own
-    xr_base = tl.where(once, xn_base, xs_base)
     if STAGES & 4:
-        if once:
-            s2_norm_take(
-                nflag_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, tag, BB, UM, RID_NFLAG,
-                INTERP,
-            )  # fmt: skip
-        else:
-            s2_norm(
-                norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xs_base, wsc_base, ctrl_ptr,
-                health_ptr, n_rows, tag, eps, H, HP, RN, BB, UM, RID_RESID, Q_SEG, INTERP,
-            )  # fmt: skip
+        rs = s2_norm_sums(
+            nsum_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps, H, BB, UM,
+            TR, TRP, RID_NSUM, INTERP,
+        )  # fmt: skip
         stamp(trace_ptr, 3, TRACE)
         s2_router(
-            router_ptr, s_r_ptr, xr_base, logits_ptr, pid, G, rows, rmask, nn, tag, H, E, BB, BN,
-            KS2, BK2, PIPE2, Q_R, INTERP,
+            router_ptr, s_r_ptr, xn_base, logits_ptr, rs, pid, G, rows, rmask, nn, tag, H, E, BB,
+            BN, KS2, BK2, PIPE2, Q_R, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 4, TRACE)
     if STAGES & 8:
         s3_topk(
-            logits_ptr, picks_ptr, xr_base, xq_base, ctrl_ptr, health_ptr, pid, G, n_rows, tag,
-            E, EP, TOPK, NORM_TOPK, BB, KS2, H, HP, BK3, RID_LOGITS, INTERP, A8,
+            logits_ptr, picks_ptr, xn_base, xq_base, wsc_base, ctrl_ptr, health_ptr, pid, G,
+            n_rows, tag, E, EP, TOPK, NORM_TOPK, BB, KS2, H, HP, BK3, UM, RID_LOGITS, INTERP, A8,
         )  # fmt: skip
     stamp(trace_ptr, 10, TRACE)
     if STAGES & 16:
@@ -182,7 +164,7 @@ def k2_kernel(
         )  # fmt: skip
         stamp(trace_ptr, 5, TRACE)
         s3_gate_up(
-            w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xr_base, xq_base, wsc_base, ppos_base, meta_base,
+            w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xn_base, xq_base, wsc_base, ppos_base, meta_base,
             act_ptr, pid, G, rows, rmask, n_u, tag, H, IR, ISR, BB, BN3, BK3, PIPE3, JM3, UM, IW,
             IWR, IWS, Q_13, Q_SGU, SPE13, trace_ptr, TRACE, INTERP, A8,
         )  # fmt: skip

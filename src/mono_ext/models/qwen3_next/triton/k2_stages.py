@@ -1,14 +1,14 @@
 """K2's stages, each an inlined ``@triton.jit`` helper that ``k2_kernel`` runs in order (the
 device helpers they share are ``k2_sync.py``).
 
-S1 out_proj partials and their reduce (+ residual), S2 the norm (each row once, by one CTA,
-handed to all; or every CTA its own) and the router logits, S3 each row's top-k (one CTA per
-row, its picks published) and the union with the gate_up activations, S4 the down partials per
-(pair, H row), their reduce (each row's pairs in a fixed order) and, at TP > 1, the rank sums.
-A stage hands its results to the next through tagged words (``runtime.layout``), waited for
-with bounded waits; the one exception, the shared normed rows, sits behind one tagged flag
-per row, with a fence on each side. The CPU interpreter runs one stage per launch, so there
-every hand-off is written before it is read.
+S1 out_proj partials and their reduce (+ residual, and the norm's parts: each row's u = r *
+(1 + w) and per column block its sums), S2 every row's rsqrt from those sums and the router
+logits, S3 each row's top-k (one CTA per row, its picks published) and the union with the
+gate_up activations, S4 the down partials per (pair, H row), their reduce (each row's pairs in
+a fixed order) and, at TP > 1, the rank sums. A stage hands its results to the next through
+tagged words (``runtime.layout``), waited for with bounded waits; the one exception, the
+shared u planes, sits behind the tagged sums, with a fence on each side. The CPU interpreter
+runs one stage per launch, so there every hand-off is written before it is read.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from mono_ext.kernels.triton.primitives import (
     put_words,
     stamp,
     unpack_value,
-    wait_tagged,
     words_to_fp32,
 )
 from mono_ext.models.qwen3_next.triton.k2_sync import (
@@ -42,9 +41,7 @@ from mono_ext.models.qwen3_next.triton.k2_sync import (
 __all__ = [
     "s1_out_proj",
     "s1_reduce",
-    "s2_norm",
-    "s2_norm_publish",
-    "s2_norm_take",
+    "s2_norm_sums",
     "s2_router",
     "s3_gate_up",
     "s3_topk",
@@ -125,13 +122,13 @@ def s1_out_proj(
 
 @triton.jit
 def s1_reduce(
-    res_in_ptr, out_r_ptr, p1_read, resid_ptr, ctrl_ptr, health_ptr, pid, G, rows, rmask,
-    n_rows, slot1, tag, H: tl.constexpr, BB: tl.constexpr, CB: tl.constexpr,
-    TR: tl.constexpr, NS1: tl.constexpr, W_P: tl.constexpr, RID_P1: tl.constexpr,
-    INTERP: tl.constexpr,
+    res_in_ptr, out_r_ptr, p1_read, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base, nsum_ptr, ctrl_ptr,
+    health_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H: tl.constexpr, BB: tl.constexpr,
+    CB: tl.constexpr, TR: tl.constexpr, NS1: tl.constexpr, W_P: tl.constexpr,
+    RID_P1: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S1 reduce: out_proj partials of all ranks and K splits summed in order, + residual ->
-    ``out_residual`` and ``resid`` (fp32 words for the norm)."""
+    ``out_residual``, and the norm's parts of those columns (:func:`_norm_parts`)."""
     for t in range(pid, TR, G):
         cols = t * CB + tl.arange(0, CB)
         cm = rmask[:, None] & (cols[None, :] < H)
@@ -142,14 +139,39 @@ def s1_reduce(
         off = rows[:, None] * H + cols[None, :]
         r = tl.load(res_in_ptr + off, mask=cm, other=0.0).to(tl.float32) + s1
         tl.store(out_r_ptr + off, r.to(tl.bfloat16), mask=cm)
-        put_words(resid_ptr, off, fp32_bits(r), cm, tag, INTERP)
+        _norm_parts(r, t, cols, cm, off, rows, rmask, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base,
+                    nsum_ptr, tag, H, BB, Q_SEG, INTERP)  # fmt: skip
 
 
 @triton.jit
-def _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, H: tl.constexpr, HP: tl.constexpr,
-                  Q_SEG: tl.constexpr):  # fmt: skip
-    """The norm's (1 + w) factor's w and the shared-expert gate row, fp32 over all of H."""
-    hh = tl.arange(0, HP)
+def _norm_parts(
+    r, t, cols, cm, off, rows, rmask, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base, nsum_ptr, tag,
+    H: tl.constexpr, BB: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """The norm's share of reduce task ``t``: its columns of u = r * (1 + w) as bf16 hi + lo
+    planes into the shared ``xn`` planes, then per row this block's sum of r^2 and of u *
+    shared_expert_gate as tagged words (t, row, 2) of ``nsum``. Gemma's RMSNorm is u times one
+    scalar per row, so the router and gate_up multiply u and scale their sums by the row's
+    rsqrt afterwards: no CTA waits for a whole row before its GEMVs, and the residual reaches
+    the router in one hand-off (a norm of its own would wait for the whole row, then hand the
+    normed row on: two)."""
+    nw, sg_w = _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, cols, H, Q_SEG)
+    u = tl.where(cm, r * (1.0 + nw[None, :]), 0.0)
+    u_hi = u.to(tl.bfloat16)
+    tl.store(xn_base + off, u_hi, mask=cm)
+    tl.store(xn_base + BB * H + off, (u - u_hi.to(tl.float32)).to(tl.bfloat16), mask=cm)
+    ssq = tl.sum(tl.where(cm, r * r, 0.0), axis=1)
+    sgp = tl.sum(u * sg_w[None, :], axis=1)
+    tl.debug_barrier()  # every thread's plane stores, then each thread's fence, then the sums
+    fence_gpu(INTERP)
+    at = t * (2 * BB) + rows * 2
+    put_words(nsum_ptr, at, fp32_bits(ssq), rmask, tag, INTERP)
+    put_words(nsum_ptr, at + 1, fp32_bits(sgp), rmask, tag, INTERP)
+
+
+@triton.jit
+def _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, hh, H: tl.constexpr, Q_SEG: tl.constexpr):
+    """The norm's (1 + w) factor's w and the shared-expert gate row, fp32 at columns ``hh``."""
     hmsk = hh < H
     nw = tl.load(norm_w_ptr + hh, mask=hmsk, other=0.0).to(tl.float32)
     sg_w = tl.load(seg_ptr + hh, mask=hmsk, other=0.0).to(tl.float32)
@@ -160,91 +182,39 @@ def _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, H: tl.constexpr, HP: tl.conste
 
 
 @triton.jit
-def _norm_rows(
-    r0, nw, sg_w, resid_ptr, out_base, ctrl_ptr, health_ptr, n_rows, tag, eps, H: tl.constexpr,
-    HP: tl.constexpr, RN: tl.constexpr, BB: tl.constexpr, RID_RESID: tl.constexpr,
-    INTERP: tl.constexpr,
+def s2_norm_sums(
+    nsum_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps, H: tl.constexpr,
+    BB: tl.constexpr, UM: tl.constexpr, TR: tl.constexpr, TRP: tl.constexpr,
+    RID_NSUM: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``r0 .. r0 + RN - 1`` (the live ones) after one bounded wait on all of their H
-    words: Gemma RMSNorm as bf16 hi + lo parts into planes 0 and 1 of ``out_base``. Returns
-    (rows, sigmoid(shared_expert_gate . x) per row). Both norm paths run this same code on the
-    same blocks, so their values are bit-identical (batch invariance across the switch)."""
-    hh = tl.arange(0, HP)
-    rws = r0 + tl.arange(0, RN)
-    m = (rws < n_rows)[:, None] & (hh < H)[None, :]
-    idx = rws[:, None] * H + hh[None, :]
-    words, ok = wait2d(
-        resid_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_RESID, RN, HP, INTERP
-    )
-    v = tl.where(m, words_to_fp32(words), 0.0)
-    rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
-    xn = v * rstd[:, None] * (1.0 + nw[None, :])
-    x_hi = xn.to(tl.bfloat16)
-    tl.store(out_base + idx, x_hi, mask=m)
-    tl.store(out_base + BB * H + idx, (xn - x_hi.to(tl.float32)).to(tl.bfloat16), mask=m)
-    return rws, tl.sigmoid(tl.sum(xn * sg_w[None, :], axis=1))
-
-
-@triton.jit
-def s2_norm(
-    norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xs_base, wsc_base, ctrl_ptr, health_ptr, n_rows,
-    tag, eps, H: tl.constexpr, HP: tl.constexpr, RN: tl.constexpr, BB: tl.constexpr,
-    UM: tl.constexpr, RID_RESID: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """S2 norm, every CTA its own copy (steps of at most ``norm_once_above`` rows): the live
-    rows' normed rows into ``xs``, RN rows per bounded wait, and their shared-expert gates into
-    the shared slot of ``wsc``."""
-    nw, sg_w = _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, H, HP, Q_SEG)
-    for r0 in range(0, n_rows, RN):
-        rws, sg = _norm_rows(r0, nw, sg_w, resid_ptr, xs_base, ctrl_ptr, health_ptr, n_rows,
-                             tag, eps, H, HP, RN, BB, RID_RESID, INTERP)  # fmt: skip
-        tl.store(wsc_base + UM * BB + rws, sg, mask=rws < n_rows)
-    tl.debug_barrier()  # xs written by this CTA's threads, read by all of them
-
-
-@triton.jit
-def s2_norm_publish(
-    norm_w_ptr, seg_ptr, s_seg_ptr, resid_ptr, xn_base, nflag_ptr, ctrl_ptr, health_ptr, pid, G,
-    n_rows, tag, eps, H: tl.constexpr, HP: tl.constexpr, RN: tl.constexpr, BB: tl.constexpr,
-    RID_RESID: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """S2 norm once per row: CTA p normalizes rows p*RN .. p*RN + RN - 1 into the shared
-    ``xn`` planes, then publishes each row's flag word, its shared-expert gate as the payload.
-    Every CTA norming every row costs a wait round per RN rows, with HBM idle (about 15 us at
-    width 16); one round plus a flag round trip does not grow with the width."""
-    nw, sg_w = _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, H, HP, Q_SEG)
-    for r0 in range(pid * RN, n_rows, G * RN):
-        rws, sg = _norm_rows(r0, nw, sg_w, resid_ptr, xn_base, ctrl_ptr, health_ptr, n_rows,
-                             tag, eps, H, HP, RN, BB, RID_RESID, INTERP)  # fmt: skip
-        tl.debug_barrier()  # every thread's xn stores, then each thread's fence, then flags
-        fence_gpu(INTERP)
-        put_words(nflag_ptr, rws, fp32_bits(sg), rws < n_rows, tag, INTERP)
-
-
-@triton.jit
-def s2_norm_take(
-    nflag_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, tag, BB: tl.constexpr,
-    UM: tl.constexpr, RID_NFLAG: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """Wait for every live row's flag (``s2_norm_publish``): their gates into the shared slot
-    of ``wsc``; after the fence the shared ``xn`` planes are this CTA's to read."""
-    if INTERP:
-        words = tl.load(nflag_ptr + rows, mask=rmask, other=0)
-    else:
-        words, ok = wait_tagged(nflag_ptr + rows, rmask, rows, tag, ctrl_ptr, health_ptr,
-                                RID_NFLAG)  # fmt: skip
+    """S2 norm from the reduce tasks' sums (:func:`_norm_parts`): every CTA waits for all of
+    them, sums each row's TR blocks in one fixed order, and keeps the
+    row's rsqrt (slot UM + 1 of ``wsc``, and returned) and its shared-expert gate (slot UM).
+    After the fence the shared ``xn`` planes (u) are this CTA's to read."""
+    tt = tl.arange(0, TRP)
+    cc = tl.arange(0, 2 * BB)
+    idx = tt[:, None] * (2 * BB) + cc[None, :]
+    m = (tt < TR)[:, None] & (cc // 2 < n_rows)[None, :]
+    words, ok = wait2d(nsum_ptr + idx, m, idx, tag, ctrl_ptr, health_ptr, RID_NSUM, TRP, 2 * BB,
+                       INTERP)  # fmt: skip
     fence_gpu(INTERP)
-    tl.store(wsc_base + UM * BB + rows, words_to_fp32(words), mask=rmask)
+    v = tl.where(m, words_to_fp32(words), 0.0)
+    ssq, sgp = tl.split(tl.reshape(tl.sum(v, axis=0), (BB, 2)))
+    rs = tl.rsqrt(ssq / H + eps)
+    tl.store(wsc_base + UM * BB + rows, tl.sigmoid(rs * sgp), mask=rmask)
+    tl.store(wsc_base + (UM + 1) * BB + rows, rs)  # padded rows too: finite, never NaN
     tl.debug_barrier()  # wsc written by this CTA's threads, read by all of them
+    return rs
 
 
 @triton.jit
 def s2_router(
-    router_ptr, s_r_ptr, xr_base, logits_ptr, pid, G, rows, rmask, nn, tag, H: tl.constexpr,
-    E: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, KS2: tl.constexpr,
+    router_ptr, s_r_ptr, xr_base, logits_ptr, rs, pid, G, rows, rmask, nn, tag,
+    H: tl.constexpr, E: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, KS2: tl.constexpr,
     BK2: tl.constexpr, PIPE2: tl.constexpr, Q_R: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """S2 router: router^T row blocks x K splits, one fp32 partial logit block per split."""
+    """S2 router: router^T row blocks x K splits over the rows' u, one fp32 partial logit
+    block per split, scaled by its row's rsqrt ``rs``."""
     NEB: tl.constexpr = (E + BN - 1) // BN
     KSP2: tl.constexpr = ((H + KS2 - 1) // KS2 + BK2 - 1) // BK2 * BK2
     KCH2: tl.constexpr = KSP2 // BK2
@@ -267,7 +237,7 @@ def s2_router(
                 mask=rmask[None, :] & km2[:, None],
                 other=0.0,
             )
-            # the router sees x as hi + lo bf16 parts: logits within ~1e-5 of fp32, so
+            # the router sees u as hi + lo bf16 parts: logits within ~1e-5 of fp32, so
             # only true near ties can pick differently from the fp32 reference
             xl = tl.load(
                 xr_base + BB * H + rows[None, :] * H + k2[:, None],
@@ -277,6 +247,7 @@ def s2_router(
             k0 = ks * KSP2 + kc * BK2
             acc2 = qdot(wr, xa, acc2, s_r_ptr, e, em, k0, Q_R, E, H)
             acc2 = qdot(wr, xl, acc2, s_r_ptr, e, em, k0, Q_R, E, H)
+        acc2 = acc2 * rs[None, :]
         off2 = ks * (BB * E) + rows[None, :] * E + e[:, None]
         put_words(logits_ptr, off2, fp32_bits(acc2), rmask[None, :] & em[:, None], tag, INTERP)
 
@@ -312,17 +283,20 @@ def _topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
 
 
 @triton.jit
-def _quantize_row(xr_base, xq_base, r, H: tl.constexpr, HP: tl.constexpr, BB: tl.constexpr,
-                  BK3: tl.constexpr):  # fmt: skip
-    """Normed row ``r`` (plane 0 of ``xr_base``) as the a8 gate_up multiplies it: e4m3 codes at
-    ``xq_base + r * H`` (codes [BB, H]), then one fp32 scale per (BK3-column chunk, row) after
-    all the codes, by ``planes.quantize_e4m3_cols`` with the row's chunks as its columns."""
+def _quantize_row(xr_base, xq_base, r, rs_r, H: tl.constexpr, HP: tl.constexpr,
+                  BB: tl.constexpr, BK3: tl.constexpr):  # fmt: skip
+    """Row ``r`` normed, bf16(u * ``rs_r``) from the hi + lo planes of ``xr_base``, as the a8
+    gate_up multiplies it (vLLM quantizes its normed rows): e4m3 codes at ``xq_base + r * H``
+    (codes [BB, H]), then one fp32 scale per (BK3-column chunk, row) after all the codes, by
+    ``planes.quantize_e4m3_cols`` with the row's chunks as its columns."""
     NG: tl.constexpr = HP // BK3  # chunks over the padded row; those past H are not stored
     kk = tl.arange(0, BK3)
     gi = tl.arange(0, NG)
     col = gi[None, :] * BK3 + kk[:, None]  # [BK3, NG]: chunk g's column k
     m = col < H
-    x = tl.load(xr_base + r * H + col, mask=m, other=0.0)
+    x_hi = tl.load(xr_base + r * H + col, mask=m, other=0.0)
+    x_lo = tl.load(xr_base + BB * H + r * H + col, mask=m, other=0.0)
+    x = ((x_hi.to(tl.float32) + x_lo.to(tl.float32)) * rs_r).to(tl.bfloat16)
     q, s_g = quantize_e4m3_cols(x)
     tl.store(xq_base.to(tl.pointer_type(tl.float8e4nv)) + r * H + col, q, mask=m)
     xsc = (xq_base + BB * H // 2).to(tl.pointer_type(tl.float32))
@@ -331,10 +305,11 @@ def _quantize_row(xr_base, xq_base, r, H: tl.constexpr, HP: tl.constexpr, BB: tl
 
 @triton.jit
 def s3_topk(
-    logits_ptr, picks_ptr, xr_base, xq_base, ctrl_ptr, health_ptr, pid, G, n_rows, tag,
-    E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
+    logits_ptr, picks_ptr, xr_base, xq_base, wsc_base, ctrl_ptr, health_ptr, pid, G, n_rows,
+    tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
     BB: tl.constexpr, KS2: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-    BK3: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
+    BK3: tl.constexpr, UM: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr,
+    A8: tl.constexpr,
 ):  # fmt: skip
     """S3 top-k, one row per CTA: CTA ``G - 1 - r`` (mod G: CTAs past the router's tasks) takes
     row r's softmax top-k and publishes its picks into ``picks``: TOPK expert ids by rank, then
@@ -365,7 +340,8 @@ def s3_topk(
         # in vLLM) is still a pick whose pair must be written.
         at = r * (2 * TOPK) + prank
         if A8:
-            _quantize_row(xr_base, xq_base, r, H, HP, BB, BK3)
+            rs_r = tl.load(wsc_base + (UM + 1) * BB + r)
+            _quantize_row(xr_base, xq_base, r, rs_r, H, HP, BB, BK3)
             tl.debug_barrier()  # every thread's code stores, then each thread's fence, then picks
             fence_gpu(INTERP)
         put_words(picks_ptr, at, offs_e[None, :], sel, tag, INTERP)
@@ -436,7 +412,9 @@ def s3_gate_up(
     SiLU(g) * u * routing weight -> bf16 pairs in ``act`` per (slot, row). ``A8``: fp8 planes
     multiply e4m3 activations (``planes.qdot_a8q``): the rows' codes and scales in
     ``xq_plane``, written by the top-k CTAs before their picks (``s3_topk``), which
-    ``s3_union`` waited for."""
+    ``s3_union`` waited for. The bf16 rows are u (``_norm_parts``), so each task's gate and up
+    sums are scaled by their row's rsqrt (slot UM + 1 of ``wsc``) before the SiLU; a8's codes
+    are of the normed rows already."""
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
     NB: tl.constexpr = (IR + BI3 - 1) // BI3
     NBS: tl.constexpr = (ISR + BI3 - 1) // BI3
@@ -513,6 +491,8 @@ def s3_gate_up(
             slot = tl.where(sh, UM, (t - NBS) // NB)
             wr3 = tl.load(wsc_base + slot * BB + rows)
             pr3 = tl.load(ppos_base + slot * BB + rows)
+            if not A8:  # a8's codes are of the normed rows (``_quantize_row``)
+                acc3 = acc3 * tl.load(wsc_base + (UM + 1) * BB + rows)[None, :]
             g3, u3 = tl.split(tl.permute(tl.reshape(acc3, (2, BI3, BB)), (1, 2, 0)))
             h3 = g3 / (1.0 + tl.exp(-g3)) * u3 * wr3[None, :]  # [BI3, BB]
             lo, hi = tl.split(tl.permute(tl.reshape(h3, (BI3 // 2, 2, BB)), (0, 2, 1)))
