@@ -143,12 +143,12 @@ def test_dv_split_build():
 
 @pytest.mark.parametrize("kind", ["gdn", "attn"])
 def test_k1_trace_build_stamps_every_point(kind):
-    """``K1Config.trace``: one %globaltimer read per trace point beyond the default build's
+    """``K1Config.trace``: one %globaltimer read per trace point beyond the untraced build's
     (whose reads are its bounded waits' deadlines), no spills, still one CTA per SM; the
     default build reads no trace word."""
     from mono_ext.models.qwen3_next.triton.k1_kernel import TRACE_POINTS
 
-    plain = offline_build(f"k1 {kind}", 1)
+    plain = offline_build("k1 attn every-cta" if kind == "attn" else f"k1 {kind}", 1)
     b = offline_build(f"k1 {kind} trace", 1)
     assert b.constexprs["TRACE"] and not plain.constexprs["TRACE"]
     c = b.compile()
@@ -161,14 +161,18 @@ def test_k1_trace_build_stamps_every_point(kind):
     assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1
 
 
-@pytest.mark.parametrize("kind", ["gdn", "attn"])
-def test_k1_norm_once_build_fences_its_hand_off(kind):
-    """``K1Config.norm_once_above`` 0: no spills, still one CTA per SM; beyond the default
-    build's fences, one after the shared rows' stores (before the flags) and one after the
-    flags are seen (before the rows are read); the default build has no nflag region."""
-    plain = offline_build(f"k1 {kind}", 1)
-    b = offline_build(f"k1 {kind} norm-once", 1)
-    assert b.constexprs["NONCE"] == 0 and "NONCE" not in plain.constexprs
+@pytest.mark.parametrize(
+    "plain_name, once_name, nonce",
+    [("k1 gdn", "k1 gdn norm-once", 0), ("k1 attn every-cta", "k1 attn", 4)],
+)
+def test_k1_norm_once_build_fences_its_hand_off(plain_name, once_name, nonce):
+    """``K1Config.norm_once_above`` (GDN at 0; the attention front's default, 4): no spills,
+    still one CTA per SM; beyond the fences of the build where every CTA norms every row, one
+    after the shared rows' stores (before the flags) and one after the flags are seen (before
+    the rows are read); that build has no nflag region."""
+    plain = offline_build(plain_name, 1)
+    b = offline_build(once_name, 1)
+    assert b.constexprs["NONCE"] == nonce and "NONCE" not in plain.constexprs
     c = b.compile()
     ptx, ptx0 = c.asm["ptx"], plain.compile().asm["ptx"]
     assert ptx.count("fence.acq_rel.gpu") - ptx0.count("fence.acq_rel.gpu") == 2

@@ -175,6 +175,7 @@ class _K1LaunchBase:
     """
 
     _KIND = ""
+    _FRONT = ""  # NORM_ONCE_ABOVE's key
     _KERNEL: Any = None
     _PROGRAM: Any = None
     _PLANES: tuple[str, ...] = ()
@@ -182,14 +183,23 @@ class _K1LaunchBase:
 
     def __post_init__(self) -> None:
         bad = self.shape.refusals() + self._refusals() + self._format_refusals()
-        if not 0 <= self.config.norm_once_above <= BLOCK_B:
-            bad.append(f"norm_once_above={self.config.norm_once_above}: 0..{BLOCK_B} rows")
+        if not 0 <= self.norm_once_above <= BLOCK_B:
+            bad.append(f"norm_once_above={self.norm_once_above}: 0..{BLOCK_B} rows")
         if bad:
             raise ValueError(f"K1 {self._KIND} refused: " + "; ".join(bad))
         self.layout = plan_layout(self._program())
 
+    @property
+    def norm_once_above(self) -> int:
+        """Steps of more rows than this take the norm-once hand-off (``K1Config``)."""
+        return self.config.norm_once_rows(self._FRONT)
+
+    def norms_once(self) -> bool:
+        """Whether some width (at most BLOCK_B rows) takes the norm-once hand-off."""
+        return self.norm_once_above < BLOCK_B
+
     def _program(self) -> Any:
-        return type(self)._PROGRAM(self.shape, norm_once=self.config.norms_once())
+        return type(self)._PROGRAM(self.shape, norm_once=self.norms_once())
 
     def _fmt(self, plane: str) -> str:
         return self.formats.get(plane, "bf16")
@@ -224,12 +234,12 @@ class _K1LaunchBase:
         return (
             f"grid{c.grid} w{c.num_warps} tile_rows={c.tile_rows} k_chunk={c.k_chunk}"
             f" pipeline_stages={c.pipeline_stages}"
-            + (f" norm_once_above={c.norm_once_above}" if c.norms_once() else "")
+            + (f" norm_once_above={self.norm_once_above}" if self.norms_once() else "")
         )
 
     def workspace(self, device: Any) -> K1Workspace:
         return _workspace(self.layout.scratch_words, self.config.grid, self.shape.hidden,
-                          device, self._traced(), self.config.norms_once())  # fmt: skip
+                          device, self._traced(), self.norms_once())  # fmt: skip
 
     def _traced(self) -> bool:
         """Trace stamps (``K1Config.trace``): compiled builds only (they read %globaltimer)."""
@@ -270,10 +280,10 @@ class _K1LaunchBase:
     def _norm_once_constexprs(self) -> dict:
         """The norm-once hand-off's constexprs; none without it (the same compile as a build
         that never had them)."""
-        if not self.config.norms_once():
+        if not self.norms_once():
             return {}
         lay = self.layout
-        return dict(NONCE=self.config.norm_once_above, OFF_NFLAG=lay.offsets["nflag"],
+        return dict(NONCE=self.norm_once_above, OFF_NFLAG=lay.offsets["nflag"],
                     RID_NFLAG=lay.region_id("nflag"))  # fmt: skip
 
     def _check(self, hidden, residual, residual_out, weights, rows: dict, params: dict,
@@ -350,7 +360,7 @@ class _K1LaunchBase:
         cx = self._cx
         passes = [cx]
         if self._split():  # interpreter: programs run in turn; a wait would need later ones
-            first = (S0,) if self.config.norms_once() else ()
+            first = (S0,) if self.norms_once() else ()
             passes = [{**cx, "STAGES": st & self.stages} for st in (*first, *self._passes())]
         return FrozenLaunch(self._KERNEL, self.config.grid, args, names, values, passes,
                             compiled=not _interp(), max_rows=BLOCK_B)  # fmt: skip
@@ -402,6 +412,7 @@ class K1GdnLaunch(_K1LaunchBase):
     _cx: dict = field(init=False, default_factory=dict, repr=False)  # fixed by build()
 
     _KIND = "GDN"
+    _FRONT = "gdn"
     _KERNEL = k1_gdn_kernel
     _PROGRAM = staticmethod(k1_gdn_program)
     _PLANES = ("in_proj_qkvz", "in_proj_ba")
@@ -426,7 +437,7 @@ class K1GdnLaunch(_K1LaunchBase):
         return bad
 
     def _program(self) -> Any:
-        return k1_gdn_program(self.shape, self.config.dv_split, self.config.norms_once())
+        return k1_gdn_program(self.shape, self.config.dv_split, self.norms_once())
 
     def _passes(self) -> tuple[int, ...]:
         return (S1, S2, S3) if self.config.dv_split > 1 else (S1, S2)
@@ -579,6 +590,7 @@ class K1AttnLaunch(_K1LaunchBase):
     _cx: dict = field(init=False, default_factory=dict, repr=False)  # fixed by build()
 
     _KIND = "attention"
+    _FRONT = "attn"
     _KERNEL = k1_attn_kernel
     _PROGRAM = staticmethod(k1_attn_program)
     _PLANES = ("qkv_proj",)

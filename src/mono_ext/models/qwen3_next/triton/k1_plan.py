@@ -104,12 +104,18 @@ class K1Config:
     # reads, behind a flag word per row carrying its rsqrt; narrower steps have every CTA norm
     # every row into its own buffer (the same bits). Every CTA reading and writing all 16 rows
     # is L2 traffic of the whole grid before the first weight chunk; a hand-off adds a flag
-    # round trip. BLOCK_B (16, the default): never
-    norm_once_above: int = BLOCK_B
+    # round trip. BLOCK_B (16): never. None: the kind's own (``NORM_ONCE_ABOVE``)
+    norm_once_above: int | None = None
 
-    def norms_once(self) -> bool:
-        """Whether some width (at most BLOCK_B rows) takes the norm-once hand-off."""
-        return self.norm_once_above < BLOCK_B
+    def norm_once_rows(self, kind: str) -> int:
+        """``norm_once_above`` for a front of ``kind`` ("gdn" or "attn")."""
+        return NORM_ONCE_ABOVE[kind] if self.norm_once_above is None else self.norm_once_above
+
+
+#: each front's ``norm_once_above`` by default. The attention front was fastest or tied with
+#: 4 at every width in two runs on the H200 (1.3-2 us faster at widths 1-4 and 16); the GDN
+#: front with the hand-off at any width was slower (docs/results/k1_norm_once_h200.csv)
+NORM_ONCE_ABOVE = {"gdn": BLOCK_B, "attn": 4}
 
 
 def _norm_once(regions: tuple, stages: tuple, norm_once: bool) -> tuple[tuple, tuple]:

@@ -18,8 +18,9 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k1 gdn norm-once      | each row normed once and handed to every CTA (norm_once_above 0)   |
 | k1 attn               | default                                                            |
 | k1 attn fp8_block128  | fp8 qkv_proj                                                       |
-| k1 attn trace         | default with the trace stamps                                      |
-| k1 attn norm-once     | each row normed once and handed to every CTA (norm_once_above 0)   |
+| k1 attn trace         | the trace stamps, every CTA norming every row (norm_once_above 16: |
+|                       | with the default's hand-off the stamps spill one word)             |
+| k1 attn every-cta     | every CTA norms every row itself (norm_once_above 16)              |
 | k2 gdn bf16           | default (out_proj)                                                 |
 | k2 gdn fp8_block128   | out_proj, w13, w2 and the shared expert fp8 block-128              |
 | k2 attn gated bf16    | the attention layers' build (o_proj, output gate folded into S1)   |
@@ -60,8 +61,8 @@ _BUILDS: dict[str, tuple[str, dict]] = {
     "k1 gdn norm-once": ("k1 gdn", {"config": {"norm_once_above": 0}}),
     "k1 attn": ("k1 attn", {}),
     "k1 attn fp8_block128": ("k1 attn", {"formats": {"qkv_proj": "fp8_block128"}}),
-    "k1 attn trace": ("k1 attn", {"config": {"trace": True}}),
-    "k1 attn norm-once": ("k1 attn", {"config": {"norm_once_above": 0}}),
+    "k1 attn trace": ("k1 attn", {"config": {"trace": True, "norm_once_above": 16}}),
+    "k1 attn every-cta": ("k1 attn", {"config": {"norm_once_above": 16}}),
     "k2 gdn bf16": ("k2", {"kind": "gdn"}),
     "k2 gdn fp8_block128": (
         "k2",
