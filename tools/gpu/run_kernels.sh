@@ -20,9 +20,10 @@
 #   bash tools/gpu/run_kernels.sh bench   bench_k2 bf16 + fp8 block-128 (torch stock arm; add
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install for
 #                                         the vLLM arms) and the bench_k1 sweep, ~8 min
-#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (prefetch, router K
-#                                         splits, reduce columns, task rows, PDL) at widths 1-16, checked
-#                                         against the default first; writes $OUT/k2_sweep.csv and
+#   bash tools/gpu/run_kernels.sh sweep   bench_k2 bf16 over K2Config variants (the L2 prefetches,
+#                                         router K splits, reduce columns, task rows, PDL) at
+#                                         widths 1-16, checked against the default first;
+#                                         writes $OUT/k2_sweep.csv and
 #                                         the stage traces $OUT/k2_trace.json, ~4 min
 #   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep, both fronts, at widths 1, 4,
 #                                         16 (writes $OUT/k1_sweep.csv), ~1.5 min
@@ -90,12 +91,14 @@ bench)
     --variants "k2,k2 a8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 sweep)
-  # around the default: the prefetch back on, eight router K splits, 32 reduce columns (half
-  # the norm's sums), 32-row down and gate_up tasks, PDL; the default traced
+  # around the default: the prefetch back on (all of it, the router alone, the shared
+  # gate_up alone, both), two router K splits, 32 reduce columns (half the norm's sums),
+  # 32-row gate_up tasks, PDL; the default and the router prefetch traced
   run k2_sweep python3 benchmarks/bench_k2.py --widths 1,2,4,8,16 --stock torch --trace \
-    --trace-variants "k2" \
-    --variants "k2,k2 prefetch=true,k2 router_k_splits=8,k2 reduce_cols=32,$(
-      )k2 down_rows=32,k2 gate_up_rows=32,k2 pdl" \
+    --trace-variants "k2,k2 prefetch_router=true" \
+    --variants "k2,k2 prefetch=true,k2 prefetch_router=true,k2 prefetch_shared=true,$(
+      )k2 prefetch_router=true prefetch_shared=true,k2 router_k_splits=2,$(
+      )k2 reduce_cols=32,k2 gate_up_rows=32,k2 pdl" \
     --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --widths 1 \

@@ -152,6 +152,10 @@ class K2Config:
     # without it at every width, 1-7 us (docs/results/k2_sweep_prefetch_h200.csv,
     # k2_vllm_8613b35.csv)
     prefetch: bool = False
+    # the same L2 prefetch after S1 of the router alone, or of the shared gate_up alone
+    # (both surely read, neither larger than 4 MB), without the down planes'
+    prefetch_router: bool = False
+    prefetch_shared: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
     down_prefetch_bytes: int = 0
@@ -413,6 +417,14 @@ class K2Launch:
         run = -(-((s.slots + 1) * rb4) // c.grid)
         return _next_pow2(-(-run // rb4) + 1)
 
+    def _s1_prefetch(self) -> int:
+        """What S1 prefetches into L2 after its stream: bit 1 the router, bit 2 the shared
+        gate_up."""
+        c = self.config
+        return (1 if c.prefetch or c.prefetch_router else 0) | (
+            2 if c.prefetch or c.prefetch_shared else 0
+        )
+
     def _constexprs(self) -> dict:
         s, c, lay = self.shape, self.config, self.layout
         rid = {r.name: i for i, r in enumerate(lay.program.regions)}
@@ -464,6 +476,7 @@ class K2Launch:
             TRP=_next_pow2(-(-s.hidden // c.reduce_cols)),
             HP=_next_pow2(s.hidden),
             PREFETCH=c.prefetch and not _interp(),
+            PF1=0 if _interp() else self._s1_prefetch(),
             PF4=c.down_prefetch_bytes,
             GATED=self.gated,
             NPP=_next_pow2(s.pairs + BLOCK_B),

@@ -64,7 +64,8 @@ def k2_kernel(
     JS: tl.constexpr, ACH: tl.constexpr, CB: tl.constexpr,
     TKP: tl.constexpr, TRP: tl.constexpr,
     PKWP: tl.constexpr,
-    HP: tl.constexpr, PREFETCH: tl.constexpr, PF4: tl.constexpr, GATED: tl.constexpr,
+    HP: tl.constexpr, PREFETCH: tl.constexpr, PF1: tl.constexpr, PF4: tl.constexpr,
+    GATED: tl.constexpr,
     NPP: tl.constexpr,
     IWPOW: tl.constexpr, STAGES: tl.constexpr, PIPE1: tl.constexpr, PIPE2: tl.constexpr,
     PIPE3: tl.constexpr,
@@ -130,7 +131,7 @@ def k2_kernel(
         s1_out_proj(
             o_in_ptr, gate_ptr, w_o_ptr, s_o_ptr, router_ptr, sgu_ptr, scratch_ptr, peers_ptr,
             pid, G, rows, rmask, nn, slot1, rank, tag, H, KO, E, ISR, BB, BN, BK1, KSPL1, PIPE1,
-            OFF_P1, RANKS, SYS, W_P, EBSG, GATED, Q_O, Q_R, PREFETCH, INTERP,
+            OFF_P1, RANKS, SYS, W_P, EBSG, GATED, Q_O, Q_R, PF1, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 1, TRACE)
     if STAGES & 2:

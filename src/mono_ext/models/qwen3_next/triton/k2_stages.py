@@ -70,10 +70,11 @@ def s1_out_proj(
     ISR: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK1: tl.constexpr,
     KSPL1: tl.constexpr, PIPE1: tl.constexpr, OFF_P1: tl.constexpr, RANKS: tl.constexpr,
     SYS: tl.constexpr, W_P: tl.constexpr, EBSG: tl.constexpr, GATED: tl.constexpr,
-    Q_O: tl.constexpr, Q_R: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
+    Q_O: tl.constexpr, Q_R: tl.constexpr, PF1: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S1: out_proj^T row blocks x K splits, one fp32 partial per (K split, H row) into
-    ``p1`` (TP > 1: pushed to every rank); then the router and shared gate_up into L2."""
+    ``p1`` (TP > 1: pushed to every rank); then ``PF1`` bit 1 the router, bit 2 the shared
+    gate_up into L2."""
     I8: tl.constexpr = tl.pointer_type(tl.int8)  # prefetches address bytes (planes differ)
     RB1: tl.constexpr = (H + BN - 1) // BN
     KSP1: tl.constexpr = ((KO + KSPL1 - 1) // KSPL1 + BK1 - 1) // BK1 * BK1  # K per split
@@ -106,14 +107,15 @@ def s1_out_proj(
                 rows, rmask[None, :] & (hr[:, None] < H), tag, RANKS, W_P, H, SYS, INTERP,
             )  # fmt: skip
             acc = tl.zeros([BN, BB], dtype=tl.float32)
-    if PREFETCH:
-        # weights the next stages surely read, pulled into L2 during the hand-offs
-        lane = tl.arange(0, 128)
-        part = pid + G * lane
+    # weights the next stages surely read, pulled into L2 during the hand-offs
+    lane = tl.arange(0, 128)
+    part = pid + G * lane
+    if PF1 & 1:
         tot_r: tl.constexpr = E * H * (1 if Q_R else 2)
         ch_r: tl.constexpr = (tot_r // 16 + 127) // 128 * 16
         nb_r = tl.minimum(tl.maximum(tot_r - part * ch_r, 0), ch_r)
         prefetch_l2(router_ptr.to(I8) + part * ch_r, nb_r, nb_r > 0)
+    if PF1 & 2:
         tot_s: tl.constexpr = 2 * ISR * H * EBSG
         ch_s: tl.constexpr = (tot_s // 16 + 127) // 128 * 16
         nb_s = tl.minimum(tl.maximum(tot_s - part * ch_s, 0), ch_s)
