@@ -112,9 +112,9 @@ class K1Config:
         return NORM_ONCE_ABOVE[kind] if self.norm_once_above is None else self.norm_once_above
 
 
-#: each front's ``norm_once_above`` by default. The attention front was fastest or tied with
-#: 4 at every width in two runs on the H200 (1.3-2 us faster at widths 1-4 and 16); the GDN
-#: front with the hand-off at any width was slower (docs/results/k1_norm_once_h200.csv)
+#: each front's ``norm_once_above`` by default. On the H200 the attention front was fastest
+#: or level with 4 at every width in two runs, and the GDN front was slower with the hand-off
+#: at any threshold (docs/results/k1_norm_once_h200.csv)
 NORM_ONCE_ABOVE = {"gdn": BLOCK_B, "attn": 4}
 
 

@@ -139,9 +139,10 @@ class K2Config:
     down_rows: int = 64  # down: H rows per (slot, H block) task
     out_proj_k_chunk: int = 256  # out_proj K chunk
     out_proj_k_splits: int | None = None  # out_proj K splits (power of two)
-    # router K splits (a row's partial logits, summed in order by its top-k CTA): 4 was
-    # faster than 2 and 8 at widths 1, 4, 8 and 16 and tied 2 at width 2 once the norm came
-    # from the reduce tasks' sums (docs/results/k2_sweep_nir_h200.csv)
+    # router K splits (a row's partial logits, summed in order by its top-k CTA): once the
+    # norm came from the reduce tasks' sums, 4 was ahead of 2 and 8 at the widest steps in
+    # two runs and level with 2 at the narrow ones (docs/results/k2_sweep_nir_h200.csv,
+    # k2_router_splits_h200.csv)
     router_k_splits: int = 4
     router_k_chunk: int = 256  # router K chunk (within a split)
     gate_up_k_chunk: int = 256  # gate_up K chunk
