@@ -43,6 +43,11 @@
 #                                         traced (writes $OUT/k2_a8.csv, $OUT/k2_a8_trace.json;
 #                                         PYTHONPATH=/tmp/site after run_vllm_e2e.sh install adds
 #                                         the vLLM arms), ~5 min
+#   bash tools/gpu/run_kernels.sh k1ab    test_k1.py on this tree, then bench_k1 (torch stock arm,
+#                                         widths 1-16, traced at 1 and 16) alternating between
+#                                         the src/ tree in $BASE_SRC (the baseline: e.g. HEAD's,
+#                                         carried) and this one, twice each (writes
+#                                         $OUT/k1_{base,new}_{1,2}.csv and traces), ~6 min
 #   bash tools/gpu/run_kernels.sh layer   benchmarks/bench_layer.py: eight decoder layers per step,
 #                                         K1 + K2 vs vLLM's own layer code, eager and compiled,
 #                                         widths 1-16 (needs PYTHONPATH=/tmp/site after
@@ -126,9 +131,20 @@ a8)
   run k2_a8 python3 benchmarks/bench_k2.py --formats fp8_block128 --widths 1,2,4,8,16 \
     --variants "k2,k2 a8" --trace --trace-variants "k2,k2 a8" --csv "$OUT/k2_a8.csv" \
     --trace-json "$OUT/k2_a8_trace.json" ;;
+k1ab)
+  run k1_tests python3 -m pytest -q -p no:cacheprovider -s tests/models/qwen3_next/triton/test_k1.py
+  for rep in 1 2; do
+    for arm in base new; do
+      src=$PWD/src
+      [ "$arm" = base ] && src=${BASE_SRC:?BASE_SRC: the baseline src/ tree}
+      run "k1_${arm}_$rep" env PYTHONPATH="$src" python3 benchmarks/bench_k1.py \
+        --widths 1,2,4,8,16 --stock torch --trace --results-csv "$OUT/k1_${arm}_$rep.csv" \
+        --trace-json "$OUT/k1_${arm}_${rep}_trace.json"
+    done
+  done ;;
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1ab|a8|layer" >&2
   exit 2 ;;
 esac

@@ -461,6 +461,32 @@ def test_gdn_front_dv_split_matches_reference(preset, n, ssm_layout):
     check_gdn_steps(k1, md, w, w, "interleaved", "time_chan", "float32", ssm_layout, gen, WIDTHS)
 
 
+# K chunks of 16 columns: the tiny presets' tail tiles split along K (qwen3.5-moe-tiny at grid
+# 5: 4 units of one tile, both fronts), which the default chunk of the tiny hidden size never
+# does; on a GPU the 80B-A3B default splits already (GDN in 2, attention in 8)
+SPLIT_TAIL = {"k_chunk": 16}
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "smaller_tiles"])
+def test_fronts_tail_tiles_match_reference(split):
+    """The rows past the full rounds (``k1_plan.s1_units``): tail tiles split along K, each
+    tile's parts summed by its last unit to arrive, over several launches on one workspace
+    (the arrival counts reset); or whole tail tiles of fewer rows."""
+    preset = TINY
+    md = Dims.from_config(_cfg(preset))
+    config = {**SPLIT_TAIL, "split_tail_tiles": split}
+    gdn = gdn_build(preset, "float32", config=config)
+    attn = attn_build(preset, config=config)
+    for k1 in (gdn, attn):
+        _, parts, units, rows = k1._units()
+        assert units > 0 and (parts > 1) == split and (rows < k1._tiling()[0]) == (not split)
+    gen = new_gen(43)
+    w = gdn_weights(md, "interleaved", gen)
+    check_gdn_steps(gdn, md, w, w, "interleaved", "time_chan", "float32", "vk", gen, WIDTHS)
+    aw = attn_weights(md, gen)
+    check_attn_steps(attn, md, aw, aw, gen, WIDTHS)
+
+
 def _check_trace(trace, first_tasks):
     """Every CTA stamped its start, rows normed, S1 done and end, in that order; exactly the
     CTAs in ``first_tasks`` stamped their first S2 task's words, between S1 and the end."""
@@ -523,8 +549,8 @@ def test_dv_split_refused_by_name():
 
 @pytest.mark.parametrize(
     "config",
-    [{}, split(4), {"norm_once_above": 4}],
-    ids=["default", "dv_split4", "norm_once_above4"],
+    [{}, split(4), {"norm_once_above": 4}, SPLIT_TAIL],
+    ids=["default", "dv_split4", "norm_once_above4", "split_tail"],
 )
 def test_fronts_batch_invariant(config):
     """A row's outputs and states are bit-identical whatever the other rows and the width:
@@ -534,7 +560,7 @@ def test_fronts_batch_invariant(config):
     preset = PRESETS[0]
     md = Dims.from_config(_cfg(preset))
     gen = new_gen(31)
-    attn_config = {k: v for k, v in config.items() if k == "norm_once_above"}
+    attn_config = {k: v for k, v in config.items() if k in ("norm_once_above", "k_chunk")}
     gdn = gdn_build(preset, "float32", config=config)
     attn = attn_build(preset, config=attn_config)
     w, aw = gdn_weights(md, "interleaved", gen), attn_weights(md, gen)

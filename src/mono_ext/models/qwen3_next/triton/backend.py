@@ -75,6 +75,7 @@ _MODEL_SOURCES = (
     "k1_plan.py",
     "k1_kernel.py",
     "k1_recurrence.py",
+    "k1_units.py",
     "k1_words.py",
     "k2.py",
     "k2_kernel.py",

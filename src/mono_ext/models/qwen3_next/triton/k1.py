@@ -52,7 +52,8 @@ from mono_ext.models.qwen3_next.triton.k1_plan import (
     next_pow2,
     pow2_divisor,
     rope_table,
-    s1_tiles,
+    s1_units,
+    split_words,
 )
 from mono_ext.runtime.layout import plan_layout
 
@@ -77,7 +78,7 @@ __all__ = [
     "k1_gdn_kernel",
     "k1_gdn_program",
     "rope_table",
-    "s1_tiles",
+    "s1_units",
 ]
 
 
@@ -199,7 +200,27 @@ class _K1LaunchBase:
         return self.norm_once_above < BLOCK_B
 
     def _program(self) -> Any:
-        return type(self)._PROGRAM(self.shape, norm_once=self.norms_once())
+        return type(self)._PROGRAM(self.shape, norm_once=self.norms_once(),
+                                   split=self._split_words())  # fmt: skip
+
+    def _tiling(self) -> tuple[int, int]:
+        """S1's tile rows and K chunk (``BN``, ``BK``)."""
+        c = self.config
+        bn = pow2_divisor(self._proj_rows(), c.tile_rows)
+        # a block-128 plane's chunks stay inside one scale column: BK divides 128 (and H, so
+        # every chunk starts at a multiple of BK)
+        bk = min(c.k_chunk, chunk_limit(self.formats, *self._PLANES) or c.k_chunk)
+        return bn, pow2_divisor(self.shape.hidden, bk)
+
+    def _units(self) -> tuple[int, int, int, int]:
+        """S1's units (:func:`s1_units`): full tiles, split, tail units, rows per tail unit."""
+        bn, bk = self._tiling()
+        return s1_units(self._s1_rows(bn), self.config.grid, bn, self.shape.hidden // bk,
+                        self.config.split_tail_tiles)  # fmt: skip
+
+    def _split_words(self) -> int:
+        _, split, units, rows = self._units()
+        return split_words(units // split, split, rows)
 
     def _fmt(self, plane: str) -> str:
         return self.formats.get(plane, "bf16")
@@ -235,6 +256,7 @@ class _K1LaunchBase:
             f"grid{c.grid} w{c.num_warps} tile_rows={c.tile_rows} k_chunk={c.k_chunk}"
             f" pipeline_stages={c.pipeline_stages}"
             + (f" norm_once_above={self.norm_once_above}" if self.norms_once() else "")
+            + ("" if c.split_tail_tiles else " split_tail_tiles=False")
         )
 
     def workspace(self, device: Any) -> K1Workspace:
@@ -246,25 +268,24 @@ class _K1LaunchBase:
         return self.config.trace and not _interp()
 
     def _s1_rows(self, bn: int) -> int:
-        """Rows S1 streams in tiles (:func:`s1_tiles`)."""
+        """Rows S1 streams in tiles (:func:`s1_units`)."""
         return self._proj_rows()
 
     def _constexprs(self) -> dict:
         s, c = self.shape, self.config
-        bn = pow2_divisor(self._proj_rows(), c.tile_rows)
-        # a block-128 plane's chunks stay inside one scale column: BK divides 128 (and H, so
-        # every chunk starts at a multiple of BK)
-        bk = min(c.k_chunk, chunk_limit(self.formats, *self._PLANES) or c.k_chunk)
-        ft, hb, nt = s1_tiles(self._s1_rows(bn), c.grid, bn)
+        bn, bk = self._tiling()
+        ft, split, nu, tr = self._units()
         return dict(
             H=s.hidden,
             **self._kind_constexprs(),
             BB=BLOCK_B,
             BN=bn,
-            BK=pow2_divisor(s.hidden, bk),
+            BK=bk,
             FT=ft,
-            HB=hb,
-            NT=nt,
+            SPLIT=split,
+            NU=nu,
+            TR=tr,
+            OFF_SPLIT=self.layout.offsets.get("s1_split", 0),
             CH=min(c.norm_chunk, next_pow2(s.hidden)),
             NS=c.pipeline_stages,
             PRE=_prefetch(c, s.hidden) and not self._quantized(),  # the prefetch assumes bf16
@@ -437,7 +458,8 @@ class K1GdnLaunch(_K1LaunchBase):
         return bad
 
     def _program(self) -> Any:
-        return k1_gdn_program(self.shape, self.config.dv_split, self.norms_once())
+        return k1_gdn_program(self.shape, self.config.dv_split, self.norms_once(),
+                              self._split_words())  # fmt: skip
 
     def _passes(self) -> tuple[int, ...]:
         return (S1, S2, S3) if self.config.dv_split > 1 else (S1, S2)

@@ -1,6 +1,6 @@
 """K1's device code: the persistent layer-front kernels ``k1_gdn_kernel`` and ``k1_attn_kernel``
 and their stages (``@triton.jit`` helpers, inlined; GDN's S2 is ``k1_recurrence``, the
-tagged-word hand-offs ``k1_words``). The host side (shapes, config, programs, launches, the
+tagged-word hand-offs ``k1_words``, S1's units and tail-tile sums ``k1_units``). The host side (shapes, config, programs, launches, the
 tensor contract) is ``k1.py``.
 
 Program (both kinds; declared by ``k1.k1_gdn_program`` / ``k1.k1_attn_program`` and checked
@@ -15,11 +15,14 @@ by ``runtime.layout.check_handoffs`` at build):
   ``xs[G]`` and its ``residual_out`` and flags it with its rsqrt; S1 waits for the flags and
   reads the shared rows (the same values, so the same bits).
 - S1, over the grid: the projection rows in tiles of ``BN`` rows x all of H, whole rounds
-  of the grid, then the rest in smaller tiles so that no CTA streams much more than its
-  share (``k1.s1_tiles``); GDN: ``in_proj_ba`` first (every S2 task needs beta and g). One
-  flattened loop over (tile, K chunk); each chunk is ``acc^T = W x^T`` with the weight tile
-  as wgmma's M operand; weights streamed with ``evict_first``. Epilogue
-  per tile: GDN: the conv update for the conv channels in the tile (read K-1 cached
+  of the grid, then the rest in tail tiles of ``BN`` rows split along K into ``SPLIT``
+  units, one per CTA (``k1_plan.s1_units``: every chunk the same bytes, so no CTA streams
+  at a fraction of the others' rate); GDN: ``in_proj_ba`` first (every S2 task needs beta
+  and g). One flattened loop over (unit, K chunk); each chunk is ``acc^T = W x^T`` with the
+  weight tile as wgmma's M operand; weights streamed with ``evict_first``. A tail unit ends
+  by storing its part and counting itself in (an atomic per tail tile); the last of a
+  tile's units to arrive sums the parts in part order and runs the tile's epilogue, and no
+  unit ever waits (``tail_sum``). Epilogue per tile: GDN: the conv update for the conv channels in the tile (read K-1 cached
   values, write the shifted window back, SiLU), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention:
   gate and v go straight to their outputs. Everything a later stage needs goes into one
   tagged mailbox region (fp32 bits). An fp8 plane is read in place through
@@ -91,6 +94,8 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | priv xs         | [G, Bb, H]             | bf16      | this CTA's rows s * (1 + w) (operand)   | prologue, same CTA|
 | xs[G] (shared)  | [Bb, H]                | bf16      | each row s * (1 + w), normed once       | S0 -> S1 (flag)   |
 | scratch: nflag  | [Bb]                   | int64     | tagged fp32 rsqrt per row, after xs[G]  | S0 -> S1 (once)   |
+| s1_split: parts | [NTT, SPLIT, Bb, BN]   | fp32      | a tail tile's K parts (NTT = NU/SPLIT   | S1 -> S1 (the     |
+|                 |                        |           | tiles), then NTT int32 arrival counts   | tile's last unit) |
 | ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
 | trace           | [G, 16]                | int64     | %globaltimer ns per CTA at TRACE_POINTS | TRACE builds only |
 """
@@ -115,6 +120,13 @@ from mono_ext.models.qwen3_next.triton.k1_recurrence import (
     gdn_s2,
     gdn_s2_blocks,
     gdn_s3_norm,
+)
+from mono_ext.models.qwen3_next.triton.k1_units import (
+    gdn_tile_rows,
+    prefetch_chunk,
+    s1_chunk,
+    s1_iterations,
+    tail_sum,
 )
 from mono_ext.models.qwen3_next.triton.k1_words import get_f32, prefetch_l2, put_f32
 
@@ -141,16 +153,6 @@ TRACE_POINTS = ("start", "rows normed", "S1 done", "first S2 words", "end")
 
 
 @triton.jit
-def _tile(t, FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr):
-    """Row-space start and row count of S1 tile ``t``: ``FT`` tiles of ``BN`` rows (whole
-    rounds of the grid), then tiles of ``HB`` rows (the rest, spread over the grid)."""
-    full = t < FT
-    r0 = tl.where(full, t * BN, FT * BN + (t - FT) * HB)
-    nr = tl.where(full, BN, HB)
-    return r0, nr
-
-
-@triton.jit
 def _dot_chunk(acc, wt, xs_base, rows, rmask, k, H: tl.constexpr, sp, wrows, wlive, k0,
                Q: tl.constexpr, N: tl.constexpr):  # fmt: skip
     """One K chunk of a tile, ``acc^T += W x^T``: the weight chunk ``wt`` [BN, BK] is the MMA's
@@ -170,25 +172,6 @@ def _dot_mixed(acc, wq, wa, is_ba, xs_base, rows, rmask, k, k0, sq_ptr, sba_ptr,
     xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :], other=0.0)
     return qdot_either(acc, wq, wa, is_ba, xt, sq_ptr, sba_ptr, wrows, live, k0, Q_QKVZ, Q_BA,
                        PQ, H, PBA, H)  # fmt: skip
-
-
-@triton.jit
-def _prefetch_w(w_ptr, w2_ptr, it, n_it, pid, G, KCH, NA, LIM1, LIM2, H: tl.constexpr,
-                FT: tl.constexpr, BN: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """L2-prefetch the bf16 weight chunk of flattened iteration ``it`` (one 128-byte line per
-    thread): row-space rows ``< NA`` are rows of ``w_ptr`` (``LIM1`` rows), later ones of
-    ``w2_ptr``."""
-    LPR: tl.constexpr = BK // 64  # 128-byte lines per row of a [BN, BK] bf16 chunk
-    j = it // KCH
-    kc = it - j * KCH
-    r0, nr = _tile(pid + j * G, FT, BN, HB)
-    first = r0 < NA
-    wb = tl.where(first, w_ptr, w2_ptr)
-    lim = tl.where(first, LIM1, LIM2)
-    li = tl.arange(0, BN * LPR)
-    rr = li // LPR
-    r = tl.where(first, r0, r0 - NA) + rr
-    prefetch_l2(wb + r * H + kc * BK + (li % LPR) * 64, (it < n_it) & (rr < nr) & (r < lim))
 
 
 @triton.jit
@@ -308,40 +291,6 @@ def _normed_rows(
 
 
 @triton.jit
-def _payload_word(p, PQ: tl.constexpr, PBA: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, RR: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
-    """Payload word of projection row ``p`` (``in_proj_qkvz`` rows, then ``in_proj_ba``);
-    -1 past the end. Arithmetic mirror of :func:`gdn_row_map` (no table load: one memory
-    round trip less in front of every tile's epilogue)."""
-    KD: tl.constexpr = (HV // RR) * DK
-    VD: tl.constexpr = HV * DV
-    CONV: tl.constexpr = 2 * KD + VD
-    if INTERLEAVED:
-        RDV: tl.constexpr = RR * DV
-        GS: tl.constexpr = 2 * DK + 2 * RDV
-        g = p // GS
-        o = p - g * GS
-        dq = tl.where(
-            o < DK,
-            g * DK + o,
-            tl.where(
-                o < 2 * DK,
-                KD + g * DK + (o - DK),
-                tl.where(o < 2 * DK + RDV, 2 * KD + g * RDV + (o - 2 * DK),
-                         CONV + g * RDV + (o - 2 * DK - RDV)),
-            ),
-        )  # fmt: skip
-        pb = p - PQ
-        gb = pb // (2 * RR)
-        ob = pb - gb * (2 * RR)
-        dba = tl.where(ob < RR, CONV + VD + gb * RR + ob, CONV + VD + HV + gb * RR + (ob - RR))
-        d = tl.where(p < PQ, dq, dba)
-    else:
-        d = p
-    return tl.where(p < PQ + PBA, d, -1)
-
-
-@triton.jit
 def _conv_inputs(
     dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t, cs_c,
     CONV: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, KC: tl.constexpr,
@@ -405,24 +354,25 @@ def _gdn_s1(
     null_slot, cs_slot, cs_t, cs_c, eps, tag, H: tl.constexpr, HV: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, WROW: tl.constexpr,
     INTERLEAVED: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr,
-    PRE: tl.constexpr, CONV: tl.constexpr,
+    FT: tl.constexpr, SPLIT: tl.constexpr, NU: tl.constexpr, TR: tl.constexpr, split_ptr,
+    CH: tl.constexpr,
+    NS: tl.constexpr, PRE: tl.constexpr, CONV: tl.constexpr,
     VD: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, RR: tl.constexpr,
     Q_QKVZ: tl.constexpr, Q_BA: tl.constexpr, INTERP: tl.constexpr, trace_ptr,
     TRACE: tl.constexpr, nflag_ptr, ctrl_ptr, health_ptr, NONCE: tl.constexpr,
     RID_NFLAG: tl.constexpr,
 ):  # fmt: skip
-    """GDN S1: input norm, then the projection tiles (ba tiles first: every S2 task needs
-    beta and g, then qkvz tiles), flattened over K chunks; each tile's epilogue runs the conv
-    update and hands the payload words to S2."""
-    # row space: in_proj_ba rows (padded to NA), then in_proj_qkvz rows; tiles from _tile
+    """GDN S1: input norm, then the projection units (ba rows first: every S2 task needs
+    beta and g, then qkvz rows), flattened over K chunks; each tile's epilogue (in a split
+    tail tile, by its last unit to arrive) runs the conv update and hands the payload words
+    to S2."""
+    # row space: in_proj_ba rows (padded to NA), then in_proj_qkvz rows; units: s1_chunk
     NA: tl.constexpr = (PBA + BN - 1) // BN * BN
     KCH: tl.constexpr = H // BK
-    n_my = tl.where(pid < NT, (NT - 1 - pid) // G + 1, 0)
-    n_it = n_my * KCH
+    n_it = s1_iterations(pid, G, FT, NU, SPLIT, KCH)
     if PRE:  # the first chunks start moving into L2 while the norm runs
         for pi in tl.static_range(NS - 1):
-            _prefetch_w(wba_ptr, wq_ptr, pi, n_it, pid, G, KCH, NA, PBA, PQ, H, FT, BN, HB,
+            prefetch_chunk(wba_ptr, wq_ptr, pi, n_it, pid, G, KCH, NA, PBA, PQ, H, FT, SPLIT, TR, BN,
                         BK)  # fmt: skip
 
     xs_base, rstd = _normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
@@ -451,16 +401,11 @@ def _gdn_s1(
     # Software-pipelined (NS stages of async copies into shared memory): HBM latency is
     # covered by NS - 1 chunks in flight per CTA, also across tile epilogues.
     for it in tl.range(0, n_it, num_stages=NS):
-        j = it // KCH
-        kc = it - j * KCH
-        r0, nr = _tile(pid + j * G, FT, BN, HB)
-        is_ba = r0 < NA
-        rs = r0 + nn
-        r_in = tl.where(is_ba, rs, rs - NA)  # the plane's stored row (also its scale row)
+        r0, nr, kc, first_chunk, last_chunk, tt = s1_chunk(it, pid, G, FT, SPLIT, TR, BN, KCH)
+        is_ba, r_in, live, dest = gdn_tile_rows(r0, nr, nn, NA, PQ, PBA, HV, DK, DV, RR,
+                                                 INTERLEAVED)  # fmt: skip
         if Q_QKVZ == Q_BA:  # one format: one load from the tile's plane
             wb = tl.where(is_ba, wba_ptr, wq_ptr)
-        lim = tl.where(is_ba, PBA, PQ)
-        live = (nn < nr) & (r_in < lim)
         k = kc * BK + kk
         if Q_QKVZ == Q_BA:
             wt = tl.load(
@@ -476,9 +421,7 @@ def _gdn_s1(
             wa = tl.load(wba_ptr + r_in[:, None] * H + k[None, :],
                          mask=(live & is_ba)[:, None], other=0.0,
                          eviction_policy="evict_first")  # fmt: skip
-        p = tl.where(is_ba, PQ + rs, rs - NA)
-        dest = tl.where(live, _payload_word(p, PQ, PBA, HV, DK, DV, RR, INTERLEAVED), -1)
-        if kc == 0:
+        if first_chunk:
             c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
                 dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t,
                 cs_c, CONV, VD, HV, KC,
@@ -491,7 +434,8 @@ def _gdn_s1(
         else:
             acc = _dot_mixed(acc, wt, wa, is_ba, xs_base, rows, rmask, k, kc * BK, sq_ptr,
                              sba_ptr, r_in, live, H, PQ, PBA, Q_QKVZ, Q_BA)  # fmt: skip
-        if kc == KCH - 1:
+        # a split tail unit is its CTA's last: its part is summed after the loop
+        if last_chunk & ((tt < 0) | (SPLIT == 1)):
             acc = acc * rstd[None, :]  # the input norm (_input_norm)
             _gdn_epilogue(
                 tl.trans(acc), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask,
@@ -499,6 +443,21 @@ def _gdn_s1(
                 CONV, VD, HV, WROW, INTERP,
             )  # fmt: skip
             acc = tl.zeros_like(acc)
+    # outside the pipelined loop: inside it, the sum's atomic and CTA barrier kept Triton from
+    # pipelining the loop at all (the sm_90a build lost its multi-stage buffers)
+    if SPLIT > 1:  # noqa: SIM102 (compiled in, then a branch per CTA)
+        if pid < NU:
+            tt = pid // SPLIT
+            last, acc = tail_sum(acc, tt, pid, split_ptr, rows, rmask, BN, BB, SPLIT,
+                                  NU // SPLIT, INTERP)  # fmt: skip
+            if last:
+                _, _, _, dest = gdn_tile_rows(FT * BN + tt * BN, BN, nn, NA, PQ, PBA, HV, DK, DV, RR,
+                                               INTERLEAVED)  # fmt: skip
+                _gdn_epilogue(
+                    tl.trans(acc * rstd[None, :]), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog,
+                    dtb, rows, rmask, rvalid, slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c,
+                    tag, CONV, VD, HV, WROW, INTERP,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -506,19 +465,20 @@ def _attn_s1(
     hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr, sqkv_ptr, pid,
     G, rows, rmask, n_rows, has_res, eps, tag, H: tl.constexpr, HQ: tl.constexpr,
     D: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr,
-    HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr,
-    Q_QKV: tl.constexpr, QG: tl.constexpr, KVD: tl.constexpr,
+    SPLIT: tl.constexpr, NU: tl.constexpr, TR: tl.constexpr, split_ptr, CH: tl.constexpr,
+    NS: tl.constexpr,
+    PRE: tl.constexpr, Q_QKV: tl.constexpr, QG: tl.constexpr, KVD: tl.constexpr,
     PA: tl.constexpr, WA: tl.constexpr, INTERP: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
     nflag_ptr, ctrl_ptr, health_ptr, NONCE: tl.constexpr, RID_NFLAG: tl.constexpr,
 ):  # fmt: skip
-    """Attention S1: input norm, then the qkv_proj tiles; gate and v go straight to their
-    outputs, raw q and k to the ``qk`` region."""
+    """Attention S1: input norm, then the qkv_proj units (:func:`s1_chunk`); each tile's
+    epilogue (in a split tail tile, by its last unit to arrive) sends gate and v straight to
+    their outputs, raw q and k to the ``qk`` region."""
     KCH: tl.constexpr = H // BK
-    n_my = tl.where(pid < NT, (NT - 1 - pid) // G + 1, 0)
-    n_it = n_my * KCH
+    n_it = s1_iterations(pid, G, FT, NU, SPLIT, KCH)
     if PRE:
         for pi in tl.static_range(NS - 1):
-            _prefetch_w(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, BN, HB,
+            prefetch_chunk(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, SPLIT, TR, BN,
                         BK)  # fmt: skip
     xs_base, rstd = _normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
                                  health_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H,
@@ -528,10 +488,8 @@ def _attn_s1(
     nn = tl.arange(0, BN)
     acc = tl.zeros([BN, BB], dtype=tl.float32)  # acc^T: weight rows x batch rows
     for it in tl.range(0, n_it, num_stages=NS):  # pipelined, as in the GDN kernel
-        j = it // KCH
-        kc = it - j * KCH
-        r0, nr = _tile(pid + j * G, FT, BN, HB)
-        r = tl.where(nn < nr, r0 + nn, PA)  # PA: no row (masked, no output)
+        r0, nr, kc, _, last_chunk, tt = s1_chunk(it, pid, G, FT, SPLIT, TR, BN, KCH)
+        r = tl.where(nn < nr, tl.minimum(r0 + nn, PA), PA)  # PA: no row (masked, no output)
         k = kc * BK + kk
         wt = tl.load(
             wqkv_ptr + r[:, None] * H + k[None, :],
@@ -541,31 +499,48 @@ def _attn_s1(
         )
         acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, sqkv_ptr, r, r < PA,
                          kc * BK, Q_QKV, PA)  # fmt: skip
-        if kc == KCH - 1:
-            acc = acc * rstd[None, :]  # the input norm (_input_norm)
-            acc_r = tl.trans(acc)
-            p = r
-            head = p // (2 * D)
-            o = p - head * (2 * D)
-            is_q = (p < QG) & (o < D)
-            is_gate = (p < QG) & (o >= D)
-            is_k = (p >= QG) & (p < QG + KVD)
-            is_v = (p >= QG + KVD) & (p < PA)
-            m2 = rmask[:, None]
-            tl.store(
-                gate_ptr + rows[:, None] * (HQ * D) + (head * D + o - D)[None, :],
-                acc_r.to(gate_ptr.dtype.element_ty),
-                mask=m2 & is_gate[None, :],
-            )
-            tl.store(
-                v_ptr + rows[:, None] * KVD + (p - QG - KVD)[None, :],
-                acc_r.to(v_ptr.dtype.element_ty),
-                mask=m2 & is_v[None, :],
-            )
-            dest = tl.where(is_q, head * D + o, HQ * D + (p - QG))
-            put_f32(qk_ptr, rows[:, None] * WA + dest[None, :], acc_r,
-                 m2 & (is_q | is_k)[None, :], tag, INTERP)  # fmt: skip
+        if last_chunk & ((tt < 0) | (SPLIT == 1)):  # a split tail unit: after the loop
+            _attn_epilogue(acc * rstd[None, :], r, rows, rmask, gate_ptr, v_ptr, qk_ptr, tag, HQ,
+                           D, QG, KVD, PA, WA, INTERP)  # fmt: skip
             acc = tl.zeros_like(acc)
+    if SPLIT > 1:  # noqa: SIM102 (compiled in, then a branch per CTA)
+        if pid < NU:  # as in the GDN front, outside the pipelined loop
+            tt = pid // SPLIT
+            last, acc = tail_sum(acc, tt, pid, split_ptr, rows, rmask, BN, BB, SPLIT,
+                                  NU // SPLIT, INTERP)  # fmt: skip
+            if last:
+                _attn_epilogue(acc * rstd[None, :], tl.minimum(FT * BN + tt * BN + nn, PA), rows,
+                               rmask, gate_ptr, v_ptr, qk_ptr, tag, HQ, D, QG, KVD, PA, WA,
+                               INTERP)  # fmt: skip
+
+
+@triton.jit
+def _attn_epilogue(acc, r, rows, rmask, gate_ptr, v_ptr, qk_ptr, tag, HQ: tl.constexpr,
+                   D: tl.constexpr, QG: tl.constexpr, KVD: tl.constexpr, PA: tl.constexpr,
+                   WA: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """One finished tile (acc^T [BN, Bb], normed; projection rows ``r``, ``PA`` = none): gate
+    and v to their outputs, raw q and k to the ``qk`` region."""
+    acc_r = tl.trans(acc)
+    head = r // (2 * D)
+    o = r - head * (2 * D)
+    is_q = (r < QG) & (o < D)
+    is_gate = (r < QG) & (o >= D)
+    is_k = (r >= QG) & (r < QG + KVD)
+    is_v = (r >= QG + KVD) & (r < PA)
+    m2 = rmask[:, None]
+    tl.store(
+        gate_ptr + rows[:, None] * (HQ * D) + (head * D + o - D)[None, :],
+        acc_r.to(gate_ptr.dtype.element_ty),
+        mask=m2 & is_gate[None, :],
+    )
+    tl.store(
+        v_ptr + rows[:, None] * KVD + (r - QG - KVD)[None, :],
+        acc_r.to(v_ptr.dtype.element_ty),
+        mask=m2 & is_v[None, :],
+    )
+    dest = tl.where(is_q, head * D + o, HQ * D + (r - QG))
+    put_f32(qk_ptr, rows[:, None] * WA + dest[None, :], acc_r, m2 & (is_q | is_k)[None, :], tag,
+            INTERP)  # fmt: skip
 
 
 @triton.jit
@@ -611,9 +586,10 @@ def k1_gdn_kernel(
     KC: tl.constexpr, WROW: tl.constexpr, OFF_PROJ: tl.constexpr, RID_PROJ: tl.constexpr,
     SSM_KV: tl.constexpr, INTERLEAVED: tl.constexpr, STATE_BYTES: tl.constexpr,
     # tiles
-    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr,
-    NT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr,
-    DVS: tl.constexpr, WB: tl.constexpr, Q_QKVZ: tl.constexpr,
+    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FT: tl.constexpr,
+    SPLIT: tl.constexpr, NU: tl.constexpr, TR: tl.constexpr, OFF_SPLIT: tl.constexpr,
+    CH: tl.constexpr,
+    NS: tl.constexpr, PRE: tl.constexpr, DVS: tl.constexpr, WB: tl.constexpr, Q_QKVZ: tl.constexpr,
     Q_BA: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     # the blocked recurrence (k1_recurrence): DS tasks per (row, head), its two regions
     DS: tl.constexpr = 1, OFF_OSQ: tl.constexpr = 0, RID_OSQ: tl.constexpr = 0,
@@ -678,7 +654,8 @@ def k1_gdn_kernel(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr,
             conv_ptr, slots_ptr, xs_ptr, proj_ptr, sq_ptr, sba_ptr, pid, G, rows, rmask, n_rows,
             has_res, null_slot, cs_slot, cs_t, cs_c, eps, tag, H, HV, DK, DV, KC, WROW,
-            INTERLEAVED, BB, BN, BK, FT, HB, NT, CH, NS, PRE, CONV, VD, PQ, PBA, RR,
+            INTERLEAVED, BB, BN, BK, FT, SPLIT, NU, TR, scratch_ptr + OFF_SPLIT, CH, NS, PRE, CONV,
+            VD, PQ, PBA, RR,
             Q_QKVZ, Q_BA, INTERP, trace_ptr, TRACE, nflag_ptr, ctrl_ptr, health_ptr, NONCE,
             RID_NFLAG,
         )  # fmt: skip
@@ -719,8 +696,9 @@ def k1_attn_kernel(
     sqkv_ptr,  # fp32 scales of qkv_proj (a bf16 plane: any pointer, not read)
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
     OFF_QK: tl.constexpr, RID_QK: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, FT: tl.constexpr, HB: tl.constexpr, NT: tl.constexpr, CH: tl.constexpr,
-    NS: tl.constexpr, PRE: tl.constexpr, Q_QKV: tl.constexpr,
+    BK: tl.constexpr, FT: tl.constexpr, SPLIT: tl.constexpr, NU: tl.constexpr, TR: tl.constexpr,
+    OFF_SPLIT: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr,
+    Q_QKV: tl.constexpr,
     STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     TRACE: tl.constexpr = False,
     # each row normed once (K1Config.norm_once_above; BB: never), its flags' region
@@ -765,7 +743,8 @@ def k1_attn_kernel(
         _attn_s1(
             hid_ptr, res_ptr, rout_ptr, nw_ptr, wqkv_ptr, v_ptr, gate_ptr, xs_ptr, qk_ptr,
             sqkv_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H, HQ, D, BB, BN, BK, FT,
-            HB, NT, CH, NS, PRE, Q_QKV, QG, KVD, PA, WA, INTERP, trace_ptr, TRACE, nflag_ptr,
+            SPLIT, NU, TR, scratch_ptr + OFF_SPLIT, CH, NS, PRE, Q_QKV, QG, KVD, PA, WA, INTERP,
+            trace_ptr, TRACE, nflag_ptr,
             ctrl_ptr, health_ptr, NONCE, RID_NFLAG,
         )  # fmt: skip
     stamp(trace_ptr, 2, TRACE)

@@ -24,7 +24,8 @@ __all__ = [
     "next_pow2",
     "pow2_divisor",
     "rope_table",
-    "s1_tiles",
+    "s1_units",
+    "split_words",
 ]
 
 
@@ -106,6 +107,10 @@ class K1Config:
     # is L2 traffic of the whole grid before the first weight chunk; a hand-off adds a flag
     # round trip. BLOCK_B (16): never. None: the kind's own (``NORM_ONCE_ABOVE``)
     norm_once_above: int | None = None
+    # the rows past the grid's whole rounds of tiles: in full-height tiles split along K,
+    # their parts summed by the last unit to arrive, or in whole tiles of fewer rows
+    # (``s1_units``)
+    split_tail_tiles: bool = True
 
     def norm_once_rows(self, kind: str) -> int:
         """``norm_once_above`` for a front of ``kind`` ("gdn" or "attn")."""
@@ -116,6 +121,19 @@ class K1Config:
 #: or level with 4 at every width in two runs, and the GDN front was slower with the hand-off
 #: at any threshold (docs/results/k1_norm_once_h200.csv)
 NORM_ONCE_ABOVE = {"gdn": BLOCK_B, "attn": 4}
+
+
+def _split_region(regions: tuple, stages: tuple, words: int) -> tuple[tuple, tuple]:
+    """With ``words``: the ``s1_split`` region (the tail tiles' K parts and arrival counters,
+    ``s1_units``), written by the projection stage. No stage waits on it: the last unit of a
+    tail tile to arrive, counted by an atomic, reads its parts; the others never do."""
+    if not words:
+        return regions, stages
+    s1 = stages[0]
+    return (*regions, Region("s1_split", words)), (
+        Stage(s1.name, [*s1.ops, write("s1_split")]),
+        *stages[1:],
+    )
 
 
 def _norm_once(regions: tuple, stages: tuple, norm_once: bool) -> tuple[tuple, tuple]:
@@ -132,11 +150,13 @@ def _norm_once(regions: tuple, stages: tuple, norm_once: bool) -> tuple[tuple, t
     )
 
 
-def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1, norm_once: bool = False) -> Program:
+def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1, norm_once: bool = False,
+                   split: int = 0) -> Program:  # fmt: skip
     """S1 writes the proj region; S2 waits on it (checked at build). Split recurrence
     (``dv_split`` > 1): S2 also writes each block's sum of o^2 (``osq``) and its o (``oraw``,
     read back by the same CTA), and the gated norm, a stage after it, waits on ``osq``.
-    ``norm_once`` (``K1Config.norm_once_above``): see :func:`_norm_once`."""
+    ``norm_once`` (``K1Config.norm_once_above``): see :func:`_norm_once`; ``split``: the words
+    of the tail tiles' K parts (:func:`split_words`), see :func:`_split_region`."""
     proj = Region("proj", BLOCK_B * shape.payload_words)
     s1 = Stage("in_proj_conv", [write("proj")])
     if dv_split == 1:
@@ -150,14 +170,14 @@ def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1, norm_once: bool = False
             Stage("recurrence", [wait("proj"), write("osq"), write("oraw")]),
             Stage("gated_norm", [wait("osq")]),
         )
-    return Program("k1_gdn", *_norm_once(regions, stages, norm_once))
+    return Program("k1_gdn", *_norm_once(*_split_region(regions, stages, split), norm_once))
 
 
-def k1_attn_program(shape: K1AttnShape, norm_once: bool = False) -> Program:
+def k1_attn_program(shape: K1AttnShape, norm_once: bool = False, split: int = 0) -> Program:
     words = BLOCK_B * (shape.hq + shape.hkv) * shape.head_dim
     regions = (Region("qk", words),)
     stages = (Stage("qkv_proj", [write("qk")]), Stage("norm_rope", [wait("qk")]))
-    return Program("k1_attn", *_norm_once(regions, stages, norm_once))
+    return Program("k1_attn", *_norm_once(*_split_region(regions, stages, split), norm_once))
 
 
 def gdn_row_map(shape: K1GdnShape, packing: str) -> list[int]:
@@ -196,18 +216,41 @@ def rope_table(shape: K1AttnShape, max_positions: int, device: Any = "cpu") -> A
     return torch.cat([cos, sin], dim=-1).contiguous()
 
 
-def s1_tiles(rows: int, grid: int, bn: int) -> tuple[int, int, int]:
-    """S1 tiling of ``rows`` projection rows over ``grid`` CTAs: (full tiles, rows of a tail
-    tile, tiles). Whole rounds of ``grid`` tiles of ``bn`` rows, then the rest in tiles of the
-    fewest rows (a power of two, 16..bn) that still fit one round, so that no CTA streams
-    more than about its share (80B-A3B GDN, 132 CTAs: 132 x 64 rows + 122 x 32 rows instead
-    of 193 x 64, of which 61 CTAs took two)."""
+def s1_units(rows: int, grid: int, bn: int, chunks: int,
+             split_k: bool = True) -> tuple[int, int, int, int]:  # fmt: skip
+    """S1's work units for ``rows`` projection rows over ``grid`` CTAs, in tiles of ``bn`` rows
+    x ``chunks`` K chunks: (full tiles, split, tail units, rows per tail unit).
+
+    Whole rounds of the grid of full tiles (every K chunk), then the rest of the rows, at most
+    one unit per CTA. ``split_k`` (``K1Config.split_tail_tiles``): in tail tiles of ``bn`` rows,
+    each split along K into ``split`` units of ``chunks / split`` chunks, the largest power of
+    two dividing ``chunks`` that still fits the grid; every unit then streams chunks of ``bn``
+    rows. A CTA keeps a fixed number of chunks in flight, so a chunk of fewer rows streams its
+    bytes proportionally slower. A tail tile's parts are summed in part order by the last of
+    its units to finish (``k1_units.tail_sum``). Without ``split_k``: in tail tiles of the
+    fewest rows (a power of two, 16..bn) that still fit one round, each unit a whole tile (80B-A3B
+    GDN, 132 CTAs: 122 tiles of 32 rows, where ``split_k`` gives 61 tiles of 64 rows in halves).
+    """
     full = rows // (grid * bn) * grid
     rest = rows - full * bn
-    hb = bn
-    while hb > 16 and -(-rest // (hb // 2)) <= grid:
-        hb //= 2
-    return full, hb, full + -(-rest // hb)
+    if not split_k:
+        hb = bn
+        while hb > 16 and -(-rest // (hb // 2)) <= grid:
+            hb //= 2
+        return full, 1, -(-rest // hb), hb
+    tail_tiles = -(-rest // bn)
+    split = 1
+    while tail_tiles and chunks % (2 * split) == 0 and tail_tiles * 2 * split <= grid:
+        split *= 2
+    return full, split, tail_tiles * split, bn
+
+
+def split_words(tail_tiles: int, split: int, bn: int) -> int:
+    """Scratch words (int64) of the tail tiles' K parts, fp32 [tiles, split, BLOCK_B, bn], then
+    their arrival counters, one int32 per tail tile; none without a split."""
+    if split == 1:
+        return 0
+    return tail_tiles * split * BLOCK_B * bn // 2 + -(-tail_tiles // 2)
 
 
 def pow2_divisor(n: int, cap: int) -> int:
