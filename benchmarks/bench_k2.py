@@ -538,6 +538,21 @@ def stock_times(rows: list) -> tuple[dict, dict]:
     return stock, arm_of
 
 
+def ncu_target(overrides: dict) -> int:
+    """Two rounds of eager K2 launches over the rotations at width 1 (profile the last few
+    with ``ncu -k regex:k2_kernel``); returns the health record's failed word."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    su = Setup()
+    state = RankState.create(0, "cuda", 2.0)
+    k = build_k2(su, sms, **overrides)
+    ws = k.workspace("cuda")
+    body = k2_body(k, su, 1, state, ws)
+    for _ in range(2):
+        body()
+    torch.cuda.synchronize()
+    return int(decode_health(state.health.cpu().tolist(), rank=0).ok is False)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=None)
@@ -575,7 +590,13 @@ def main(argv: list[str] | None = None) -> int:
         help="vllm arms: eager (arm vllm, enforce_eager dispatch) and/or compiled "
              "(arm vllm-compiled, vLLM's default compilation)",
     )  # fmt: skip
+    ap.add_argument(
+        "--ncu", default=None, metavar="VARIANT",
+        help="only eager launches of this variant at width 1 (for ncu -k regex:k2_kernel), exit",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.ncu is not None:
+        return ncu_target(variant_overrides(args.ncu))
     if args.stock is None:
         args.stock = "both" if importlib.util.find_spec("vllm") is not None else "torch"
     widths = [int(x) for x in args.widths.split(",")]
