@@ -47,7 +47,7 @@
 #                                         widths 1-16, traced at 1 and 16) alternating between
 #                                         the src/ tree in $BASE_SRC (the baseline: e.g. HEAD's,
 #                                         carried) and this one, twice each (writes
-#                                         $OUT/k1_{base,new}_{1,2}.csv and traces), ~6 min
+#                                         $OUT/k1_{base,new}_{1,2}.csv and traces), ~3.5 min
 #   bash tools/gpu/run_kernels.sh layer   benchmarks/bench_layer.py: eight decoder layers per step,
 #                                         K1 + K2 vs vLLM's own layer code, eager and compiled,
 #                                         widths 1-16 (needs PYTHONPATH=/tmp/site after
