@@ -3,6 +3,7 @@
 
     PYTHONPATH=src .venvs/base/bin/python tools/ptx_digest.py [--json out.json]
         [--check baseline.json] [--ptx-dir DIR] [--only SUBSTRING] [--widths 1,16]
+        [--by-function N]
 
 Compiles every build of ``mono_ext.models.qwen3_next.triton.offline`` (the arguments and
 constexprs each launch's ``build()`` warms up with) for ``GPUTarget("cuda", 90, 32)`` and
@@ -11,7 +12,8 @@ DWARF: a restructuring of the sources that generates the same code keeps the dig
 registers per thread, stack bytes, spill instructions (STL/LDL in the SASS), shared memory per
 block and the number of ``wgmma.mma_async`` instructions. ``--check`` compares the digests
 with an earlier ``--json`` and exits 1 on any difference; ``--ptx-dir`` writes each build's
-normalised PTX there (to diff two runs).
+normalised PTX there (to diff two runs); ``--by-function N`` adds each build's SASS
+instruction count by source function (``offline.sass_by_function``), the top N printed.
 
 Compiles go to a fresh Triton cache (``TRITON_CACHE_DIR`` unless ``--cache`` is given), so no
 result comes from an earlier source.
@@ -36,13 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=[], help="builds whose name has this")
     ap.add_argument("--widths", default="1,16", help="comma-separated widths (default 1,16)")
     ap.add_argument("--cache", action="store_true", help="use the usual Triton cache")
+    ap.add_argument("--by-function", type=int, default=0, metavar="N",
+                    help="also print each build's N source functions with the most SASS "
+                         "instructions (the code size each inlined helper adds)")  # fmt: skip
     args = ap.parse_args(argv)
 
     os.environ.pop("TRITON_INTERPRET", None)
     if not args.cache:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="ptx_digest_")
 
-    from mono_ext.kernels.triton.offline import normalised_ptx, ptx_digest, resources
+    from mono_ext.kernels.triton.offline import (
+        normalised_ptx,
+        ptx_digest,
+        resources,
+        sass_by_function,
+    )
     from mono_ext.models.qwen3_next.triton.offline import build_names, offline_build
 
     widths = [int(w) for w in args.widths.split(",")]
@@ -75,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             spill = f"{r.spill_stores}/{r.spill_loads}"
             print(f"{b.name:<28} {row['sha256']} {r.regs:>4} {r.stack:>5} {spill:>5} "
                   f"{r.shared:>7} {row['wgmma']:>5} {dt:>5.1f}", flush=True)  # fmt: skip
+            if args.by_function:
+                code = sass_by_function(compiled)
+                total = sum(code.values())
+                row["sass_instructions"] = total
+                row["sass_by_function"] = code
+                for fn, n in sorted(code.items(), key=lambda kv: -kv[1])[: args.by_function]:
+                    print(f"    {n:6d} {100 * n / total:5.1f}%  {fn}")
             if args.ptx_dir:
                 out = Path(args.ptx_dir)
                 out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ alignment), then compiled for ``GPUTarget("cuda", arch, 32)``; no driver is touc
 :func:`normalised_ptx` drops what names source files or lines (``.loc``, ``.file``, debug
 sections, comments), so two sources that generate the same code digest the same.
 :func:`resources` reads registers, stack, spill instructions and shared memory from the cubin
-with the ``cuobjdump`` Triton ships. Triton is imported inside the functions: the module loads
+with the ``cuobjdump`` Triton ships; :func:`sass_by_function` says how much of the code each
+source function inlined into it is (``nvdisasm`` line info). Triton is imported inside the functions: the module loads
 on a box without it.
 """
 
@@ -27,6 +28,7 @@ __all__ = [
     "normalised_ptx",
     "ptx_digest",
     "resources",
+    "sass_by_function",
     "sass_opcodes",
 ]
 
@@ -131,4 +133,46 @@ def sass_opcodes(compiled: Any) -> dict[str, int]:
     counts: dict[str, int] = {}
     for op in _SASS_OP.findall(_cuobjdump(compiled, "-sass")):
         counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+# nvdisasm -g: "//## File "PATH", line N" before the instructions that line generated
+_SASS_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+
+
+def _functions(path: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, name) of every function defined at the top of a source file;
+    none where the file is not there to read."""
+    import ast
+
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError):
+        return []
+    return [(n.lineno, n.end_lineno or n.lineno, n.name) for n in tree.body
+            if isinstance(n, ast.FunctionDef)]  # fmt: skip
+
+
+def sass_by_function(compiled: Any) -> dict[str, int]:
+    """SASS instructions of a compiled kernel by the source function that generated them
+    (``file.py:function``; every jitted helper is inlined, so this is where the
+    kernel's code size comes from), from the cubin's line info; ``?`` where none is given."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(compiled.asm["cubin"])
+        text = subprocess.run([_tool("nvdisasm"), "-c", "-g", str(path)], check=True,
+                              capture_output=True, text=True).stdout  # fmt: skip
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    counts: dict[str, int] = {}
+    where = "?"
+    for line in text.splitlines():
+        m = _SASS_LINE.search(line)
+        if m:
+            file, lineno = m.group(1), int(m.group(2))
+            if file not in spans:
+                spans[file] = _functions(file)
+            name = next((f for a, b, f in spans[file] if a <= lineno <= b), "?")
+            where = f"{Path(file).name}:{name}"
+        elif _SASS_OP.match(line):
+            counts[where] = counts.get(where, 0) + 1
     return counts

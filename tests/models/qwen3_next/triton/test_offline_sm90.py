@@ -26,6 +26,7 @@ from mono_ext.kernels.triton.offline import (  # noqa: E402
     compile_offline,
     ptx_digest,
     resources,
+    sass_by_function,
     sass_opcodes,
 )
 from mono_ext.models.qwen3_next.triton.offline import (  # noqa: E402
@@ -88,6 +89,16 @@ def test_projections_on_wgmma(compiled, name, width):
 def test_one_compile_for_every_width(compiled, name):
     digests = {ptx_digest(compiled[name, w][1]) for w in WIDTHS}
     assert len(digests) == 1, f"{name}: widths {WIDTHS} compile to different code"
+
+
+def test_code_size_by_function_covers_every_instruction(compiled):
+    """``sass_by_function``: every SASS instruction of K2 is counted once, under the source
+    function its line info names, and K2's stages and the bounded wait are among them."""
+    _, c = compiled["k2 gdn bf16", 1]
+    by_fn = sass_by_function(c)
+    assert sum(by_fn.values()) == sum(sass_opcodes(c).values())
+    for fn in ("k2_stages.py:s1_out_proj", "k2_stages.py:s4_down", "primitives.py:wait_tagged"):
+        assert by_fn.get(fn, 0) > 0, f"no instruction attributed to {fn}: {sorted(by_fn)}"
 
 
 def test_k2_norm_hand_off_is_fenced(compiled):
