@@ -550,7 +550,7 @@ def ncu_target(overrides: dict) -> int:
     for _ in range(2):
         body()
     torch.cuda.synchronize()
-    return int(decode_health(state.health.cpu().tolist(), rank=0).ok is False)
+    return 0 if decode_health(state.health.cpu().tolist(), rank=0).ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,8 @@ alignment), then compiled for ``GPUTarget("cuda", arch, 32)``; no driver is touc
 sections, comments), so two sources that generate the same code digest the same.
 :func:`resources` reads registers, stack, spill instructions and shared memory from the cubin
 with the ``cuobjdump`` Triton ships; :func:`sass_by_function` says how much of the code each
-source function inlined into it is (``nvdisasm`` line info). Triton is imported inside the functions: the module loads
-on a box without it.
+source function inlined into it is (``nvdisasm`` line info). Triton is imported inside the
+functions: the module loads on a box without it.
 """
 
 from __future__ import annotations

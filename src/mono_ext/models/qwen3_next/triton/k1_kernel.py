@@ -1,7 +1,7 @@
 """K1's device code: the persistent layer-front kernels ``k1_gdn_kernel`` and ``k1_attn_kernel``
 and their stages (``@triton.jit`` helpers, inlined; GDN's S2 is ``k1_recurrence``, the
-tagged-word hand-offs ``k1_words``, S1's units and tail-tile sums ``k1_units``). The host side (shapes, config, programs, launches, the
-tensor contract) is ``k1.py``.
+tagged-word hand-offs ``k1_words``, S1's units and tail-tile sums ``k1_units``). The host side
+(shapes, config, programs, launches, the tensor contract) is ``k1.py``.
 
 Program (both kinds; declared by ``k1.k1_gdn_program`` / ``k1.k1_attn_program`` and checked
 by ``runtime.layout.check_handoffs`` at build):
@@ -22,9 +22,10 @@ by ``runtime.layout.check_handoffs`` at build):
   weight tile as wgmma's M operand; weights streamed with ``evict_first``. A tail unit ends
   by storing its part and counting itself in (an atomic per tail tile); the last of a
   tile's units to arrive sums the parts in part order and runs the tile's epilogue, and no
-  unit ever waits (``tail_sum``). Epilogue per tile: GDN: the conv update for the conv channels in the tile (read K-1 cached
-  values, write the shifted window back, SiLU), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention:
-  gate and v go straight to their outputs. Everything a later stage needs goes into one
+  unit ever waits (``tail_sum``). Epilogue per tile: GDN: the conv update for the conv
+  channels in the tile (read K-1 cached values, write the shifted window back, SiLU), beta =
+  sigmoid(b), g = -exp(A_log) softplus(a + dt_bias); attention: gate and v go straight to
+  their outputs. Everything a later stage needs goes into one
   tagged mailbox region (fp32 bits). An fp8 plane is read in place through
   ``planes.qdot`` (a chunk's MMA on the codes widened to bf16, times its scales); block-128
   planes cap the K chunk at 128 (one scale column per chunk). When in_proj_qkvz and in_proj_ba
@@ -355,8 +356,7 @@ def _gdn_s1(
     DK: tl.constexpr, DV: tl.constexpr, KC: tl.constexpr, WROW: tl.constexpr,
     INTERLEAVED: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     FT: tl.constexpr, SPLIT: tl.constexpr, NU: tl.constexpr, TR: tl.constexpr, split_ptr,
-    CH: tl.constexpr,
-    NS: tl.constexpr, PRE: tl.constexpr, CONV: tl.constexpr,
+    CH: tl.constexpr, NS: tl.constexpr, PRE: tl.constexpr, CONV: tl.constexpr,
     VD: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, RR: tl.constexpr,
     Q_QKVZ: tl.constexpr, Q_BA: tl.constexpr, INTERP: tl.constexpr, trace_ptr,
     TRACE: tl.constexpr, nflag_ptr, ctrl_ptr, health_ptr, NONCE: tl.constexpr,
@@ -372,8 +372,8 @@ def _gdn_s1(
     n_it = s1_iterations(pid, G, FT, NU, SPLIT, KCH)
     if PRE:  # the first chunks start moving into L2 while the norm runs
         for pi in tl.static_range(NS - 1):
-            prefetch_chunk(wba_ptr, wq_ptr, pi, n_it, pid, G, KCH, NA, PBA, PQ, H, FT, SPLIT, TR, BN,
-                        BK)  # fmt: skip
+            prefetch_chunk(wba_ptr, wq_ptr, pi, n_it, pid, G, KCH, NA, PBA, PQ, H, FT, SPLIT, TR,
+                           BN, BK)  # fmt: skip
 
     xs_base, rstd = _normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
                                  health_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H,
@@ -401,7 +401,7 @@ def _gdn_s1(
     # Software-pipelined (NS stages of async copies into shared memory): HBM latency is
     # covered by NS - 1 chunks in flight per CTA, also across tile epilogues.
     for it in tl.range(0, n_it, num_stages=NS):
-        r0, nr, kc, first_chunk, last_chunk, tt = s1_chunk(it, pid, G, FT, SPLIT, TR, BN, KCH)
+        r0, nr, kc, first_chunk, ends_tile = s1_chunk(it, pid, G, FT, SPLIT, TR, BN, KCH)
         is_ba, r_in, live, dest = gdn_tile_rows(r0, nr, nn, NA, PQ, PBA, HV, DK, DV, RR,
                                                  INTERLEAVED)  # fmt: skip
         if Q_QKVZ == Q_BA:  # one format: one load from the tile's plane
@@ -434,8 +434,7 @@ def _gdn_s1(
         else:
             acc = _dot_mixed(acc, wt, wa, is_ba, xs_base, rows, rmask, k, kc * BK, sq_ptr,
                              sba_ptr, r_in, live, H, PQ, PBA, Q_QKVZ, Q_BA)  # fmt: skip
-        # a split tail unit is its CTA's last: its part is summed after the loop
-        if last_chunk & ((tt < 0) | (SPLIT == 1)):
+        if ends_tile:  # a split tail unit is its CTA's last: summed after the loop
             acc = acc * rstd[None, :]  # the input norm (_input_norm)
             _gdn_epilogue(
                 tl.trans(acc), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask,
@@ -451,8 +450,8 @@ def _gdn_s1(
             last, acc = tail_sum(acc, tt, pid, split_ptr, rows, rmask, BN, BB, SPLIT,
                                   NU // SPLIT, INTERP)  # fmt: skip
             if last:
-                _, _, _, dest = gdn_tile_rows(FT * BN + tt * BN, BN, nn, NA, PQ, PBA, HV, DK, DV, RR,
-                                               INTERLEAVED)  # fmt: skip
+                _, _, _, dest = gdn_tile_rows(FT * BN + tt * BN, BN, nn, NA, PQ, PBA, HV, DK, DV,
+                                              RR, INTERLEAVED)  # fmt: skip
                 _gdn_epilogue(
                     tl.trans(acc * rstd[None, :]), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog,
                     dtb, rows, rmask, rvalid, slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c,
@@ -478,8 +477,8 @@ def _attn_s1(
     n_it = s1_iterations(pid, G, FT, NU, SPLIT, KCH)
     if PRE:
         for pi in tl.static_range(NS - 1):
-            prefetch_chunk(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, SPLIT, TR, BN,
-                        BK)  # fmt: skip
+            prefetch_chunk(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, SPLIT, TR,
+                           BN, BK)  # fmt: skip
     xs_base, rstd = _normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
                                  health_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H,
                                  BB, CH, NONCE, RID_NFLAG, INTERP)  # fmt: skip
@@ -488,7 +487,7 @@ def _attn_s1(
     nn = tl.arange(0, BN)
     acc = tl.zeros([BN, BB], dtype=tl.float32)  # acc^T: weight rows x batch rows
     for it in tl.range(0, n_it, num_stages=NS):  # pipelined, as in the GDN kernel
-        r0, nr, kc, _, last_chunk, tt = s1_chunk(it, pid, G, FT, SPLIT, TR, BN, KCH)
+        r0, nr, kc, _, ends_tile = s1_chunk(it, pid, G, FT, SPLIT, TR, BN, KCH)
         r = tl.where(nn < nr, tl.minimum(r0 + nn, PA), PA)  # PA: no row (masked, no output)
         k = kc * BK + kk
         wt = tl.load(
@@ -499,7 +498,7 @@ def _attn_s1(
         )
         acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, sqkv_ptr, r, r < PA,
                          kc * BK, Q_QKV, PA)  # fmt: skip
-        if last_chunk & ((tt < 0) | (SPLIT == 1)):  # a split tail unit: after the loop
+        if ends_tile:  # a split tail unit: after the loop
             _attn_epilogue(acc * rstd[None, :], r, rows, rmask, gate_ptr, v_ptr, qk_ptr, tag, HQ,
                            D, QG, KVD, PA, WA, INTERP)  # fmt: skip
             acc = tl.zeros_like(acc)

@@ -19,22 +19,22 @@ __all__ = ["gdn_tile_rows", "prefetch_chunk", "s1_chunk", "s1_iterations", "tail
 def s1_chunk(it, pid, G, FT: tl.constexpr, SPLIT: tl.constexpr, TR: tl.constexpr,
              BN: tl.constexpr, KCH: tl.constexpr):  # fmt: skip
     """Flattened S1 iteration ``it`` of CTA ``pid`` (``k1_plan.s1_units``): its first row in
-    row space, its rows, its K chunk, whether it is its unit's first / last chunk, and its tail
-    tile (-1 in a full tile). A CTA's units are the full tiles pid, pid + G, ... (``FT`` over
-    whole rounds of the grid, ``BN`` rows, every K chunk), then tail unit pid: part
-    pid % SPLIT of tail tile pid // SPLIT (``TR`` rows), ``KCH / SPLIT`` consecutive chunks."""
+    row space, its rows, its K chunk, whether it is its unit's first chunk, and whether it
+    finishes a whole tile here (its epilogue runs now). A CTA's units are the full tiles pid,
+    pid + G, ... (``FT`` over whole rounds of the grid, ``BN`` rows, every K chunk), then tail
+    unit pid: part pid % SPLIT of tail tile pid // SPLIT (``TR`` rows), ``KCH / SPLIT``
+    consecutive chunks. A split tail tile is finished after the loop (:func:`tail_sum`)."""
     KCU: tl.constexpr = KCH // SPLIT
     n_full = (FT // G) * KCH
     tail = it >= n_full
     j = it // KCH
     kc_f = it - j * KCH
     kc_t = it - n_full
-    tt = pid // SPLIT
-    r0 = tl.where(tail, FT * BN + tt * TR, (pid + j * G) * BN)
+    r0 = tl.where(tail, FT * BN + (pid // SPLIT) * TR, (pid + j * G) * BN)
     kc = tl.where(tail, (pid % SPLIT) * KCU + kc_t, kc_f)
     first = tl.where(tail, kc_t == 0, kc_f == 0)
-    last = tl.where(tail, kc_t == KCU - 1, kc_f == KCH - 1)
-    return r0, tl.where(tail, TR, BN), kc, first, last, tl.where(tail, tt, -1)
+    ends_tile = tl.where(tail, (kc_t == KCU - 1) & (SPLIT == 1), kc_f == KCH - 1)
+    return r0, tl.where(tail, TR, BN), kc, first, ends_tile
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def prefetch_chunk(w_ptr, w2_ptr, it, n_it, pid, G, KCH, NA, LIM1, LIM2, H: tl.c
     thread): row-space rows ``< NA`` are rows of ``w_ptr`` (``LIM1`` rows), later ones of
     ``w2_ptr``."""
     LPR: tl.constexpr = BK // 64  # 128-byte lines per row of a [BN, BK] bf16 chunk
-    r0, nr, kc, _, _, _ = s1_chunk(it, pid, G, FT, SPLIT, TR, BN, KCH)
+    r0, nr, kc, _, _ = s1_chunk(it, pid, G, FT, SPLIT, TR, BN, KCH)
     first = r0 < NA
     wb = tl.where(first, w_ptr, w2_ptr)
     lim = tl.where(first, LIM1, LIM2)
@@ -128,9 +128,9 @@ def _payload_word(p, PQ: tl.constexpr, PBA: tl.constexpr, HV: tl.constexpr, DK: 
 def gdn_tile_rows(r0, nr, nn, NA: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr,
                    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, RR: tl.constexpr,
                    INTERLEAVED: tl.constexpr):  # fmt: skip
-    """The ``nr`` rows of the GDN tile at row-space row ``r0`` (in_proj_ba rows padded to ``NA``, then
-    in_proj_qkvz rows): whether it is the ba tile, each row's stored row in its plane (also
-    its scale row), whether that row exists, and its payload word (-1: none)."""
+    """The ``nr`` rows of the GDN tile at row-space row ``r0`` (in_proj_ba rows padded to
+    ``NA``, then in_proj_qkvz rows): whether it is the ba tile, each row's stored row in its
+    plane (also its scale row), whether that row exists, and its payload word (-1: none)."""
     is_ba = r0 < NA
     rs = r0 + nn
     r_in = tl.where(is_ba, rs, rs - NA)
