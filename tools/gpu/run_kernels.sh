@@ -48,6 +48,11 @@
 #                                         the src/ tree in $BASE_SRC (the baseline: e.g. HEAD's,
 #                                         carried) and this one, twice each (writes
 #                                         $OUT/k1_{base,new}_{1,2}.csv and traces), ~3.5 min
+#   bash tools/gpu/run_kernels.sh k2ab    test_k2_sync.py and test_k2.py's bf16 checks on this tree,
+#                                         then bench_k2 (torch stock arm, widths 1-16, traced at 1
+#                                         and 16) alternating between $BASE_SRC and this tree,
+#                                         twice each; this tree also times $K2AB_VARIANTS
+#                                         (default "k2"; writes $OUT/k2_{base,new}_{1,2}.csv)
 #   bash tools/gpu/run_kernels.sh layer   benchmarks/bench_layer.py: eight decoder layers per step,
 #                                         K1 + K2 vs vLLM's own layer code, eager and compiled,
 #                                         widths 1-16 (needs PYTHONPATH=/tmp/site after
@@ -142,9 +147,22 @@ k1ab)
         --trace-json "$OUT/k1_${arm}_${rep}_trace.json"
     done
   done ;;
+k2ab)
+  run k2_tests python3 -m pytest -q -p no:cacheprovider -s \
+    tests/models/qwen3_next/triton/test_k2_sync.py tests/models/qwen3_next/triton/test_k2.py \
+    -k "sync or (every_width and not fp8) or batch_invariance"
+  for rep in 1 2; do
+    for arm in base new; do
+      src=$PWD/src variants=${K2AB_VARIANTS:-k2}
+      [ "$arm" = base ] && src=${BASE_SRC:?BASE_SRC: the baseline src/ tree} variants=k2
+      run "k2_${arm}_$rep" env PYTHONPATH="$src" python3 benchmarks/bench_k2.py \
+        --widths 1,2,4,8,16 --stock torch --trace --variants "$variants" \
+        --csv "$OUT/k2_${arm}_$rep.csv" --trace-json "$OUT/k2_${arm}_${rep}_trace.json"
+    done
+  done ;;
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1ab|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1ab|k2ab|a8|layer" >&2
   exit 2 ;;
 esac

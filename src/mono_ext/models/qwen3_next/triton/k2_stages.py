@@ -36,6 +36,7 @@ from mono_ext.models.qwen3_next.triton.k2_sync import (
     put_partial,
     sum_partials,
     wait2d,
+    wait_live_rows,
 )
 
 __all__ = [
@@ -581,20 +582,15 @@ def s4_down(
             nb_j = tl.minimum(nb_j, tl.maximum(PF4 - before, 0)) // 16 * 16
         prefetch_l2(base_j + h_lo.to(tl.int64) * isl_j * eb_j, nb_j,
                      s_live & (nb_j > 0) & (nb_j % 16 == 0))  # fmt: skip
-    # the activation rows this run reads: one bounded wait per ACH of (slot, row)
-    fc = tl.arange(0, ACH)
-    cwa = tl.arange(0, IWP)
-    for f0 in range(0, JS * BB, ACH):
-        fl = f0 + fc
-        fsl = s0 + fl // BB
-        f_live = (t1 > t0) & (fsl * RB4 < t1) & (fsl <= n_u4)
-        f_tab = tl.where(fsl == n_u4, UM, tl.minimum(fsl, UM - 1))
-        f_pp = tl.load(ppos_base + f_tab * BB + fl % BB, mask=f_live, other=-1)
-        aidx = (f_tab * BB + fl % BB)[:, None] * IW + cwa[None, :]
-        f_w = tl.where(fsl == n_u4, IWS, IWR)
-        am4 = (f_live & (f_pp >= 0))[:, None] & (cwa[None, :] < f_w[:, None])
-        wait2d(act_ptr + aidx, am4, aidx, tag, ctrl_ptr, health_ptr, RID_ACT, ACH, IWP,
-                INTERP)  # fmt: skip
+    # the activation rows this run reads, (slot, row) pairs whose row picked the slot: ACH
+    # of them per bounded wait
+    fl = tl.arange(0, JS * BB)
+    fsl = s0 + fl // BB
+    f_live = (t1 > t0) & (fsl * RB4 < t1) & (fsl <= n_u4)
+    f_row = tl.where(fsl == n_u4, UM, tl.minimum(fsl, UM - 1)) * BB + fl % BB
+    f_pp = tl.load(ppos_base + f_row, mask=f_live, other=-1)
+    wait_live_rows(act_ptr, f_live & (f_pp >= 0), f_row, tl.where(fsl == n_u4, IWS, IWR), tag,
+                   ctrl_ptr, health_ptr, RID_ACT, IW, ACH, IWP, INTERP)  # fmt: skip
     stamp(trace_ptr, 7, TRACE)
     cw = tl.arange(0, BI4 // 2)
     ci = tl.arange(0, BI4)

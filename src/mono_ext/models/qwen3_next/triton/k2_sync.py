@@ -1,6 +1,6 @@
-"""The device helpers K2's stages share (``k2_stages.py``): bounded waits over 2-D blocks,
-tagged partial sums across slots and ranks and the L2 prefetch of weight blocks. All are
-inlined into ``k2_kernel``."""
+"""The device helpers K2's stages share (``k2_stages.py``): bounded waits over 2-D blocks and
+over the live rows of a sparse set, tagged partial sums across slots and ranks and the L2
+prefetch of weight blocks. All are inlined into ``k2_kernel``."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from mono_ext.kernels.triton.primitives import (
 )
 
 __all__ = [
+    "packed_rows",
     "prefetch_l2",
     "put_partial",
     "sum_partials",
     "wait2d",
+    "wait_live_rows",
 ]
 
 
@@ -45,6 +47,41 @@ def wait2d(
         )
         words2 = tl.reshape(words, (R, C))
     return words2, ok
+
+
+@triton.jit
+def packed_rows(live, row, words, first, CH: tl.constexpr):
+    """Entries ``first .. first + CH - 1`` of the live entries of ``row`` / ``words`` (flat
+    blocks) in their order: ``(row, words)`` blocks of CH, words 0 past the last live entry.
+    An entry's place among the live ones is a prefix sum, and each of the CH lanes picks the
+    entry of its place with a masked sum, so no scatter through memory is needed."""
+    live_i = live.to(tl.int32)
+    place = tl.cumsum(live_i, axis=0) - live_i
+    lane = first + tl.arange(0, CH)
+    pick = (place[None, :] == lane[:, None]) & live[None, :]
+    return (
+        tl.sum(tl.where(pick, row[None, :], 0), axis=1),
+        tl.sum(tl.where(pick, words[None, :], 0), axis=1),
+    )
+
+
+@triton.jit
+def wait_live_rows(
+    base_ptr, live, row, words, tag, ctrl_ptr, health_ptr, region_id, W: tl.constexpr,
+    CH: tl.constexpr, WP: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Bounded waits for the first ``words`` words of each row ``row`` (rows of ``W`` words at
+    ``base_ptr``) where ``live``, CH live rows per wait (``WP``: a power of two >= every
+    ``words``). The live rows are packed first (:func:`packed_rows`): each wait costs an L2
+    round trip whatever its mask, so a sparse set (one batch row of a 16-row block) takes the
+    fewest waits, not one per CH of all the rows."""
+    n_live = tl.sum(live.to(tl.int32), axis=0)
+    cw = tl.arange(0, WP)
+    for first in range(0, n_live, CH):
+        r, nw = packed_rows(live, row, words, first, CH)
+        idx = r[:, None] * W + cw[None, :]
+        wait2d(base_ptr + idx, cw[None, :] < nw[:, None], idx, tag, ctrl_ptr, health_ptr,
+               region_id, CH, WP, INTERP)  # fmt: skip
 
 
 @triton.jit
