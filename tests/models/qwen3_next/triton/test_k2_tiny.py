@@ -179,6 +179,33 @@ def test_k2_tiny_topk_over_router_k_splits(tiny_topk):
             assert torch.equal(h[j], h16[i]) and torch.equal(r[j], r16[i]), f"row {i} at {j}"
 
 
+@pytest.mark.parametrize("splits", [8, 2])
+def test_k2_tiny_router_preload_is_the_same_launch(splits):
+    """``router_preload`` (each CTA's router tile loaded before S1's hand-offs) changes when
+    the tile is read, not what is computed: bit-identical to the build that loads it after
+    the norm, at every width, and the reference's routing."""
+    pre = TinyTail(PRESETS[0], seed=8, router_k_splits=splits, router_preload=True)
+    late = TinyTail(PRESETS[0], seed=8, router_k_splits=splits)
+    test_k2_tiny_matches_reference(pre)
+    gen = torch.Generator(device=DEV).manual_seed(25)
+    for b in WIDTHS:
+        o_in, res = pre.inputs(b, gen)
+        h_pre, r_pre = pre.run(o_in, res)
+        h_late, r_late = late.run(o_in, res)
+        assert torch.equal(h_pre, h_late) and torch.equal(r_pre, r_late), f"width {b}"
+
+
+def test_router_preload_refuses_a_router_of_several_chunks_per_ctas():
+    """The preload holds one tile per CTA: a config with more than one K chunk per router
+    task, or more tasks than CTAs, is refused when the launch is made."""
+    shape = K2Shape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b")), tp=1))
+    with pytest.raises(ValueError, match="router_preload needs one router task"):
+        K2Launch(shape, K2Config(grid=132, router_k_splits=4, router_preload=True))
+    with pytest.raises(ValueError, match="router_preload needs one router task"):
+        K2Launch(shape, K2Config(grid=32, router_k_splits=8, router_preload=True))
+    K2Launch(shape, K2Config(grid=132, router_k_splits=8, router_preload=True))
+
+
 @pytest.fixture(scope="module", params=sorted(FP8_CASES))
 def tiny_fp8(request):
     return TinyTail(FP8_CONFIG, seed=6, formats=FP8_CASES[request.param])

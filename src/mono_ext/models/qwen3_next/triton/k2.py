@@ -145,6 +145,10 @@ class K2Config:
     # k2_router_splits_h200.csv)
     router_k_splits: int = 4
     router_k_chunk: int = 256  # router K chunk (within a split)
+    # each CTA loads its router tile before S1's hand-offs instead of after the norm's wait:
+    # needs one task per CTA of one K chunk (router_k_splits * router_k_chunk >= hidden,
+    # experts / tile_rows * router_k_splits <= grid)
+    router_preload: bool = False
     gate_up_k_chunk: int = 256  # gate_up K chunk
     down_i_chunk: int = 256  # down I chunk (its K)
     reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
@@ -312,9 +316,23 @@ class K2Launch:
                 f"down_prefetch_bytes={c.down_prefetch_bytes} must be 0 or a positive multiple "
                 "of 16 (bulk prefetch sizes)"
             )
+        if c.router_preload:
+            self._check_router_preload()
         self.out_proj_k_splits = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
         self._check_formats()
+
+    def _check_router_preload(self) -> None:
+        s, c = self.shape, self.config
+        lim = chunk_limit(self.formats, "router") or c.router_k_chunk
+        chunk = min(lim, max(16, _next_pow2(-(-s.hidden // c.router_k_splits))))
+        tasks = -(-s.experts // c.tile_rows) * c.router_k_splits
+        if chunk * c.router_k_splits < s.hidden or tasks > c.grid:
+            raise ValueError(
+                f"router_preload needs one router task of one K chunk per CTA: "
+                f"router_k_splits={c.router_k_splits} x chunk {chunk} covers "
+                f"{chunk * c.router_k_splits} of hidden {s.hidden}, {tasks} tasks on grid {c.grid}"
+            )
 
     # -- plane formats -------------------------------------------------------------------
     @property
@@ -500,6 +518,7 @@ class K2Launch:
             SPE2=scale_numel(self.fmt("w2"), s.hidden, s.moe_inter),
             INTERP=_interp(),
             A8=c.fp8_activations,
+            RPRE=c.router_preload,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, stamp, step_seq
 from mono_ext.models.qwen3_next.triton.k2_stages import (
+    router_tile,
     s1_out_proj,
     s1_reduce,
     s2_norm_sums,
@@ -73,7 +74,7 @@ def k2_kernel(
     Q_13: tl.constexpr,
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr = False, A8: tl.constexpr = False,
+    PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -134,6 +135,10 @@ def k2_kernel(
             OFF_P1, RANKS, SYS, W_P, EBSG, GATED, Q_O, Q_R, PF1, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 1, TRACE)
+    w_pre = 0
+    if RPRE and (STAGES & 4):  # this CTA's router tile, loaded before the hand-offs to S2
+        w_pre = router_tile(router_ptr, pid, 0, pid < (E + BN - 1) // BN * KS2, nn, H, E, BN,
+                            KS2, BK2)  # fmt: skip
     if STAGES & 2:
         s1_reduce(
             res_in_ptr, out_r_ptr, p1_read, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base, nsum_ptr,
@@ -148,8 +153,8 @@ def k2_kernel(
         )  # fmt: skip
         stamp(trace_ptr, 3, TRACE)
         s2_router(
-            router_ptr, s_r_ptr, xn_base, logits_ptr, rs, pid, G, rows, rmask, nn, tag, H, E, BB,
-            BN, KS2, BK2, PIPE2, Q_R, INTERP,
+            router_ptr, s_r_ptr, xn_base, logits_ptr, rs, w_pre, pid, G, rows, rmask, nn, tag, H,
+            E, BB, BN, KS2, BK2, PIPE2, Q_R, RPRE, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 4, TRACE)
     if STAGES & 8:

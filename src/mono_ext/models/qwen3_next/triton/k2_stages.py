@@ -43,6 +43,7 @@ __all__ = [
     "s1_out_proj",
     "s1_reduce",
     "s2_norm_sums",
+    "router_tile",
     "s2_router",
     "s3_gate_up",
     "s3_topk",
@@ -211,13 +212,36 @@ def s2_norm_sums(
 
 
 @triton.jit
+def router_tile(router_ptr, t, kc, live, nn, H: tl.constexpr, E: tl.constexpr,
+                BN: tl.constexpr, KS2: tl.constexpr, BK2: tl.constexpr):  # fmt: skip
+    """Router task ``t``'s weight tile of its K chunk ``kc``: experts of row block t % NEB,
+    columns of K split t // NEB (zeros past E, past the split, and where ``live`` is false:
+    nothing read)."""
+    NEB: tl.constexpr = (E + BN - 1) // BN
+    KSP2: tl.constexpr = ((H + KS2 - 1) // KS2 + BK2 - 1) // BK2 * BK2
+    e = (t % NEB) * BN + nn
+    ks = t // NEB
+    k2 = ks * KSP2 + kc * BK2 + tl.arange(0, BK2)
+    km2 = (k2 < H) & (k2 < (ks + 1) * KSP2)
+    return tl.load(
+        router_ptr + e[:, None] * H + k2[None, :],
+        mask=(e < E)[:, None] & km2[None, :] & live,
+        other=0.0,
+    )
+
+
+@triton.jit
 def s2_router(
-    router_ptr, s_r_ptr, xr_base, logits_ptr, rs, pid, G, rows, rmask, nn, tag,
+    router_ptr, s_r_ptr, xr_base, logits_ptr, rs, w_pre, pid, G, rows, rmask, nn, tag,
     H: tl.constexpr, E: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, KS2: tl.constexpr,
-    BK2: tl.constexpr, PIPE2: tl.constexpr, Q_R: tl.constexpr, INTERP: tl.constexpr,
+    BK2: tl.constexpr, PIPE2: tl.constexpr, Q_R: tl.constexpr, RPRE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
     """S2 router: router^T row blocks x K splits over the rows' u, one fp32 partial logit
-    block per split, scaled by its row's rsqrt ``rs``."""
+    block per split, scaled by its row's rsqrt ``rs``. ``RPRE``: each CTA has at most one
+    task of one K chunk, whose tile ``w_pre`` it loaded before the norm's wait
+    (:func:`router_tile`), so the router's weights are on their way while the hand-off
+    from S1 is."""
     NEB: tl.constexpr = (E + BN - 1) // BN
     KSP2: tl.constexpr = ((H + KS2 - 1) // KS2 + BK2 - 1) // BK2 * BK2
     KCH2: tl.constexpr = KSP2 // BK2
@@ -230,11 +254,10 @@ def s2_router(
         for kc in tl.range(KCH2, num_stages=PIPE2):
             k2 = ks * KSP2 + kc * BK2 + kk2
             km2 = (k2 < H) & (k2 < (ks + 1) * KSP2)
-            wr = tl.load(
-                router_ptr + e[:, None] * H + k2[None, :],
-                mask=em[:, None] & km2[None, :],
-                other=0.0,
-            )
+            if RPRE:  # noqa: SIM108 (a constexpr branch: the other load is never built)
+                wr = w_pre
+            else:
+                wr = router_tile(router_ptr, t, kc, True, nn, H, E, BN, KS2, BK2)
             xa = tl.load(
                 xr_base + rows[None, :] * H + k2[:, None],
                 mask=rmask[None, :] & km2[:, None],

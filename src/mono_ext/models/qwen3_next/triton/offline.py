@@ -27,6 +27,7 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k2 gdn bf16 down-prefetch-256k | each CTA prefetches the first 256 KB of its down rows only |
 | k2 gdn bf16 prefetch-router | S1 prefetches the router alone into L2                         |
 | k2 gdn bf16 prefetch-shared | S1 prefetches the shared gate_up alone into L2                  |
+| k2 gdn bf16 router-preload | each CTA loads its router tile before S1's hand-offs (8 K splits) |
 
 Torch and Triton are imported inside the functions.
 """
@@ -85,6 +86,10 @@ _BUILDS: dict[str, tuple[str, dict]] = {
     ),
     "k2 gdn bf16 prefetch-router": ("k2", {"kind": "gdn", "config": {"prefetch_router": True}}),
     "k2 gdn bf16 prefetch-shared": ("k2", {"kind": "gdn", "config": {"prefetch_shared": True}}),
+    "k2 gdn bf16 router-preload": (
+        "k2",
+        {"kind": "gdn", "config": {"router_preload": True, "router_k_splits": 8}},
+    ),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
 DEFAULT_BUILDS = ("k1 gdn", "k1 attn", "k2 gdn bf16")
