@@ -101,14 +101,14 @@ bench)
     --variants "k2,k2 a8" --csv "$OUT/k2_fp8.csv"
   run k1_sweep python3 benchmarks/bench_k1.py --sweep ;;
 sweep)
-  # around the default: the prefetch back on (all of it, the router alone, the shared
-  # gate_up alone, both), two router K splits, 32 reduce columns (half the norm's sums),
-  # 32-row gate_up tasks, PDL; the default and the router prefetch traced
+  # around the default: the prefetch of all planes, of the shared gate_up too, of nothing,
+  # two router K splits, 32 reduce columns (half the norm's sums), 32-row gate_up tasks,
+  # PDL, the router tile preloaded; the default and the no-prefetch build traced
   run k2_sweep python3 benchmarks/bench_k2.py --widths 1,2,4,8,16 --stock torch --trace \
-    --trace-variants "k2,k2 prefetch_router=true" \
-    --variants "k2,k2 prefetch=true,k2 prefetch_router=true,k2 prefetch_shared=true,$(
-      )k2 prefetch_router=true prefetch_shared=true,k2 router_k_splits=2,$(
-      )k2 reduce_cols=32,k2 gate_up_rows=32,k2 pdl" \
+    --trace-variants "k2,k2 prefetch_router=false" \
+    --variants "k2,k2 prefetch=true,k2 prefetch_shared=true,k2 prefetch_router=false,$(
+      )k2 router_k_splits=2,k2 reduce_cols=32,k2 gate_up_rows=32,k2 pdl,$(
+      )k2 router_preload=true router_k_splits=8" \
     --csv "$OUT/k2_sweep.csv" --trace-json "$OUT/k2_trace.json" ;;
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --widths 1 \

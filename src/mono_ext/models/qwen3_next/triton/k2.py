@@ -158,8 +158,10 @@ class K2Config:
     # k2_vllm_8613b35.csv)
     prefetch: bool = False
     # the same L2 prefetch after S1 of the router alone, or of the shared gate_up alone
-    # (both surely read, neither larger than 4 MB), without the down planes'
-    prefetch_router: bool = False
+    # (both surely read, neither larger than 4 MB), without the down planes'. The router's:
+    # on, since K2 was faster with it at every width on the H100, 0.4-4 us, 3.9 at width 1
+    # (docs/results/k2_ab_5346d48_h100.csv)
+    prefetch_router: bool = True
     prefetch_shared: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use

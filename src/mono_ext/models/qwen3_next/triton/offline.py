@@ -25,8 +25,8 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k2 gdn fp8_block128   | out_proj, w13, w2 and the shared expert fp8 block-128              |
 | k2 attn gated bf16    | the attention layers' build (o_proj, output gate folded into S1)   |
 | k2 gdn bf16 down-prefetch-256k | each CTA prefetches the first 256 KB of its down rows only |
-| k2 gdn bf16 prefetch-router | S1 prefetches the router alone into L2                         |
-| k2 gdn bf16 prefetch-shared | S1 prefetches the shared gate_up alone into L2                  |
+| k2 gdn bf16 no-router-prefetch | S1 prefetches nothing into L2 (the default: the router)     |
+| k2 gdn bf16 prefetch-shared | S1 prefetches the shared gate_up into L2 too                    |
 | k2 gdn bf16 router-preload | each CTA loads its router tile before S1's hand-offs (8 K splits) |
 
 Torch and Triton are imported inside the functions.
@@ -84,7 +84,10 @@ _BUILDS: dict[str, tuple[str, dict]] = {
         "k2",
         {"kind": "gdn", "config": {"prefetch": True, "down_prefetch_bytes": 256 * 1024}},
     ),
-    "k2 gdn bf16 prefetch-router": ("k2", {"kind": "gdn", "config": {"prefetch_router": True}}),
+    "k2 gdn bf16 no-router-prefetch": (
+        "k2",
+        {"kind": "gdn", "config": {"prefetch_router": False}},
+    ),
     "k2 gdn bf16 prefetch-shared": ("k2", {"kind": "gdn", "config": {"prefetch_shared": True}}),
     "k2 gdn bf16 router-preload": (
         "k2",
