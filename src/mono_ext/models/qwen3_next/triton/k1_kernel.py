@@ -412,15 +412,12 @@ def _gdn_s1(
                 wb + r_in[:, None] * H + k[None, :],
                 mask=live[:, None],
                 other=0.0,
-                eviction_policy="evict_first",
             )
         else:  # element types differ: a load per plane, the other plane's fully masked
             wt = tl.load(wq_ptr + r_in[:, None] * H + k[None, :],
-                         mask=(live & (is_ba == 0))[:, None], other=0.0,
-                         eviction_policy="evict_first")  # fmt: skip
+                         mask=(live & (is_ba == 0))[:, None], other=0.0)  # fmt: skip
             wa = tl.load(wba_ptr + r_in[:, None] * H + k[None, :],
-                         mask=(live & is_ba)[:, None], other=0.0,
-                         eviction_policy="evict_first")  # fmt: skip
+                         mask=(live & is_ba)[:, None], other=0.0)  # fmt: skip
         if first_chunk:
             c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
                 dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t,
@@ -494,7 +491,6 @@ def _attn_s1(
             wqkv_ptr + r[:, None] * H + k[None, :],
             mask=r[:, None] < PA,
             other=0.0,
-            eviction_policy="evict_first",
         )
         acc = _dot_chunk(acc, wt, xs_base, rows, rmask, k, H, sqkv_ptr, r, r < PA,
                          kc * BK, Q_QKV, PA)  # fmt: skip
