@@ -159,8 +159,9 @@ class K2Config:
     prefetch: bool = False
     # the same L2 prefetch after S1 of the router alone, or of the shared gate_up alone
     # (both surely read, neither larger than 4 MB), without the down planes'. The router's:
-    # on, since K2 was faster with it at every width on the H100, 0.4-4 us, 3.9 at width 1
-    # (docs/results/k2_ab_5346d48_h100.csv)
+    # on, since K2 was faster with it at every width on the H100 (3.6-4.2 us at width 1) and
+    # at widths 2-8 on the H200, level at 1 and 16 (docs/results/k2_ab_c8efdfb_h100.csv,
+    # k2_ab_52fb7be_h200.csv)
     prefetch_router: bool = True
     prefetch_shared: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
