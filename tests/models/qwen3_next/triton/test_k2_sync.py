@@ -1,11 +1,12 @@
-"""K2's waits over the live rows of a sparse set (``k2_sync.packed_rows``,
-``k2_sync.wait_live_rows``), as the down stage waits for the activation rows of its run.
+"""K2's waits over the live rows of a sparse set (``k2_sync.live_places``,
+``k2_sync.packed_rows``, ``k2_sync.wait_live_rows``), as the down stage waits for the
+activation rows of its run.
 
-``packed_rows`` runs on a CUDA device or under ``TRITON_INTERPRET=1``: every chunk of the
-packed live rows against numpy, at densities from none to all. The waits themselves need a
-device (the interpreter's waits are plain loads): rows whose words carry the step's tag are
-waited for and nothing else, a dead row with a stale tag holds nothing up, and a live row
-left stale gives up with a record naming its word.
+``packed_rows`` (with ``live_places``) runs on a CUDA device or under ``TRITON_INTERPRET=1``:
+every chunk of the packed live rows against numpy, at densities from none to all. The waits
+themselves need a device (the interpreter's waits are plain loads): rows whose words carry the
+step's tag are waited for and nothing else, a dead row with a stale tag holds nothing up, and
+a live row left stale gives up with a record naming its word.
 """
 
 import os
@@ -24,6 +25,7 @@ import triton.language as tl  # noqa: E402
 
 from mono_ext.kernels.triton.primitives import seq_tag, step_seq  # noqa: E402
 from mono_ext.models.qwen3_next.triton.k2_sync import (  # noqa: E402
+    live_places,
     packed_rows,
     wait_live_rows,
 )
@@ -39,8 +41,9 @@ def _packed_kernel(live_ptr, row_ptr, words_ptr, out_row_ptr, out_words_ptr,
     live = tl.load(live_ptr + i) != 0
     row = tl.load(row_ptr + i)
     words = tl.load(words_ptr + i)
+    place = live_places(live)
     for first in tl.static_range(0, N, CH):
-        r, w = packed_rows(live, row, words, first, CH)
+        r, w = packed_rows(live, place, row, words, first, CH)
         tl.store(out_row_ptr + first + tl.arange(0, CH), r)
         tl.store(out_words_ptr + first + tl.arange(0, CH), w)
 

@@ -195,7 +195,7 @@ def test_k2_tiny_router_preload_is_the_same_launch(splits):
         assert torch.equal(h_pre, h_late) and torch.equal(r_pre, r_late), f"width {b}"
 
 
-def test_router_preload_refuses_a_router_of_several_chunks_per_ctas():
+def test_router_preload_refuses_configs_without_one_router_task_per_cta():
     """The preload holds one tile per CTA: a config with more than one K chunk per router
     task, or more tasks than CTAs, is refused when the launch is made."""
     shape = K2Shape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b")), tp=1))

@@ -19,7 +19,7 @@ by ``runtime.layout.check_handoffs`` at build):
   units, one per CTA (``k1_plan.s1_units``: every chunk the same bytes, so no CTA streams
   at a fraction of the others' rate); GDN: ``in_proj_ba`` first (every S2 task needs beta
   and g). One flattened loop over (unit, K chunk); each chunk is ``acc^T = W x^T`` with the
-  weight tile as wgmma's M operand; weights streamed with ``evict_first``. A tail unit ends
+  weight tile as wgmma's M operand. A tail unit ends
   by storing its part and counting itself in (an atomic per tail tile); the last of a
   tile's units to arrive sums the parts in part order and runs the tile's epilogue, and no
   unit ever waits (``tail_sum``). Epilogue per tile: GDN: the conv update for the conv

@@ -327,8 +327,7 @@ class K2Launch:
 
     def _check_router_preload(self) -> None:
         s, c = self.shape, self.config
-        lim = chunk_limit(self.formats, "router") or c.router_k_chunk
-        chunk = min(lim, max(16, _next_pow2(-(-s.hidden // c.router_k_splits))))
+        chunk = self._router_k_chunk()
         tasks = -(-s.experts // c.tile_rows) * c.router_k_splits
         if chunk * c.router_k_splits < s.hidden or tasks > c.grid:
             raise ValueError(
@@ -336,6 +335,13 @@ class K2Launch:
                 f"router_k_splits={c.router_k_splits} x chunk {chunk} covers "
                 f"{chunk * c.router_k_splits} of hidden {s.hidden}, {tasks} tasks on grid {c.grid}"
             )
+
+    def _router_k_chunk(self) -> int:
+        """The router's K chunk: a split's columns rounded up to a power of two, at most
+        ``router_k_chunk`` and inside one scale column of a block-128 plane."""
+        s, c = self.shape, self.config
+        lim = chunk_limit(self.formats, "router") or c.router_k_chunk
+        return min(c.router_k_chunk, max(16, _next_pow2(-(-s.hidden // c.router_k_splits))), lim)
 
     # -- plane formats -------------------------------------------------------------------
     @property
@@ -452,7 +458,6 @@ class K2Launch:
         rid = {r.name: i for i, r in enumerate(lay.program.regions)}
         # a block-128 plane's K chunks stay inside one scale column
         lim1 = chunk_limit(self.formats, self.w_o_name) or c.out_proj_k_chunk
-        lim2 = chunk_limit(self.formats, "router") or c.router_k_chunk
         lim3 = chunk_limit(self.formats, "w13", "shared_gate_up") or c.gate_up_k_chunk
         ks1 = self.out_proj_k_splits
         return dict(
@@ -487,7 +492,7 @@ class K2Launch:
             BK1=min(c.out_proj_k_chunk, max(16, _next_pow2(-(-s.in_dim // ks1))), lim1),
             KSPL1=ks1,
             KS2=c.router_k_splits,
-            BK2=min(c.router_k_chunk, max(16, _next_pow2(-(-s.hidden // c.router_k_splits))), lim2),
+            BK2=self._router_k_chunk(),
             BK3=min(c.gate_up_k_chunk, max(16, _next_pow2(s.hidden)), lim3),
             BI4=self._down_i_chunk(),
             JS=self._run_slots(),

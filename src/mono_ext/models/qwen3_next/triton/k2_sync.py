@@ -16,6 +16,7 @@ from mono_ext.kernels.triton.primitives import (
 )
 
 __all__ = [
+    "live_places",
     "packed_rows",
     "prefetch_l2",
     "put_partial",
@@ -50,13 +51,19 @@ def wait2d(
 
 
 @triton.jit
-def packed_rows(live, row, words, first, CH: tl.constexpr):
+def live_places(live):
+    """Each entry's place among the live entries of a flat block (a prefix sum; meaningful
+    where ``live``)."""
+    live_i = live.to(tl.int32)
+    return tl.cumsum(live_i, axis=0) - live_i
+
+
+@triton.jit
+def packed_rows(live, place, row, words, first, CH: tl.constexpr):
     """Entries ``first .. first + CH - 1`` of the live entries of ``row`` / ``words`` (flat
     blocks) in their order: ``(row, words)`` blocks of CH, words 0 past the last live entry.
-    An entry's place among the live ones is a prefix sum, and each of the CH lanes picks the
-    entry of its place with a masked sum, so no scatter through memory is needed."""
-    live_i = live.to(tl.int32)
-    place = tl.cumsum(live_i, axis=0) - live_i
+    ``place`` is :func:`live_places` of ``live``; each of the CH lanes picks the entry of its
+    place with a masked sum, so no scatter through memory is needed."""
     lane = first + tl.arange(0, CH)
     pick = (place[None, :] == lane[:, None]) & live[None, :]
     return (
@@ -76,9 +83,10 @@ def wait_live_rows(
     round trip whatever its mask, so a sparse set (one batch row of a 16-row block) takes the
     fewest waits, not one per CH of all the rows."""
     n_live = tl.sum(live.to(tl.int32), axis=0)
+    place = live_places(live)
     cw = tl.arange(0, WP)
     for first in range(0, n_live, CH):
-        r, nw = packed_rows(live, row, words, first, CH)
+        r, nw = packed_rows(live, place, row, words, first, CH)
         idx = r[:, None] * W + cw[None, :]
         wait2d(base_ptr + idx, cw[None, :] < nw[:, None], idx, tag, ctrl_ptr, health_ptr,
                region_id, CH, WP, INTERP)  # fmt: skip
