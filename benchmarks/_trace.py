@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["format_points", "trace_points"]
+__all__ = ["cta_times", "format_points", "trace_points"]
 
 
 def trace_points(stamps: list[list[int]], names: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -33,6 +33,16 @@ def trace_points(stamps: list[list[int]], names: tuple[str, ...]) -> list[dict[s
             row.update(min_us=None, median_us=None, max_us=None)
         out.append(row)
     return out
+
+
+def cta_times(stamps: list[list[int]], n_points: int) -> list[list[float | None]]:
+    """Per CTA (in program id order), its first ``n_points`` stamps in microseconds since the
+    first CTA started, None where it never reached the point: which CTAs a slow point belongs
+    to, where the min / median / max of :func:`trace_points` cannot tell."""
+    t0 = min(r[0] for r in stamps if r[0])
+    return [
+        [round((r[i] - t0) / 1e3, 2) if r[i] else None for i in range(n_points)] for r in stamps
+    ]
 
 
 def format_points(points: list[dict[str, Any]]) -> list[str]:

@@ -87,7 +87,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _cuda_timing import copy_bandwidth, event_times_us, graph_times_us  # noqa: E402
 from _provenance import provenance  # noqa: E402
-from _trace import format_points, trace_points  # noqa: E402
+from _trace import cta_times, format_points, trace_points  # noqa: E402
 
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims  # noqa: E402
@@ -432,7 +432,7 @@ def print_trace(su: Setup, sms: int, state: RankState, vname: str, b: int) -> di
     """Run the rotation once (weights cold in L2, as timed) with a ``trace`` build and print,
     per stamp of the last launch, min / median / max over CTAs of microseconds since the
     first CTA started (``_trace.trace_points``); returns the same as a record for
-    ``--trace-json``."""
+    ``--trace-json``, with every CTA's stamps (``ctas_us``)."""
     k = build_k2(su, sms, trace=True, **variant_overrides(vname))
     ws = k.workspace("cuda")
     body = k2_body(k, su, b, state, ws)
@@ -442,10 +442,12 @@ def print_trace(su: Setup, sms: int, state: RankState, vname: str, b: int) -> di
     ws.trace.zero_()  # no stamp left from an earlier run
     body()
     torch.cuda.synchronize()
-    points = trace_points(ws.trace.cpu().tolist(), TRACE_POINTS)
+    stamps = ws.trace.cpu().tolist()
+    points = trace_points(stamps, TRACE_POINTS)
     print(f"  trace {vname} width {b} (us since the first CTA started: min / median / max)")
     print("\n".join(format_points(points)))
-    return {"variant": vname, "width": b, "points": points}
+    return {"variant": vname, "width": b, "points": points,
+            "ctas_us": cta_times(stamps, len(TRACE_POINTS))}  # fmt: skip
 
 
 VLLM_ARMS = ("vllm", "vllm-compiled")

@@ -47,3 +47,8 @@ def test_a_point_no_cta_reached_has_no_times():
 def test_no_start_stamp_is_an_error():
     with pytest.raises(ValueError, match="no CTA stamped its start"):
         trace.trace_points([_cta()] * 4, NAMES)
+
+
+def test_cta_times_keep_each_cta_in_program_order():
+    stamps = [_cta(10_000, 12_000, 0, 20_000), _cta(11_000, 15_000, 0, 21_500)]
+    assert trace.cta_times(stamps, 4) == [[0.0, 2.0, None, 10.0], [1.0, 5.0, None, 11.5]]
