@@ -217,11 +217,12 @@ def wait_tagged(ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id):
     waited = t0 - t0
     spin = (n_bad > 0) & (failed == 0)
     while spin:
+        # both loads issued before either is used: one L2 round trip per spin, not two
         words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        failed = tl.load(health_ptr + H_FAILED, volatile=True)
         bad = (unpack_tag(words) != tag) & mask
         n_bad = tl.sum(bad.to(tl.int32), axis=0)
         waited = global_timer_ns() - t0
-        failed = tl.load(health_ptr + H_FAILED, volatile=True)
         spin = (n_bad > 0) & (failed == 0) & (waited <= deadline)
     if (n_bad > 0) & (waited > deadline):
         _record_give_up(health_ptr, ctrl_ptr, region_id, index, bad, words, tag, waited)
