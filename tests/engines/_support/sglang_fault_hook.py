@@ -11,8 +11,11 @@ its reference pass), the wrapper counts decode steps that replayed a routed grap
 (``CTRL_DEADLINE_NS`` of the device control block, on the current stream) to 1 ns, so the
 kernels' next waits give up as a stalled wait does when its deadline passes. It writes to
 ``config["record"]`` (JSON, rewritten at each event): the injection time and step, and the
-FailStopError text and time when ``after_forward`` raises one (the scheduler then dies; SGLang
-takes its parent down with it, so a file is the only way out).
+FailStopError text and time when mono_ext raises one (the scheduler then dies; SGLang takes
+its parent down with it, so a file is the only way out). FailStop raises where a step is
+released: at SGLang's processing of the batch result (:mod:`mono_ext.engines.sglang.release`,
+whose queue's ``release`` the factory wraps on the instance), or in ``after_forward`` (the
+queue's bound, and agreement between ranks), so both are wrapped.
 """
 
 from __future__ import annotations
@@ -44,8 +47,25 @@ def _shrink_deadlines(router: Any) -> int:
     return len(runtimes)
 
 
+def _recording(fn, rec: dict[str, Any], path: str, router: Any):
+    """``fn`` that writes the first exception it raises to the record, then re-raises."""
+
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if rec.get("error") is None:
+                rec.update(error=f"{type(e).__name__}: {e}", error_at=time.time())
+                rec["report_replayed_steps"] = router.replayed_steps
+                _write(path, rec)
+            raise
+
+    return call
+
+
 def factory(config: dict[str, Any]):
     from mono_ext.engines.sglang.dispatch import router_of
+    from mono_ext.engines.sglang.release import pending
 
     model = sys._getframe(1).f_locals.get("model")
     router = router_of(model)
@@ -54,18 +74,14 @@ def factory(config: dict[str, Any]):
         rec["error_setup"] = "no mono_ext router on the model (flag off or refused)"
         _write(config["record"], rec)
         return lambda module, args, output: None
-    original = router.after_forward
+    original = _recording(router.after_forward, rec, config["record"], router)
+    queue = pending()
+    queue.release = _recording(queue.release, rec, config["record"], router)
     state = {"replays": 0}
 
     def after_forward(forward_batch, output, graph_runner):
         before = router.replayed_steps
-        try:
-            original(forward_batch, output, graph_runner)
-        except Exception as e:
-            rec.update(error=f"{type(e).__name__}: {e}", error_at=time.time())
-            rec["report_replayed_steps"] = router.replayed_steps
-            _write(config["record"], rec)
-            raise
+        original(forward_batch, output, graph_runner)
         if not rec["armed"] and os.path.exists(config["arm"]):
             rec["armed"] = True
             rec["replays_before_arm"] = router.replayed_steps

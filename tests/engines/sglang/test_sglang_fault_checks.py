@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 import tests.engines._support.sglang_fault as f
 
 REF = [[(7 * r + i) % 500 for i in range(f.NEW_TOKENS)] for r in range(len(f.PROMPTS))]
@@ -53,3 +55,41 @@ def test_each_broken_contract_is_named():
     assert any("finished" in p for p in f.verdict(out, rec, done, log))
     late = {"received": [r[: f.HEALTHY_STEPS + 10] for r in REF]}
     assert any("too many" in p for p in f.verdict(out, rec, late, log))
+
+
+def test_the_hook_records_a_failstop_raised_where_sglang_processes_the_result(tmp_path):
+    """FailStop raises at the release in SGLang's result processing, not in ``after_forward``:
+    the hook must write that error to its record (the scheduler dies right after)."""
+    import json
+
+    from mono_ext.engines.sglang.dispatch import ROUTED_ATTR
+    from mono_ext.engines.sglang.release import pending
+    from mono_ext.runtime.release import Ticket
+    from tests.engines._support import sglang_fault_hook as hook
+
+    class Router:
+        replayed_steps, queued, released = 5, 5, 4
+
+        def after_forward(self, *args):
+            return None
+
+    class Model:
+        pass
+
+    def stalled():
+        raise RuntimeError("mono_ext FailStop at step 5: rank 0 CTA 7 wanted tag 0x9, gave up")
+
+    model = Model()  # the factory reads its caller's local ``model``, as SGLang calls it
+    setattr(model, ROUTED_ATTR, Router())
+    record = tmp_path / "record.json"
+    queue = pending()
+    try:
+        hook.factory({"arm": str(tmp_path / "arm"), "record": str(record), "healthy_steps": 1})
+        queue.add(Ticket(stalled, width=1))
+        with pytest.raises(RuntimeError, match="wanted tag"):
+            queue.release(queue.take())
+    finally:
+        vars(queue).pop("release", None)  # the class's own release again
+    rec = json.loads(record.read_text())
+    assert rec["error"].startswith("RuntimeError: mono_ext FailStop at step 5")
+    assert rec["error_at"] > 0 and rec["report_replayed_steps"] == 5
