@@ -110,9 +110,9 @@ machine stays warm, so results go to /tmp/e2e and are copied to $OUT after every
 
     # here, once: bundle parts + the mono_ext wheel
     bash tools/gpu/run_vllm_e2e.sh prepare
-    # device call 1..n-1 (carry [.gpu_bundle/part.00], then [.gpu_bundle/part.01]):
+    # device calls 1..n-1 (carry [.gpu_bundle/part.00], then [.gpu_bundle/part.01], ...):
     bash tools/gpu/run_vllm_e2e.sh stage
-    # device call n (carry [.gpu_bundle/part.02, .gpu_bundle/whl]):
+    # device call n (carry [the last .gpu_bundle/part.NN, .gpu_bundle/whl]):
     bash tools/gpu/run_vllm_e2e.sh install
     # device calls n+1.. (no carry; same command each time, it resumes from /tmp/e2e):
     export PYTHONPATH=$PWD/src:/tmp/site HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 \

@@ -3,16 +3,16 @@
 # tests/engines/sglang/test_sglang_gpu.py.
 #
 # Here (CPU box, network):   bash tools/gpu/run_sglang_e2e.sh prepare
-#   runs ../shared/engines/build_sglang_gpu_bundle.sh (PART=48M) into .gpu_bundle_sglang/build
-#   (once; ~3 min), copies its parts to .gpu_bundle_sglang/part.NN (<= 48 MiB each; a device
+#   runs ../shared/engines/build_sglang_gpu_bundle.sh (PART=40M) into .gpu_bundle_sglang/build
+#   (once; ~3 min), copies its parts to .gpu_bundle_sglang/part.NN (<= 40 MiB each; a device
 #   call carries <= 64 MiB with the repo), builds the mono_ext wheel into
 #   .gpu_bundle_sglang/whl (entry point for SGLang's plugin loader), and keeps
 #   /.gpu_bundle_sglang/ out of git (.git/info/exclude).
 # On the device, back to back (files under /tmp live only while the machine stays warm):
-#   install            carry [.gpu_bundle_sglang/part.00, .gpu_bundle_sglang/part.01,
-#                      .gpu_bundle_sglang/whl] (~50 MiB with the repo): stage, check, unpack to
-#                      /tmp/sgl_site, pip-install the small wheels and mono_ext there.
-#                      (Or split: stage with carry [part.00], then install with the rest.)
+#   stage              carry [.gpu_bundle_sglang/part.00] (the repo is ~16 MiB: the parts do
+#                      not fit one call together): copies it to /tmp/sgl_stage
+#   install            carry [.gpu_bundle_sglang/part.01, .gpu_bundle_sglang/whl]: stage, check,
+#                      unpack to /tmp/sgl_site, pip-install the small wheels and mono_ext there.
 #   test [PYTEST ARGS] e.g. -k next / -k q35: run the test with -s, log to $OUT/sglang_gpu.log;
 #                      each run's raw result lands in $OUT/sglang_runs/, the engine logs in $OUT;
 #                      finished engine runs are kept in /tmp/sgl_runs (by source digest), so a
@@ -31,7 +31,7 @@ prepare)
   grep -qx "/$B/" .git/info/exclude 2>/dev/null || echo "/$B/" >> .git/info/exclude
   mkdir -p $B/whl
   if [ ! -f $B/build/out/payload.sha256 ]; then
-    PART=48M bash ../shared/engines/build_sglang_gpu_bundle.sh "$PWD/$B/build"
+    PART=40M bash ../shared/engines/build_sglang_gpu_bundle.sh "$PWD/$B/build"
   fi
   rm -f $B/part.* $B/whl/*
   for p in $B/build/out/payload.part.*; do cp "$p" "$B/part.${p##*.}"; done
@@ -39,11 +39,11 @@ prepare)
   cp $B/build/out/payload.sha256 $B/build/out/MANIFEST.txt $B/whl/
   (cd $B/build/out && sha256sum -c --ignore-missing payload.sha256)
   python3 -m pip wheel -q --no-deps -w $B/whl .
-  big=$(find $B -maxdepth 1 -name 'part.*' -size +48M)
-  [ -z "$big" ] || { echo "parts over 48 MiB: $big" >&2; exit 1; }
+  big=$(find $B -maxdepth 1 -name 'part.*' -size +40M)
+  [ -z "$big" ] || { echo "parts over 40 MiB: $big" >&2; exit 1; }
   ls -la $B $B/whl
-  echo "device calls: install with carry [$(ls -d $B/part.* | paste -sd, | sed 's/,/, /g'), $B/whl]," \
-    "then test -k next, test -k q35" ;;
+  echo "device calls: stage with carry [$B/part.NN] for every part but the last," \
+    "then install with carry [$B/<last part>, $B/whl], then test -k next, test -k q35" ;;
 stage)
   mkdir -p $S
   for p in $B/part.*; do [ -f "$p" ] && cp -f "$p" "$S/payload.part.${p##*.}"; done

@@ -3,7 +3,7 @@
 #
 # Here (CPU box, network):   bash tools/gpu/run_vllm_e2e.sh prepare
 #   builds ../shared/engines/build_vllm_gpu_bundle.sh's payload into .gpu_bundle/build (once),
-#   re-splits it into .gpu_bundle/part.NN of 48 MiB (a device call carries <= 64 MiB with the
+#   re-splits it into .gpu_bundle/part.NN of 40 MiB (a device call carries <= 64 MiB with the
 #   repo), builds the mono_ext wheel into .gpu_bundle/whl (entry points for vLLM's plugin
 #   loader), and keeps /.gpu_bundle/ out of git (.git/info/exclude).
 # On the device, back to back (files under /tmp live only while the machine stays warm):
@@ -29,7 +29,7 @@ prepare)
   mkdir -p $B/whl
   [ -f $B/build/payload.sha256 ] || bash ../shared/engines/build_vllm_gpu_bundle.sh "$PWD/$B/build"
   rm -f $B/part.* $B/whl/*
-  (cd $B/build && sha256sum -c payload.sha256 && split -b 48M -d payload.tar.xz ../part.)
+  (cd $B/build && sha256sum -c payload.sha256 && split -b 40M -d payload.tar.xz ../part.)
   cp $B/build/payload.sha256 $B/whl/
   python3 -m pip wheel -q --no-deps -w $B/whl .
   ls -la $B $B/whl
