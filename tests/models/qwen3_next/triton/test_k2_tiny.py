@@ -195,6 +195,20 @@ def test_k2_tiny_router_preload_is_the_same_launch(splits):
         assert torch.equal(h_pre, h_late) and torch.equal(r_pre, r_late), f"width {b}"
 
 
+def test_k2_tiny_down_runs_from_last_is_the_same_launch():
+    """``down_runs_from_last`` changes which CTA streams each run of down tasks, not the tasks
+    or their sums: bit-identical to the default build at every width."""
+    rev = TinyTail(PRESETS[1], seed=10, down_runs_from_last=True)
+    fwd = TinyTail(PRESETS[1], seed=10)
+    gen = torch.Generator(device=DEV).manual_seed(26)
+    for b in WIDTHS:
+        o_in, res = rev.inputs(b, gen)
+        h_rev, r_rev = rev.run(o_in, res)
+        h_fwd, r_fwd = fwd.run(o_in, res)
+        assert not torch.isnan(h_rev).any(), f"width {b}: unwritten output"
+        assert torch.equal(h_rev, h_fwd) and torch.equal(r_rev, r_fwd), f"width {b}"
+
+
 def test_router_preload_refuses_configs_without_one_router_task_per_cta():
     """The preload holds one tile per CTA: a config with more than one K chunk per router
     task, or more tasks than CTAs, is refused when the launch is made."""

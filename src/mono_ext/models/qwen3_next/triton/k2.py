@@ -164,6 +164,13 @@ class K2Config:
     # k2_ab_52fb7be_h200.csv)
     prefetch_router: bool = True
     prefetch_shared: bool = False
+    # the down stage's runs of (slot, H block) tasks dealt from the last CTA: gate_up deals its
+    # tasks round-robin, so the lowest CTAs stream the last round, whose blocks complete the
+    # last slots; with the runs reversed those same CTAs take the last slots' down runs, and
+    # every other CTA's run reads only slots the earlier rounds completed (at width 1 of
+    # 80B-A3B, 4 CTAs instead of 36 wait for another CTA's last round: docs/perf.md, "One L2
+    # round trip per spin in the bounded wait"). The same tasks and sums: bit-identical output
+    down_runs_from_last: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
     down_prefetch_bytes: int = 0
@@ -527,6 +534,7 @@ class K2Launch:
             INTERP=_interp(),
             A8=c.fp8_activations,
             RPRE=c.router_preload,
+            DREV=c.down_runs_from_last,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

@@ -75,6 +75,7 @@ def k2_kernel(
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
+    DREV: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -176,9 +177,13 @@ def k2_kernel(
         )  # fmt: skip
     stamp(trace_ptr, 6, TRACE)
     if STAGES & 32:
+        if DREV:  # noqa: SIM108 (a constexpr branch)
+            run4 = G - 1 - pid  # the CTAs of gate_up's last round take the last slots' runs
+        else:
+            run4 = pid
         s4_down(
             w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base,
-            xs_base, ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H, IR, ISR, BB,
+            xs_base, ctrl_ptr, health_ptr, trace_ptr, run4, G, rows, rmask, tag, H, IR, ISR, BB,
             BN4, BI4, JS, ACH, PIPE4, UM, M_U, IW, IWR, IWS, IWP, EB2, EBSD, RID_ACT, Q_2, Q_SD,
             SPE2, PREFETCH, PF4, TRACE, INTERP, A8,
         )  # fmt: skip

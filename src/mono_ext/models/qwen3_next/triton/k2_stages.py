@@ -555,7 +555,7 @@ def _act_chunk_f32(act_ptr, s_act, cw, isl, rmask, live, rows, BB: tl.constexpr,
 @triton.jit
 def s4_down(
     w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base, xs_base,
-    ctrl_ptr, health_ptr, trace_ptr, pid, G, rows, rmask, tag, H: tl.constexpr, IR: tl.constexpr,
+    ctrl_ptr, health_ptr, trace_ptr, run, G, rows, rmask, tag, H: tl.constexpr, IR: tl.constexpr,
     ISR: tl.constexpr, BB: tl.constexpr, BN4: tl.constexpr, BI4: tl.constexpr,
     JS: tl.constexpr, ACH: tl.constexpr, PIPE4: tl.constexpr, UM: tl.constexpr,
     M_U: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr, IWS: tl.constexpr,
@@ -568,8 +568,9 @@ def s4_down(
     # its activations quantized once, I chunk by I chunk, into this CTA's xs planes, which
     # gate_up has finished with)
     # Task t = slot ordinal * RB4 + H block over the routed slots then the shared expert;
-    # each CTA takes a contiguous run of tasks (balanced to one task at any width; a run
-    # touches at most JS slots) and writes one fp32 partial per (pair, H row). The sum over
+    # each CTA takes a contiguous run of tasks, the ``run``-th of G (balanced to one task at
+    # any width; a run touches at most JS slots), and writes one fp32 partial per (pair, H
+    # row). The sum over
     # a row's pairs happens in S4 reduce in a fixed order (rank 0..TOPK-1, then shared), so
     # a row's output depends on its own picks only (batch invariance).
     I8: tl.constexpr = tl.pointer_type(tl.int8)  # prefetches address bytes (planes differ)
@@ -578,8 +579,8 @@ def s4_down(
     KCH4: tl.constexpr = (IMAX + BI4 - 1) // BI4
     n_u4 = tl.load(meta_base + M_U)
     T4 = (n_u4 + 1) * RB4
-    t0 = pid * T4 // G
-    t1 = (pid + 1) * T4 // G
+    t0 = run * T4 // G
+    t1 = (run + 1) * T4 // G
     s0 = t0 // RB4
     js = tl.arange(0, JS)
     sj = s0 + js  # slot ordinals of this run (n_u4: the shared expert)

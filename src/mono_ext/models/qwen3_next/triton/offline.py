@@ -28,6 +28,7 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k2 gdn bf16 no-router-prefetch | S1 prefetches nothing into L2 (the default: the router)     |
 | k2 gdn bf16 prefetch-shared | S1 prefetches the shared gate_up into L2 too                    |
 | k2 gdn bf16 router-preload | each CTA loads its router tile before S1's hand-offs (8 K splits) |
+| k2 gdn bf16 down-runs-from-last | the down stage's runs dealt from the last CTA             |
 
 Torch and Triton are imported inside the functions.
 """
@@ -92,6 +93,10 @@ _BUILDS: dict[str, tuple[str, dict]] = {
     "k2 gdn bf16 router-preload": (
         "k2",
         {"kind": "gdn", "config": {"router_preload": True, "router_k_splits": 8}},
+    ),
+    "k2 gdn bf16 down-runs-from-last": (
+        "k2",
+        {"kind": "gdn", "config": {"down_runs_from_last": True}},
     ),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
