@@ -15,13 +15,18 @@ from typing import Any
 __all__ = ["cta_times", "format_points", "trace_points"]
 
 
-def trace_points(stamps: list[list[int]], names: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Per point of ``names`` (word i is point i): the CTAs that reached it and the min /
-    median / max over them of microseconds since the first CTA started."""
+def _first_start(stamps: list[list[int]]) -> int:
+    """The earliest start stamp (word 0) of any CTA: the zero of every time reported."""
     starts = [r[0] for r in stamps if r[0]]
     if not starts:
         raise ValueError("no CTA stamped its start: not a trace build, or it did not run")
-    t0 = min(starts)
+    return min(starts)
+
+
+def trace_points(stamps: list[list[int]], names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per point of ``names`` (word i is point i): the CTAs that reached it and the min /
+    median / max over them of microseconds since the first CTA started."""
+    t0 = _first_start(stamps)
     out = []
     for i, name in enumerate(names):
         xs = sorted((r[i] - t0) / 1e3 for r in stamps if r[i])
@@ -39,7 +44,7 @@ def cta_times(stamps: list[list[int]], n_points: int) -> list[list[float | None]
     """Per CTA (in program id order), its first ``n_points`` stamps in microseconds since the
     first CTA started, None where it never reached the point: which CTAs a slow point belongs
     to, where the min / median / max of :func:`trace_points` cannot tell."""
-    t0 = min(r[0] for r in stamps if r[0])
+    t0 = _first_start(stamps)
     return [
         [round((r[i] - t0) / 1e3, 2) if r[i] else None for i in range(n_points)] for r in stamps
     ]

@@ -47,6 +47,8 @@ def test_a_point_no_cta_reached_has_no_times():
 def test_no_start_stamp_is_an_error():
     with pytest.raises(ValueError, match="no CTA stamped its start"):
         trace.trace_points([_cta()] * 4, NAMES)
+    with pytest.raises(ValueError, match="no CTA stamped its start"):
+        trace.cta_times([_cta()] * 4, len(NAMES))
 
 
 def test_cta_times_keep_each_cta_in_program_order():

@@ -168,8 +168,9 @@ class K2Config:
     # tasks round-robin, so the lowest CTAs stream the last round, whose blocks complete the
     # last slots; with the runs reversed those same CTAs take the last slots' down runs, and
     # every other CTA's run reads only slots the earlier rounds completed (at width 1 of
-    # 80B-A3B, 4 CTAs instead of 36 wait for another CTA's last round: docs/perf.md, "One L2
-    # round trip per spin in the bounded wait"). The same tasks and sums: bit-identical output
+    # 80B-A3B, by the task arithmetic, 4 CTAs instead of 36 would wait for another CTA's last
+    # round: docs/perf.md, "One L2 round trip per spin in the bounded wait"; not timed, off).
+    # The same tasks and sums: bit-identical output
     down_runs_from_last: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use

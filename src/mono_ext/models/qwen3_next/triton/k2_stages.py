@@ -570,9 +570,9 @@ def s4_down(
     # Task t = slot ordinal * RB4 + H block over the routed slots then the shared expert;
     # each CTA takes a contiguous run of tasks, the ``run``-th of G (balanced to one task at
     # any width; a run touches at most JS slots), and writes one fp32 partial per (pair, H
-    # row). The sum over
-    # a row's pairs happens in S4 reduce in a fixed order (rank 0..TOPK-1, then shared), so
-    # a row's output depends on its own picks only (batch invariance).
+    # row). The sum over a row's pairs happens in S4 reduce in a fixed order (rank
+    # 0..TOPK-1, then shared), so a row's output depends on its own picks only (batch
+    # invariance).
     I8: tl.constexpr = tl.pointer_type(tl.int8)  # prefetches address bytes (planes differ)
     RB4: tl.constexpr = (H + BN4 - 1) // BN4
     IMAX: tl.constexpr = IR if IR > ISR else ISR
