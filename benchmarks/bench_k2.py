@@ -424,7 +424,7 @@ def host_launch_us(k2: K2Launch, su: Setup, state: RankState, ws, b: int = 1, re
 TRACE_POINTS = (
     "start", "S1 pushed", "S1 reduced", "norm done", "router done", "top-k done",
     "gate_up done", "act waited", "down partials", "end", "top-k rows out",
-    "gate_up streams", "down streams",
+    "gate_up streams", "down streams", "top-k logits in",
 )  # fmt: skip
 
 

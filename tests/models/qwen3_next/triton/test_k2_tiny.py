@@ -209,6 +209,32 @@ def test_k2_tiny_down_runs_from_last_is_the_same_launch():
         assert torch.equal(h_rev, h_fwd) and torch.equal(r_rev, r_fwd), f"width {b}"
 
 
+def test_k2_tiny_local_topk_is_the_same_launch():
+    """``local_topk_rows``: a step of at most that many rows has every CTA take every row's
+    top-k itself instead of waiting for the published picks. The same sums and picks, so
+    bit-identical to the default build at every width, wider steps (published picks) too."""
+    loc = TinyTail(PRESETS[2], seed=11, local_topk_rows=3)
+    pub = TinyTail(PRESETS[2], seed=11)
+    gen = torch.Generator(device=DEV).manual_seed(27)
+    for b in WIDTHS:
+        o_in, res = loc.inputs(b, gen)
+        h_loc, r_loc = loc.run(o_in, res)
+        h_pub, r_pub = pub.run(o_in, res)
+        assert not torch.isnan(h_loc).any(), f"width {b}: unwritten output"
+        assert torch.equal(h_loc, h_pub) and torch.equal(r_loc, r_pub), f"width {b}"
+
+
+def test_local_topk_refuses_rows_past_the_block_and_fp8_activations():
+    shape = K2Shape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b")), tp=1))
+    for cfg in ({"local_topk_rows": BLOCK_B + 1}, {"local_topk_rows": -1}):
+        with pytest.raises(ValueError, match="local_topk_rows="):
+            K2Launch(shape, K2Config(grid=132, **cfg))
+    fp8 = {"w13": "fp8_block128", "w2": "fp8_block128"}
+    with pytest.raises(ValueError, match="0 with fp8_activations"):
+        K2Launch(shape, K2Config(grid=132, local_topk_rows=1, fp8_activations=True), formats=fp8)
+    K2Launch(shape, K2Config(grid=132, local_topk_rows=BLOCK_B))
+
+
 def test_router_preload_refuses_configs_without_one_router_task_per_cta():
     """The preload holds one tile per CTA: a config with more than one K chunk per router
     task, or more tasks than CTAs, is refused when the launch is made."""

@@ -53,8 +53,10 @@ Tensor contract (one set per rank; ``Bb = BLOCK_B`` = 16 rows, ``B <= Bb`` live 
 |                 |                       |       | slot Um + 1 each row's rsqrt           |                      |
 | priv ppos       | [G, Um + 1, Bb]       | int32 | pair row of (slot, row) in act, or -1  | S3, same CTA         |
 | priv meta       | [G, META]             | int32 | union list (Um), then U and n_pairs    | S3, same CTA         |
-| priv eslot      | [G, 2, EP]            | int32 | per expert: its union slot, then its   | S3 union, same CTA   |
-|                 |                       |       | picked flag (EP = next pow2 of E)      |                      |
+| priv eslot      | [G, 2 * EP +          | int32 | per expert: its union slot, then its   | S3 union, same CTA   |
+|                 | Bb * 2 * top_k]       |       | picked flag (EP = next pow2 of E);     |                      |
+|                 |                       |       | then the CTA's own picks per row (ids, | S3 local top-k ->    |
+|                 |                       |       | weights' bits; local_topk_rows steps)  | S3 union, same CTA   |
 | ctrl / health   | see runtime.health    |       | epoch read for tags; sticky failed word| host / bounded waits |
 | peers           | [tp]                  | int64 | byte address of each rank's buffer     | host (runtime.peers) |
 
@@ -65,7 +67,8 @@ order into its rsqrt, and the router and gate_up multiply u and scale their sums
 u planes are the only hand-off whose payload is not in its tagged words (the writer fences
 between the planes and the sums, the readers after the sums).
 
-Each row's top-k is computed by one CTA and its picks published; every CTA then builds the
+Each row's top-k is computed by one CTA and its picks published (in a step of at most
+``local_topk_rows`` rows, every CTA computes every row's itself); every CTA then builds the
 same union and routing tables from them. The union of picked experts (ascending expert id)
 plus the shared expert are the "slots" whose gate_up row blocks (S3) and down H-slices (S4)
 are spread over the grid. Every other hand-off is tagged words (``runtime.layout``); the
@@ -172,6 +175,11 @@ class K2Config:
     # round: docs/perf.md, "One L2 round trip per spin in the bounded wait"; not timed, off).
     # The same tasks and sums: bit-identical output
     down_runs_from_last: bool = False
+    # steps of at most this many rows skip the picks hand-off: every CTA takes every row's
+    # top-k from the logits itself (the same sums and picks, serial in the rows), so gate_up
+    # starts one L2 round trip and one publish earlier (0: off; not with fp8_activations,
+    # whose top-k CTA also quantizes its row)
+    local_topk_rows: int = 0
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
     down_prefetch_bytes: int = 0
@@ -249,7 +257,7 @@ class K2Workspace:
 
     scratch: Any  # int64 [scratch_words]
     xs: Any  # bf16 [G + 2, 2, Bb, H]: per CTA (a8), the shared u planes, the shared a8 codes
-    eslot: Any  # int32 [G, 2, EP]: per expert its union slot, then its picked flag
+    eslot: Any  # int32 [G, 2 * EP + Bb * 2 * top_k]: expert slots, flags, the CTA's picks
     wsc: Any  # fp32 [G, Um + 2, Bb]
     ppos: Any  # int32 [G, Um + 1, Bb]
     meta: Any  # int32 [G, Um + 1]
@@ -329,6 +337,9 @@ class K2Launch:
             )
         if c.router_preload:
             self._check_router_preload()
+        if not 0 <= c.local_topk_rows <= BLOCK_B or (c.local_topk_rows and c.fp8_activations):
+            raise ValueError(f"local_topk_rows={c.local_topk_rows} must be 0..{BLOCK_B}, and 0 "
+                             "with fp8_activations (its top-k CTA quantizes the row)")  # fmt: skip
         self.out_proj_k_splits = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
         self._check_formats()
@@ -425,12 +436,13 @@ class K2Launch:
         import torch
 
         g, s = self.config.grid, self.shape
+        eslot_words = 2 * _next_pow2(s.experts) + BLOCK_B * 2 * s.top_k
         return K2Workspace(
             scratch=torch.zeros(
                 max(self.layout.scratch_words, 16), dtype=torch.int64, device=device
             ),
             xs=torch.zeros(g + 2, 2, BLOCK_B, s.hidden, dtype=torch.bfloat16, device=device),
-            eslot=torch.zeros(g, 2, _next_pow2(s.experts), dtype=torch.int32, device=device),
+            eslot=torch.zeros(g, eslot_words, dtype=torch.int32, device=device),
             wsc=torch.zeros(g, s.slots + 2, BLOCK_B, dtype=torch.float32, device=device),
             ppos=torch.full((g, s.slots + 1, BLOCK_B), -1, dtype=torch.int32, device=device),
             meta=torch.zeros(g, self.meta_words, dtype=torch.int32, device=device),
@@ -536,6 +548,7 @@ class K2Launch:
             A8=c.fp8_activations,
             RPRE=c.router_preload,
             DREV=c.down_runs_from_last,
+            LTR=c.local_topk_rows,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

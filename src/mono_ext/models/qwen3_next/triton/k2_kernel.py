@@ -19,6 +19,7 @@ from mono_ext.models.qwen3_next.triton.k2_stages import (
     s2_router,
     s3_gate_up,
     s3_topk,
+    s3_topk_local,
     s3_union,
     s4_down,
     s4_ranks,
@@ -32,8 +33,8 @@ __all__ = ["STAGE_ORDER", "STAGES_ALL", "k2_kernel"]
 S1_MATMUL = 1  # out_proj partials (TP: push to peers; TP1: residual + outputs)
 S1_REDUCE = 2  # every rank's partials summed, residual add, outputs, the norm's parts
 S2_ROUTER = 4  # each row's rsqrt from the norm's parts, shared-expert gate, router logits
-S3_TOPK = 8  # top-k: one row per CTA, its picks published
-S3_EXPERT = 16  # every row's picks -> union and routing tables, gate_up blocks -> activations
+S3_TOPK = 8  # top-k: one row per CTA, its picks published (wider than LTR rows)
+S3_EXPERT = 16  # (LTR rows: own top-k) picks -> union, routing tables; gate_up -> act
 S4_MATMUL = 32  # down over (slot, H block) tasks -> one partial per (pair, H row)
 S4_REDUCE = 64  # each row's pairs summed in order (TP1: outputs; TP: push to every rank)
 S4_RANKS = 128  # TP: every rank's sums, in rank order -> outputs
@@ -75,7 +76,7 @@ def k2_kernel(
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
-    DREV: tl.constexpr = False,
+    DREV: tl.constexpr = False, LTR: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -107,7 +108,8 @@ def k2_kernel(
     xs_base = xs_ptr + pid * (2 * BB * H)  # A8: this CTA's down run's e4m3 activations
     xn_base = xs_ptr + G * (2 * BB * H)  # shared: plane 0 bf16(u), plane 1 bf16(u - plane 0)
     xq_base = xs_ptr + (G + 1) * (2 * BB * H)  # A8: the rows' e4m3 codes and scales, shared
-    eslot_base = eslot_ptr + pid * (2 * EP)
+    eslot_base = eslot_ptr + pid * (2 * EP + BB * 2 * TOPK)
+    lpicks_base = eslot_base + 2 * EP  # this CTA's own picks (LTR: narrow steps)
     wsc_base = wsc_ptr + pid * ((UM + 2) * BB)  # slots: routed, shared, the rows' rsqrt
     ppos_base = ppos_ptr + pid * ((UM + 1) * BB)
     meta_base = meta_ptr + pid * META
@@ -159,15 +161,27 @@ def k2_kernel(
         )  # fmt: skip
     stamp(trace_ptr, 4, TRACE)
     if STAGES & 8:
+        # a step of at most LTR rows publishes no picks: every CTA takes them itself in S3
+        n_pub = tl.where(n_rows > LTR, n_rows, 0)
         s3_topk(
-            logits_ptr, picks_ptr, xn_base, xq_base, wsc_base, ctrl_ptr, health_ptr, pid, G,
-            n_rows, tag, E, EP, TOPK, NORM_TOPK, BB, KS2, H, HP, BK3, UM, RID_LOGITS, INTERP, A8,
+            logits_ptr, picks_ptr, xn_base, xq_base, wsc_base, ctrl_ptr, health_ptr, trace_ptr,
+            pid, G, n_pub, tag, E, EP, TOPK, NORM_TOPK, BB, KS2, H, HP, BK3, UM, RID_LOGITS,
+            INTERP, A8, TRACE,
         )  # fmt: skip
     stamp(trace_ptr, 10, TRACE)
     if STAGES & 16:
+        local_tk = False
+        if LTR > 0:
+            local_tk = n_rows <= LTR
+            if local_tk:
+                s3_topk_local(
+                    logits_ptr, lpicks_base, ctrl_ptr, health_ptr, trace_ptr, n_rows, tag, E, EP,
+                    TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE,
+                )  # fmt: skip
         n_u = s3_union(
-            picks_ptr, wsc_base, ppos_base, meta_base, eslot_base, ctrl_ptr, health_ptr, rows,
-            rmask, tag, EP, TOPK, TKP, BB, UM, PM, M_U, PKWP, RID_PICKS, INTERP,
+            picks_ptr, lpicks_base, local_tk, wsc_base, ppos_base, meta_base, eslot_base,
+            ctrl_ptr, health_ptr, rows, rmask, tag, EP, TOPK, TKP, BB, UM, PM, M_U, PKWP,
+            RID_PICKS, INTERP,
         )  # fmt: skip
         stamp(trace_ptr, 5, TRACE)
         s3_gate_up(

@@ -47,6 +47,7 @@ __all__ = [
     "s2_router",
     "s3_gate_up",
     "s3_topk",
+    "s3_topk_local",
     "s3_union",
     "s4_down",
     "s4_ranks",
@@ -331,11 +332,11 @@ def _quantize_row(xr_base, xq_base, r, rs_r, H: tl.constexpr, HP: tl.constexpr,
 
 @triton.jit
 def s3_topk(
-    logits_ptr, picks_ptr, xr_base, xq_base, wsc_base, ctrl_ptr, health_ptr, pid, G, n_rows,
-    tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
+    logits_ptr, picks_ptr, xr_base, xq_base, wsc_base, ctrl_ptr, health_ptr, trace_ptr, pid, G,
+    n_rows, tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
     BB: tl.constexpr, KS2: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
     BK3: tl.constexpr, UM: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr,
-    A8: tl.constexpr,
+    A8: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """S3 top-k, one row per CTA: CTA ``G - 1 - r`` (mod G: CTAs past the router's tasks) takes
     row r's softmax top-k and publishes its picks into ``picks``: TOPK expert ids by rank, then
@@ -359,6 +360,7 @@ def s3_topk(
         lwords, lok = wait2d(
             logits_ptr + kidx, km, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP, INTERP
         )
+        stamp(trace_ptr, 13, TRACE)  # the row's logits are in: the rest is the top-k itself
         lg = tl.reshape(tl.sum(words_to_fp32(lwords), axis=0), (1, EP))
         sel, prank, wts = _topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
         # each pick to the word of its rank (ranks are distinct). The rank decides, not the
@@ -375,28 +377,61 @@ def s3_topk(
 
 
 @triton.jit
-def s3_union(
-    picks_ptr, wsc_base, ppos_base, meta_base, eslot_base, ctrl_ptr, health_ptr, rows, rmask,
-    tag, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, BB: tl.constexpr,
-    UM: tl.constexpr, PM: tl.constexpr, M_U: tl.constexpr, PKWP: tl.constexpr,
-    RID_PICKS: tl.constexpr, INTERP: tl.constexpr,
+def s3_topk_local(
+    logits_ptr, lpicks_base, ctrl_ptr, health_ptr, trace_ptr, n_rows, tag, E: tl.constexpr,
+    EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr,
+    KS2: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
-    """S3 union (every CTA, its own copy): every live row's published picks -> the union of
-    picked experts (ascending id) into ``meta``, and per (slot, row) the routing weight
-    (``wsc``) and pair row (``ppos``, pair (row r, rank k) = r * TOPK + k). ``eslot_base``:
-    this CTA's 2 * EP int32 words (each expert's slot, then its picked flag). Returns the
-    union's size."""
+    """S3 top-k of every live row in this CTA (``K2Config.local_topk_rows``): the same
+    logits sum and picks as :func:`s3_topk`, stored untagged into this CTA's ``lpicks_base``
+    (per row TOPK expert ids by rank, then their weights' fp32 bits), so no CTA waits for
+    another's picks. Serial in the rows, hence only for the narrowest steps."""
+    offs_e = tl.arange(0, EP)
+    valid = (offs_e < E)[None, :]
+    ks_i = tl.arange(0, KS2)
+    for r in range(0, n_rows):
+        kidx = ks_i[:, None] * (BB * E) + r * E + offs_e[None, :]
+        km = (ks_i >= 0)[:, None] & valid
+        lwords, lok = wait2d(
+            logits_ptr + kidx, km, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP, INTERP
+        )
+        stamp(trace_ptr, 13, TRACE)
+        lg = tl.reshape(tl.sum(words_to_fp32(lwords), axis=0), (1, EP))
+        sel, prank, wts = _topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
+        at = r * (2 * TOPK) + prank
+        tl.store(lpicks_base + at, offs_e[None, :], mask=sel)
+        tl.store(lpicks_base + at + TOPK, fp32_bits(wts), mask=sel)
+    tl.debug_barrier()  # every thread's picks, before the union reads them
+
+
+@triton.jit
+def s3_union(
+    picks_ptr, lpicks_base, local, wsc_base, ppos_base, meta_base, eslot_base, ctrl_ptr,
+    health_ptr, rows, rmask, tag, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr,
+    BB: tl.constexpr, UM: tl.constexpr, PM: tl.constexpr, M_U: tl.constexpr,
+    PKWP: tl.constexpr, RID_PICKS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """S3 union (every CTA, its own copy): every live row's picks -> the union of picked
+    experts (ascending id) into ``meta``, and per (slot, row) the routing weight (``wsc``)
+    and pair row (``ppos``, pair (row r, rank k) = r * TOPK + k). The picks are the
+    published ones, or with ``local`` this CTA's own (:func:`s3_topk_local`, untagged at
+    ``lpicks_base``). ``eslot_base``: this CTA's 2 * EP int32 words (each expert's slot, then
+    its picked flag). Returns the union's size."""
     PKW: tl.constexpr = 2 * TOPK
-    cp = tl.arange(0, PKWP)
-    pidx = rows[:, None] * PKW + cp[None, :]
-    wait2d(picks_ptr + pidx, rmask[:, None] & (cp < PKW)[None, :], pidx, tag, ctrl_ptr,
-            health_ptr, RID_PICKS, BB, PKWP, INTERP)  # fmt: skip
-    # the words are in: read ids and weights in the shape they are used in
     kk = tl.arange(0, TKP)
     pkm = rmask[:, None] & (kk < TOPK)[None, :]
     po = rows[:, None] * PKW + kk[None, :]
-    ids = unpack_value(tl.load(picks_ptr + po, mask=pkm, other=0, volatile=True))
-    w_k = words_to_fp32(tl.load(picks_ptr + TOPK + po, mask=pkm, other=0, volatile=True))
+    if local:
+        ids = tl.load(lpicks_base + po, mask=pkm, other=0)
+        w_k = tl.load(lpicks_base + TOPK + po, mask=pkm, other=0).to(tl.float32, bitcast=True)
+    else:
+        cp = tl.arange(0, PKWP)
+        pidx = rows[:, None] * PKW + cp[None, :]
+        wait2d(picks_ptr + pidx, rmask[:, None] & (cp < PKW)[None, :], pidx, tag, ctrl_ptr,
+                health_ptr, RID_PICKS, BB, PKWP, INTERP)  # fmt: skip
+        # the words are in: read ids and weights in the shape they are used in
+        ids = unpack_value(tl.load(picks_ptr + po, mask=pkm, other=0, volatile=True))
+        w_k = words_to_fp32(tl.load(picks_ptr + TOPK + po, mask=pkm, other=0, volatile=True))
     # the union as flags in memory: a scatter of every pick, instead of an [EP] x picks
     # compare in registers
     offs_e = tl.arange(0, EP)

@@ -98,6 +98,7 @@ _BUILDS: dict[str, tuple[str, dict]] = {
         "k2",
         {"kind": "gdn", "config": {"down_runs_from_last": True}},
     ),
+    "k2 gdn bf16 local-topk-2": ("k2", {"kind": "gdn", "config": {"local_topk_rows": 2}}),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
 DEFAULT_BUILDS = ("k1 gdn", "k1 attn", "k2 gdn bf16")
