@@ -280,13 +280,6 @@ def s2_router(
 
 
 @triton.jit
-def _top2(a1, a2, b1, b2):
-    """Combine of a top-2 reduction: the largest and second largest of two (largest, second)
-    pairs."""
-    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
-
-
-@triton.jit
 def _topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
     """Softmax top-k of one row's [1, EP] logits (``valid``: the real experts). Returns (sel,
     prank, wts): the picks, each pick's rank in the row (0 = largest probability; meaningful
@@ -302,20 +295,12 @@ def _topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
     # every real key (a NaN row's too), so a live row always has exactly TOPK picks.
     key = (p.to(tl.int32, bitcast=True) & ~511) | (511 - offs_e[None, :])
     key = tl.where(valid, key, -2147483648)
-    # the picks' keys two per block-wide reduction (each a barrier-bound chain): the largest
-    # pair, then the largest pair below it, ...; thr ends as the smallest pick's key
-    cand = key
-    thr = tl.full((1,), -2147483648, tl.int32)
+    thr = tl.max(key, axis=1)
     prank = tl.zeros_like(key)
-    for j in tl.static_range((TOPK + 1) // 2):
-        m1, m2 = tl.reduce((cand, tl.full(cand.shape, -2147483648, tl.int32)), 1, _top2)
-        prank += (key < m1[:, None]).to(tl.int32)  # a pick's rank: how many picks beat it
-        if 2 * j + 1 < TOPK:
-            prank += (key < m2[:, None]).to(tl.int32)
-            thr = m2
-        else:
-            thr = m1
-        cand = tl.where(key < thr[:, None], key, -2147483648)
+    for _j in tl.static_range(TOPK - 1):
+        below = key < thr[:, None]
+        prank += below.to(tl.int32)  # a pick's rank: how many picks beat it
+        thr = tl.max(tl.where(below, key, -2147483648), axis=1)
     sel = valid & (key >= thr[:, None])
     wts = tl.where(sel, p, 0.0)
     if NORM_TOPK:
