@@ -196,10 +196,10 @@ def test_k2_tiny_router_preload_is_the_same_launch(splits):
 
 
 def test_k2_tiny_down_runs_from_last_is_the_same_launch():
-    """``down_runs_from_last`` changes which CTA streams each run of down tasks, not the tasks
-    or their sums: bit-identical to the default build at every width."""
-    rev = TinyTail(PRESETS[1], seed=10, down_runs_from_last=True)
-    fwd = TinyTail(PRESETS[1], seed=10)
+    """``down_runs_from_last_rows`` changes which CTA streams each run of down tasks, not the
+    tasks or their sums: bit-identical to runs dealt from CTA 0 at every width."""
+    rev = TinyTail(PRESETS[1], seed=10, down_runs_from_last_rows=BLOCK_B)
+    fwd = TinyTail(PRESETS[1], seed=10, down_runs_from_last_rows=0)
     gen = torch.Generator(device=DEV).manual_seed(26)
     for b in WIDTHS:
         o_in, res = rev.inputs(b, gen)
@@ -214,7 +214,7 @@ def test_k2_tiny_local_topk_is_the_same_launch():
     top-k itself instead of waiting for the published picks. The same sums and picks, so
     bit-identical to the default build at every width, wider steps (published picks) too."""
     loc = TinyTail(PRESETS[2], seed=11, local_topk_rows=3)
-    pub = TinyTail(PRESETS[2], seed=11)
+    pub = TinyTail(PRESETS[2], seed=11, local_topk_rows=0)
     gen = torch.Generator(device=DEV).manual_seed(27)
     for b in WIDTHS:
         o_in, res = loc.inputs(b, gen)
@@ -224,15 +224,13 @@ def test_k2_tiny_local_topk_is_the_same_launch():
         assert torch.equal(h_loc, h_pub) and torch.equal(r_loc, r_pub), f"width {b}"
 
 
-def test_local_topk_refuses_rows_past_the_block_and_fp8_activations():
+def test_narrow_step_options_refuse_rows_past_the_block():
     shape = K2Shape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b")), tp=1))
-    for cfg in ({"local_topk_rows": BLOCK_B + 1}, {"local_topk_rows": -1}):
-        with pytest.raises(ValueError, match="local_topk_rows="):
-            K2Launch(shape, K2Config(grid=132, **cfg))
-    fp8 = {"w13": "fp8_block128", "w2": "fp8_block128"}
-    with pytest.raises(ValueError, match="0 with fp8_activations"):
-        K2Launch(shape, K2Config(grid=132, local_topk_rows=1, fp8_activations=True), formats=fp8)
-    K2Launch(shape, K2Config(grid=132, local_topk_rows=BLOCK_B))
+    for name in ("local_topk_rows", "down_runs_from_last_rows"):
+        for rows in (BLOCK_B + 1, -1):
+            with pytest.raises(ValueError, match=f"{name}={rows} must be 0..{BLOCK_B}"):
+                K2Launch(shape, K2Config(grid=132, **{name: rows}))
+        K2Launch(shape, K2Config(grid=132, **{name: BLOCK_B}))
 
 
 def test_router_preload_refuses_configs_without_one_router_task_per_cta():

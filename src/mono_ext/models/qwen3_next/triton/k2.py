@@ -167,19 +167,19 @@ class K2Config:
     # k2_ab_52fb7be_h200.csv)
     prefetch_router: bool = True
     prefetch_shared: bool = False
-    # the down stage's runs of (slot, H block) tasks dealt from the last CTA: gate_up deals its
-    # tasks round-robin, so the lowest CTAs stream the last round, whose blocks complete the
-    # last slots; with the runs reversed those same CTAs take the last slots' down runs, and
-    # every other CTA's run reads only slots the earlier rounds completed (at width 1 of
-    # 80B-A3B, by the task arithmetic, 4 CTAs instead of 36 would wait for another CTA's last
-    # round: docs/perf.md, "One L2 round trip per spin in the bounded wait"; not timed, off).
-    # The same tasks and sums: bit-identical output
-    down_runs_from_last: bool = False
+    # in steps of at most this many rows, the down stage's runs of (slot, H block) tasks are
+    # dealt from the last CTA: gate_up deals its tasks round-robin, so the lowest CTAs stream
+    # its last round, whose blocks complete the last slots; reversed, those same CTAs take
+    # the last slots' down runs and every other run reads slots the earlier rounds completed.
+    # The same tasks and sums: bit-identical. H100, two reps: 5 us faster at width 1, 1 at 2,
+    # level at 4, 1-5 slower at 8 and 16 (docs/results/k2_ab_topk_h100.csv)
+    down_runs_from_last_rows: int = 2
     # steps of at most this many rows skip the picks hand-off: every CTA takes every row's
-    # top-k from the logits itself (the same sums and picks, serial in the rows), so gate_up
-    # starts one L2 round trip and one publish earlier (0: off; not with fp8_activations,
-    # whose top-k CTA also quantizes its row)
-    local_topk_rows: int = 0
+    # top-k from the logits itself (the same sums and picks, serial in the rows). H100, two
+    # reps: 3.5-3.8 us faster at width 1, 3 slower at 2 (two rows in series), level wider
+    # (same file). fp8_activations builds publish at every width: their top-k CTA also
+    # quantizes its row
+    local_topk_rows: int = 1
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
     down_prefetch_bytes: int = 0
@@ -337,9 +337,9 @@ class K2Launch:
             )
         if c.router_preload:
             self._check_router_preload()
-        if not 0 <= c.local_topk_rows <= BLOCK_B or (c.local_topk_rows and c.fp8_activations):
-            raise ValueError(f"local_topk_rows={c.local_topk_rows} must be 0..{BLOCK_B}, and 0 "
-                             "with fp8_activations (its top-k CTA quantizes the row)")  # fmt: skip
+        for name in ("local_topk_rows", "down_runs_from_last_rows"):
+            if not 0 <= getattr(c, name) <= BLOCK_B:
+                raise ValueError(f"{name}={getattr(c, name)} must be 0..{BLOCK_B}")
         self.out_proj_k_splits = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
         self._check_formats()
@@ -547,8 +547,8 @@ class K2Launch:
             INTERP=_interp(),
             A8=c.fp8_activations,
             RPRE=c.router_preload,
-            DREV=c.down_runs_from_last,
-            LTR=c.local_topk_rows,
+            DRR=c.down_runs_from_last_rows,
+            LTR=0 if c.fp8_activations else c.local_topk_rows,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

@@ -76,7 +76,7 @@ def k2_kernel(
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
-    DREV: tl.constexpr = False, LTR: tl.constexpr = 0,
+    DRR: tl.constexpr = 0, LTR: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -191,10 +191,8 @@ def k2_kernel(
         )  # fmt: skip
     stamp(trace_ptr, 6, TRACE)
     if STAGES & 32:
-        if DREV:  # noqa: SIM108 (a constexpr branch)
-            run4 = G - 1 - pid  # the CTAs of gate_up's last round take the last slots' runs
-        else:
-            run4 = pid
+        # up to DRR rows, the CTAs of gate_up's last round take the last slots' runs
+        run4 = tl.where(n_rows <= DRR, G - 1 - pid, pid)
         s4_down(
             w2_ptr, sdown_ptr, s_2_ptr, s_sd_ptr, act_ptr, p4l_ptr, ppos_base, meta_base,
             xs_base, ctrl_ptr, health_ptr, trace_ptr, run4, G, rows, rmask, tag, H, IR, ISR, BB,

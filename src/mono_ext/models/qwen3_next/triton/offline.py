@@ -94,11 +94,10 @@ _BUILDS: dict[str, tuple[str, dict]] = {
         "k2",
         {"kind": "gdn", "config": {"router_preload": True, "router_k_splits": 8}},
     ),
-    "k2 gdn bf16 down-runs-from-last": (
+    "k2 gdn bf16 hand-offs-at-every-width": (
         "k2",
-        {"kind": "gdn", "config": {"down_runs_from_last": True}},
+        {"kind": "gdn", "config": {"down_runs_from_last_rows": 0, "local_topk_rows": 0}},
     ),
-    "k2 gdn bf16 local-topk-2": ("k2", {"kind": "gdn", "config": {"local_topk_rows": 2}}),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
 DEFAULT_BUILDS = ("k1 gdn", "k1 attn", "k2 gdn bf16")
