@@ -75,6 +75,11 @@ run() {  # name, command...
   tail -n 5 "$OUT/$name.log"
 }
 case "${1:-tests}" in
+k1ab|k2ab)  # a baseline that is not a src/ tree fails every base run, after the call's tests
+  [ -d "${BASE_SRC:?BASE_SRC: the baseline src/ tree}/mono_ext" ] ||
+    { echo "BASE_SRC=$BASE_SRC holds no mono_ext/: name the baseline's src/ folder" >&2; exit 2; } ;;
+esac
+case "${1:-tests}" in
 tests)
   run kernels python3 -m pytest -q -p no:cacheprovider -s tests/kernels/triton \
     tests/models/qwen3_next/triton ;;
