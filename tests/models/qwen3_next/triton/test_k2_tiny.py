@@ -195,33 +195,28 @@ def test_k2_tiny_router_preload_is_the_same_launch(splits):
         assert torch.equal(h_pre, h_late) and torch.equal(r_pre, r_late), f"width {b}"
 
 
-def test_k2_tiny_down_runs_from_last_is_the_same_launch():
-    """``down_runs_from_last_rows`` changes which CTA streams each run of down tasks, not the
-    tasks or their sums: bit-identical to runs dealt from CTA 0 at every width."""
-    rev = TinyTail(PRESETS[1], seed=10, down_runs_from_last_rows=BLOCK_B)
-    fwd = TinyTail(PRESETS[1], seed=10, down_runs_from_last_rows=0)
+@pytest.mark.parametrize(
+    "option, rows, preset, seed",
+    [
+        # which CTA streams each run of down tasks changes, not the tasks or their sums
+        ("down_runs_from_last_rows", BLOCK_B, PRESETS[1], 10),
+        # every CTA takes the rows' top-k itself (widths 1 and 3), or the picks are
+        # published (16): the same sums and picks either way
+        ("local_topk_rows", 3, PRESETS[2], 11),
+    ],
+)
+def test_k2_tiny_narrow_step_options_are_the_same_launch(option, rows, preset, seed):
+    """A narrow-step option on for steps of at most ``rows`` rows is bit-identical to the
+    build with it off, at every width."""
+    on = TinyTail(preset, seed=seed, **{option: rows})
+    off = TinyTail(preset, seed=seed, **{option: 0})
     gen = torch.Generator(device=DEV).manual_seed(26)
     for b in WIDTHS:
-        o_in, res = rev.inputs(b, gen)
-        h_rev, r_rev = rev.run(o_in, res)
-        h_fwd, r_fwd = fwd.run(o_in, res)
-        assert not torch.isnan(h_rev).any(), f"width {b}: unwritten output"
-        assert torch.equal(h_rev, h_fwd) and torch.equal(r_rev, r_fwd), f"width {b}"
-
-
-def test_k2_tiny_local_topk_is_the_same_launch():
-    """``local_topk_rows``: a step of at most that many rows has every CTA take every row's
-    top-k itself instead of waiting for the published picks. The same sums and picks, so
-    bit-identical to the default build at every width, wider steps (published picks) too."""
-    loc = TinyTail(PRESETS[2], seed=11, local_topk_rows=3)
-    pub = TinyTail(PRESETS[2], seed=11, local_topk_rows=0)
-    gen = torch.Generator(device=DEV).manual_seed(27)
-    for b in WIDTHS:
-        o_in, res = loc.inputs(b, gen)
-        h_loc, r_loc = loc.run(o_in, res)
-        h_pub, r_pub = pub.run(o_in, res)
-        assert not torch.isnan(h_loc).any(), f"width {b}: unwritten output"
-        assert torch.equal(h_loc, h_pub) and torch.equal(r_loc, r_pub), f"width {b}"
+        o_in, res = on.inputs(b, gen)
+        h_on, r_on = on.run(o_in, res)
+        h_off, r_off = off.run(o_in, res)
+        assert not torch.isnan(h_on).any(), f"width {b}: unwritten output"
+        assert torch.equal(h_on, h_off) and torch.equal(r_on, r_off), f"width {b}"
 
 
 def test_narrow_step_options_refuse_rows_past_the_block():
