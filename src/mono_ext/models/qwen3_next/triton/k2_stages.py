@@ -310,6 +310,29 @@ def _topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
 
 
 @triton.jit
+def _row_picks(
+    logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E: tl.constexpr, EP: tl.constexpr,
+    TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr, KS2: tl.constexpr,
+    RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, TRACE: tl.constexpr,
+):  # fmt: skip
+    """Row ``r``'s picks (:func:`_topk_row` over [1, EP]) once its KS2 partial logits are in,
+    summed in one order. The one body of both top-k stages (:func:`s3_topk`,
+    :func:`s3_topk_local`): a row's picks are the same bits whichever takes them, which batch
+    invariance needs when a row alone and the same row in a wider step take different ones."""
+    offs_e = tl.arange(0, EP)
+    valid = (offs_e < E)[None, :]
+    ks_i = tl.arange(0, KS2)
+    kidx = ks_i[:, None] * (BB * E) + r * E + offs_e[None, :]
+    km = (ks_i >= 0)[:, None] & valid
+    lwords, lok = wait2d(
+        logits_ptr + kidx, km, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP, INTERP
+    )
+    stamp(trace_ptr, 13, TRACE)  # the row's logits are in: the rest is the top-k itself
+    lg = tl.reshape(tl.sum(words_to_fp32(lwords), axis=0), (1, EP))
+    return _topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
+
+
+@triton.jit
 def _quantize_row(xr_base, xq_base, r, rs_r, H: tl.constexpr, HP: tl.constexpr,
                   BB: tl.constexpr, BK3: tl.constexpr):  # fmt: skip
     """Row ``r`` normed, bf16(u * ``rs_r``) from the hi + lo planes of ``xr_base``, as the a8
@@ -352,17 +375,9 @@ def s3_topk(
     in each CTA). Here, not where the rows are normed: there the kernel's live values and the
     division's slow-path call together spill the build."""
     offs_e = tl.arange(0, EP)
-    valid = (offs_e < E)[None, :]
-    ks_i = tl.arange(0, KS2)
     for r in range(G - 1 - pid, n_rows, G):
-        kidx = ks_i[:, None] * (BB * E) + r * E + offs_e[None, :]
-        km = (ks_i >= 0)[:, None] & valid
-        lwords, lok = wait2d(
-            logits_ptr + kidx, km, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP, INTERP
-        )
-        stamp(trace_ptr, 13, TRACE)  # the row's logits are in: the rest is the top-k itself
-        lg = tl.reshape(tl.sum(words_to_fp32(lwords), axis=0), (1, EP))
-        sel, prank, wts = _topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
+        sel, prank, wts = _row_picks(logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E, EP,
+                                     TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE)  # fmt: skip
         # each pick to the word of its rank (ranks are distinct). The rank decides, not the
         # weight: a NaN weight (a CUDA-graph padding row whose attention saw no keys is NaN
         # in vLLM) is still a pick whose pair must be written.
@@ -383,21 +398,13 @@ def s3_topk_local(
     KS2: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """S3 top-k of every live row in this CTA (``K2Config.local_topk_rows``): the same
-    logits sum and picks as :func:`s3_topk`, stored untagged into this CTA's ``lpicks_base``
+    picks as :func:`s3_topk` (:func:`_row_picks`), stored untagged into this CTA's ``lpicks_base``
     (per row TOPK expert ids by rank, then their weights' fp32 bits), so no CTA waits for
     another's picks. Serial in the rows, hence only for the narrowest steps."""
     offs_e = tl.arange(0, EP)
-    valid = (offs_e < E)[None, :]
-    ks_i = tl.arange(0, KS2)
     for r in range(0, n_rows):
-        kidx = ks_i[:, None] * (BB * E) + r * E + offs_e[None, :]
-        km = (ks_i >= 0)[:, None] & valid
-        lwords, lok = wait2d(
-            logits_ptr + kidx, km, kidx, tag, ctrl_ptr, health_ptr, RID_LOGITS, KS2, EP, INTERP
-        )
-        stamp(trace_ptr, 13, TRACE)
-        lg = tl.reshape(tl.sum(words_to_fp32(lwords), axis=0), (1, EP))
-        sel, prank, wts = _topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
+        sel, prank, wts = _row_picks(logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E, EP,
+                                     TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE)  # fmt: skip
         at = r * (2 * TOPK) + prank
         tl.store(lpicks_base + at, offs_e[None, :], mask=sel)
         tl.store(lpicks_base + at + TOPK, fp32_bits(wts), mask=sel)

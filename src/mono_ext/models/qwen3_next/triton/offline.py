@@ -28,7 +28,8 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k2 gdn bf16 no-router-prefetch | S1 prefetches nothing into L2 (the default: the router)     |
 | k2 gdn bf16 prefetch-shared | S1 prefetches the shared gate_up into L2 too                    |
 | k2 gdn bf16 router-preload | each CTA loads its router tile before S1's hand-offs (8 K splits) |
-| k2 gdn bf16 down-runs-from-last | the down stage's runs dealt from the last CTA             |
+| k2 gdn bf16 hand-offs-at-every-width | picks published and down runs dealt from CTA 0 at   |
+|                       | every width (the narrow-step options off)                          |
 
 Torch and Triton are imported inside the functions.
 """
