@@ -53,6 +53,10 @@
 #                                         and 16) alternating between $BASE_SRC and this tree,
 #                                         twice each; this tree also times $K2AB_VARIANTS
 #                                         (default "k2"; writes $OUT/k2_{base,new}_{1,2}.csv)
+#   bash tools/gpu/run_kernels.sh handoff benchmarks/bench_handoff.py: how long the whole grid takes to
+#                                         see a few CTAs' tagged words (K2's picks), with the
+#                                         bounded wait of $BASE_SRC and of this tree (writes
+#                                         $OUT/handoff_{base,new}.json), ~1 min
 #   bash tools/gpu/run_kernels.sh layer   benchmarks/bench_layer.py: eight decoder layers per step,
 #                                         K1 + K2 vs vLLM's own layer code, eager and compiled,
 #                                         widths 1-16 (needs PYTHONPATH=/tmp/site after
@@ -75,7 +79,7 @@ run() {  # name, command...
   tail -n 5 "$OUT/$name.log"
 }
 case "${1:-tests}" in
-k1ab|k2ab)  # a baseline that is not a src/ tree fails every base run, after the call's tests
+k1ab|k2ab|handoff)  # a baseline that is not a src/ tree fails every base run
   [ -d "${BASE_SRC:?BASE_SRC: the baseline src/ tree}/mono_ext" ] ||
     { echo "BASE_SRC=$BASE_SRC holds no mono_ext/: name the baseline's src/ folder" >&2; exit 2; } ;;
 esac
@@ -165,9 +169,16 @@ k2ab)
         --csv "$OUT/k2_${arm}_$rep.csv" --trace-json "$OUT/k2_${arm}_${rep}_trace.json"
     done
   done ;;
+handoff)
+  for arm in base new; do
+    src=$PWD/src
+    [ "$arm" = base ] && src=$BASE_SRC
+    run "handoff_$arm" env PYTHONPATH="$src" timeout -s KILL 120 python3 \
+      benchmarks/bench_handoff.py --json "$OUT/handoff_$arm.json"
+  done ;;
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1ab|k2ab|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1ab|k2ab|handoff|a8|layer" >&2
   exit 2 ;;
 esac
