@@ -8,10 +8,11 @@ Each launch: every CTA starts spinning in ``primitives.wait_tagged`` (the tree's
 wait, deadline and failed-word checks included) on a block of words (``SHAPES``), of which
 the writers' rows hold ``live`` words each. The writers (the last CTAs) first spin ``delay``
 us on the timer, so that every reader is already waiting, then store their row and stamp
-the time. Latency of a CTA = the time it has every row minus the last writer's stamp (``%globaltimer`` on both sides). The ``counter`` arm is the
-other protocol a stream engine would use: plain stores, a release fence and one atomic
-increment per writer, the readers polling that one word before an acquire fence and the
-loads. Both arms check every value they read.
+the time. Latency of a CTA = the time it has every row minus the last writer's stamp
+(``%globaltimer`` on both sides). The ``counter`` arm is the other protocol a stream engine
+would use: plain stores, a release fence and one atomic increment per writer, the readers
+polling that one word before an acquire fence and the loads. Both arms check every value
+they read.
 
 Run it with two ``src/`` trees on ``PYTHONPATH`` to compare two versions of the wait.
 """
@@ -86,10 +87,9 @@ def _broadcast_kernel(words_ptr, data_ptr, ctr_ptr, t_ptr, ctrl_ptr, health_ptr,
     tl.debug_barrier()
     t_seen = global_timer_ns()
     good = tl.sum(tl.sum(((vals == idx + tag) & m).to(tl.int32), axis=1), axis=0)
-    tl.store(t_ptr + pid * 4 + 0, t_write)
-    tl.store(t_ptr + pid * 4 + 1, t_seen)
-    tl.store(t_ptr + pid * 4 + 2, good.to(tl.int64))
-    tl.store(t_ptr + pid * 4 + 3, t_begin)
+    tl.store(t_ptr + pid * 3 + 0, t_write)
+    tl.store(t_ptr + pid * 3 + 1, t_seen)
+    tl.store(t_ptr + pid * 3 + 2, good.to(tl.int64))
 
 
 def latencies_us(stamps: list[list[int]], writers: int) -> list[float]:
@@ -106,7 +106,7 @@ def run_arm(grid: int, rows: int, cols: int, writers: int, live: int, counter: b
     data = torch.zeros(rows * cols, dtype=torch.int32, device=dev)
     ctr = torch.zeros(1, dtype=torch.int32, device=dev)
     state = RankState.create(0, dev, deadline_s=5.0)
-    t = torch.zeros(grid, 4, dtype=torch.int64, device=dev)
+    t = torch.zeros(grid, 3, dtype=torch.int64, device=dev)
     lat_med, lat_max, bad = [], [], 0
     for i in range(launches + 3):
         state.bump_epoch()
@@ -161,8 +161,7 @@ def main() -> None:
                     f"(worst {r['last_cta_worst_us']:.2f}), wrong values {r['wrong_values']}",
                     flush=True,
                 )
-    out = {**provenance(torch.cuda.get_device_name(0)), "command": " ".join(sys.argv),
-           "rows": rows}  # fmt: skip
+    out = {**provenance(torch.cuda.get_device_name(0)), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

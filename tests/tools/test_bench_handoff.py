@@ -42,7 +42,7 @@ def test_arms_compile_for_sm90(shape, counter):
     words = torch.zeros(rows * cols, dtype=torch.int64)
     data = torch.zeros(rows * cols, dtype=torch.int32)
     ctr = torch.zeros(1, dtype=torch.int32)
-    t = torch.zeros(132, 4, dtype=torch.int64)
+    t = torch.zeros(132, 3, dtype=torch.int64)
     args = (words, data, ctr, t, st.ctrl, st.health, writers, 20000)
     cx = {"R": rows, "C": cols, "LIVE": live, "COUNTER": counter, "num_warps": 4}
     try:

@@ -53,10 +53,10 @@
 #                                         and 16) alternating between $BASE_SRC and this tree,
 #                                         twice each; this tree also times $K2AB_VARIANTS
 #                                         (default "k2"; writes $OUT/k2_{base,new}_{1,2}.csv)
-#   bash tools/gpu/run_kernels.sh handoff benchmarks/bench_handoff.py: how long the whole grid takes to
-#                                         see a few CTAs' tagged words (K2's picks), with the
-#                                         bounded wait of $BASE_SRC and of this tree (writes
-#                                         $OUT/handoff_{base,new}.json), ~1 min
+#   bash tools/gpu/run_kernels.sh handoff benchmarks/bench_handoff.py: how long a full grid
+#                                         takes to see a few CTAs' tagged words (K2's picks),
+#                                         with the bounded wait of $BASE_SRC and of this tree
+#                                         (writes $OUT/handoff_{base,new}.json), ~1 min
 #   bash tools/gpu/run_kernels.sh layer   benchmarks/bench_layer.py: eight decoder layers per step,
 #                                         K1 + K2 vs vLLM's own layer code, eager and compiled,
 #                                         widths 1-16 (needs PYTHONPATH=/tmp/site after
