@@ -171,15 +171,15 @@ class K2Config:
     # dealt from the last CTA: gate_up deals its tasks round-robin, so the lowest CTAs stream
     # its last round, whose blocks complete the last slots; reversed, those same CTAs take
     # the last slots' down runs and every other run reads slots the earlier rounds completed.
-    # The same tasks and sums: bit-identical. H100, two reps: 5 us faster at width 1, 1 at 2,
-    # level at 4, 1-5 slower at 8 and 16 (docs/results/k2_ab_topk_h100.csv)
-    down_runs_from_last_rows: int = 2
+    # The same tasks and sums: bit-identical. Off: on with local_topk_rows = 1, width 1 took
+    # 5 us longer than with neither (one H100 rep, docs/results/k2_ab_thread_spin_h100.csv);
+    # alone, each was faster only than a slower base (docs/results/k2_ab_topk_h100.csv)
+    down_runs_from_last_rows: int = 0
     # steps of at most this many rows skip the picks hand-off: every CTA takes every row's
-    # top-k from the logits itself (the same sums and picks, serial in the rows). H100, two
-    # reps: 3.5-3.8 us faster at width 1, 3 slower at 2 (two rows in series), level wider
-    # (same file). fp8_activations builds publish at every width: their top-k CTA also
-    # quantizes its row
-    local_topk_rows: int = 1
+    # top-k from the logits itself (the same sums and picks, serial in the rows). Off, as
+    # the option above (same files). fp8_activations builds publish at every width: their
+    # top-k CTA also quantizes its row
+    local_topk_rows: int = 0
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
     down_prefetch_bytes: int = 0
