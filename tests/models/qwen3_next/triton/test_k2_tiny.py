@@ -219,6 +219,22 @@ def test_k2_tiny_narrow_step_options_are_the_same_launch(option, rows, preset, s
         assert torch.equal(h_on, h_off) and torch.equal(r_on, r_off), f"width {b}"
 
 
+@pytest.mark.parametrize("preset, seed", [(PRESETS[0], 12), (PRESETS[2], 13)])
+def test_k2_tiny_bitonic_topk_is_the_same_launch(preset, seed):
+    """Each row's picks by the bitonic top-k (``topk_bitonic``) give the launch the other
+    build gives, bit for bit, at every width: top-k 2 and 3, with and without renormalised
+    weights."""
+    on = TinyTail(preset, seed=seed, topk_bitonic=True)
+    off = TinyTail(preset, seed=seed)
+    gen = torch.Generator(device=DEV).manual_seed(27)
+    for b in WIDTHS:
+        o_in, res = on.inputs(b, gen)
+        h_on, r_on = on.run(o_in, res)
+        h_off, r_off = off.run(o_in, res)
+        assert not torch.isnan(h_on).any(), f"width {b}: unwritten output"
+        assert torch.equal(h_on, h_off) and torch.equal(r_on, r_off), f"width {b}"
+
+
 def test_narrow_step_options_refuse_rows_past_the_block():
     shape = K2Shape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b")), tp=1))
     for name in ("local_topk_rows", "down_runs_from_last_rows"):

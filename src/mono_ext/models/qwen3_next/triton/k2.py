@@ -180,6 +180,9 @@ class K2Config:
     # the option above (same files). fp8_activations builds publish at every width: their
     # top-k CTA also quantizes its row
     local_topk_rows: int = 0
+    # a row's picks by Triton's bitonic top-k (k2_topk.topk_row): the same keys and picks, a
+    # third of the top-k's barriers in series in the sm_90a PTX; off until timed on a GPU
+    topk_bitonic: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
     down_prefetch_bytes: int = 0
@@ -549,6 +552,7 @@ class K2Launch:
             RPRE=c.router_preload,
             DRR=c.down_runs_from_last_rows,
             LTR=0 if c.fp8_activations else c.local_topk_rows,
+            TKB=c.topk_bitonic,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

@@ -76,7 +76,7 @@ def k2_kernel(
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
-    DRR: tl.constexpr = 0, LTR: tl.constexpr = 0,
+    DRR: tl.constexpr = 0, LTR: tl.constexpr = 0, TKB: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -165,8 +165,8 @@ def k2_kernel(
         n_pub = tl.where(n_rows > LTR, n_rows, 0)
         s3_topk(
             logits_ptr, picks_ptr, xn_base, xq_base, wsc_base, ctrl_ptr, health_ptr, trace_ptr,
-            pid, G, n_pub, tag, E, EP, TOPK, NORM_TOPK, BB, KS2, H, HP, BK3, UM, RID_LOGITS,
-            INTERP, A8, TRACE,
+            pid, G, n_pub, tag, E, EP, TOPK, TKP, NORM_TOPK, TKB, BB, KS2, H, HP, BK3, UM,
+            RID_LOGITS, INTERP, A8, TRACE,
         )  # fmt: skip
     stamp(trace_ptr, 10, TRACE)
     if STAGES & 16:
@@ -176,7 +176,7 @@ def k2_kernel(
             if local_tk:
                 s3_topk_local(
                     logits_ptr, lpicks_base, ctrl_ptr, health_ptr, trace_ptr, n_rows, tag, E, EP,
-                    TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE,
+                    TOPK, TKP, NORM_TOPK, TKB, BB, KS2, RID_LOGITS, INTERP, TRACE,
                 )  # fmt: skip
         n_u = s3_union(
             picks_ptr, lpicks_base, local_tk, wsc_base, ppos_base, meta_base, eslot_base,

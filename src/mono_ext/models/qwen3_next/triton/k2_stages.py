@@ -38,6 +38,7 @@ from mono_ext.models.qwen3_next.triton.k2_sync import (
     wait2d,
     wait_live_rows,
 )
+from mono_ext.models.qwen3_next.triton.k2_topk import topk_row
 
 __all__ = [
     "s1_out_proj",
@@ -280,42 +281,13 @@ def s2_router(
 
 
 @triton.jit
-def _topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
-    """Softmax top-k of one row's [1, EP] logits (``valid``: the real experts). Returns (sel,
-    prank, wts): the picks, each pick's rank in the row (0 = largest probability; meaningful
-    where ``sel``) and the routing weights (0 elsewhere)."""
-    lg = tl.where(valid, lg, float("-inf"))
-    mx = tl.max(lg, axis=1)
-    p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
-    den = tl.sum(p, axis=1)
-    p = p / tl.where(den > 0.0, den, 1.0)[:, None]
-    # Unique int keys: p's fp32 bits (p >= 0: int order = float order) with the low
-    # 9 bits replaced by (511 - e). Ties within 2^-14 relative (far below one bf16
-    # step: near ties) go to the lower expert id. Padding experts get INT32_MIN, below
-    # every real key (a NaN row's too), so a live row always has exactly TOPK picks.
-    key = (p.to(tl.int32, bitcast=True) & ~511) | (511 - offs_e[None, :])
-    key = tl.where(valid, key, -2147483648)
-    thr = tl.max(key, axis=1)
-    prank = tl.zeros_like(key)
-    for _j in tl.static_range(TOPK - 1):
-        below = key < thr[:, None]
-        prank += below.to(tl.int32)  # a pick's rank: how many picks beat it
-        thr = tl.max(tl.where(below, key, -2147483648), axis=1)
-    sel = valid & (key >= thr[:, None])
-    wts = tl.where(sel, p, 0.0)
-    if NORM_TOPK:
-        wsum = tl.sum(wts, axis=1)
-        wts = wts / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
-    return sel, prank, wts
-
-
-@triton.jit
 def _row_picks(
     logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E: tl.constexpr, EP: tl.constexpr,
-    TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr, KS2: tl.constexpr,
-    RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, TRACE: tl.constexpr,
+    TOPK: tl.constexpr, TKP: tl.constexpr, NORM_TOPK: tl.constexpr, TKB: tl.constexpr,
+    BB: tl.constexpr, KS2: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
-    """Row ``r``'s picks (:func:`_topk_row` over [1, EP]) once its KS2 partial logits are in,
+    """Row ``r``'s picks (:func:`.k2_topk.topk_row` over [1, EP]; ``TKB``: bitonic) once its KS2 partial logits are in,
     summed in one order. The one body of both top-k stages (:func:`s3_topk`,
     :func:`s3_topk_local`): a row's picks are the same bits whichever takes them, which batch
     invariance needs when a row alone and the same row in a wider step take different ones."""
@@ -329,7 +301,7 @@ def _row_picks(
     )
     stamp(trace_ptr, 13, TRACE)  # the row's logits are in: the rest is the top-k itself
     lg = tl.reshape(tl.sum(words_to_fp32(lwords), axis=0), (1, EP))
-    return _topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
+    return topk_row(lg, valid, offs_e, TOPK, TKP, NORM_TOPK, TKB)
 
 
 @triton.jit
@@ -356,10 +328,10 @@ def _quantize_row(xr_base, xq_base, r, rs_r, H: tl.constexpr, HP: tl.constexpr,
 @triton.jit
 def s3_topk(
     logits_ptr, picks_ptr, xr_base, xq_base, wsc_base, ctrl_ptr, health_ptr, trace_ptr, pid, G,
-    n_rows, tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
-    BB: tl.constexpr, KS2: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-    BK3: tl.constexpr, UM: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr,
-    A8: tl.constexpr, TRACE: tl.constexpr,
+    n_rows, tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr,
+    NORM_TOPK: tl.constexpr, TKB: tl.constexpr, BB: tl.constexpr, KS2: tl.constexpr,
+    H: tl.constexpr, HP: tl.constexpr, BK3: tl.constexpr, UM: tl.constexpr,
+    RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """S3 top-k, one row per CTA: CTA ``G - 1 - r`` (mod G: CTAs past the router's tasks) takes
     row r's softmax top-k and publishes its picks into ``picks``: TOPK expert ids by rank, then
@@ -377,7 +349,8 @@ def s3_topk(
     offs_e = tl.arange(0, EP)
     for r in range(G - 1 - pid, n_rows, G):
         sel, prank, wts = _row_picks(logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E, EP,
-                                     TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE)  # fmt: skip
+                                     TOPK, TKP, NORM_TOPK, TKB, BB, KS2, RID_LOGITS, INTERP,
+                                     TRACE)  # fmt: skip
         # each pick to the word of its rank (ranks are distinct). The rank decides, not the
         # weight: a NaN weight (a CUDA-graph padding row whose attention saw no keys is NaN
         # in vLLM) is still a pick whose pair must be written.
@@ -394,8 +367,9 @@ def s3_topk(
 @triton.jit
 def s3_topk_local(
     logits_ptr, lpicks_base, ctrl_ptr, health_ptr, trace_ptr, n_rows, tag, E: tl.constexpr,
-    EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr,
-    KS2: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, TRACE: tl.constexpr,
+    EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, NORM_TOPK: tl.constexpr,
+    TKB: tl.constexpr, BB: tl.constexpr, KS2: tl.constexpr, RID_LOGITS: tl.constexpr,
+    INTERP: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """S3 top-k of every live row in this CTA (``K2Config.local_topk_rows``): the same
     picks as :func:`s3_topk` (:func:`_row_picks`), stored untagged into this CTA's ``lpicks_base``
@@ -404,7 +378,8 @@ def s3_topk_local(
     offs_e = tl.arange(0, EP)
     for r in range(0, n_rows):
         sel, prank, wts = _row_picks(logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E, EP,
-                                     TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE)  # fmt: skip
+                                     TOPK, TKP, NORM_TOPK, TKB, BB, KS2, RID_LOGITS, INTERP,
+                                     TRACE)  # fmt: skip
         at = r * (2 * TOPK) + prank
         tl.store(lpicks_base + at, offs_e[None, :], mask=sel)
         tl.store(lpicks_base + at + TOPK, fp32_bits(wts), mask=sel)
