@@ -81,6 +81,7 @@ _MODEL_SOURCES = (
     "k2_kernel.py",
     "k2_stages.py",
     "k2_sync.py",
+    "k2_topk.py",
 )
 _GENERIC_SOURCES = ("allreduce.py", "limits.py", "planes.py", "primitives.py")
 
