@@ -6,7 +6,8 @@ Hopper (sm_90), on the generic device code of ``kernels/triton``.
 | ``k1``        | K1, the layer front (GDN and attention): launches, tensor checks          |
 | ``k1_plan``   | K1's shapes, config, hand-off programs, row maps, RoPE table, S1 tiling   |
 | ``k1_kernel`` | K1's device code: the GDN and attention kernels and their stages          |
-| ``k2``        | K2, the layer tail: hand-off program, shapes, configs, launches, contract |
+| ``k2``        | K2, the layer tail: hand-off program, shapes, launches, contract          |
+| ``k2_config`` | K2's build configuration and the measurements behind its defaults         |
 | ``k2_kernel`` | K2's device code: the kernel and its stage bits                           |
 | ``k2_stages`` | K2's device code: its stages, in the order the kernel runs them           |
 | ``k2_sync``   | K2's device code: 2-D waits, partial sums, L2 prefetch, trace stamps     |

@@ -78,6 +78,7 @@ _MODEL_SOURCES = (
     "k1_units.py",
     "k1_words.py",
     "k2.py",
+    "k2_config.py",
     "k2_kernel.py",
     "k2_stages.py",
     "k2_sync.py",

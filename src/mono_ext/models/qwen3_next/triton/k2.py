@@ -91,6 +91,7 @@ from mono_ext.kernels.triton.launcher import ROWS, FrozenLaunch, Live, live_temp
 from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, pdl_options
 from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reasons, scale_numel
 from mono_ext.models.qwen3_next.shapes import TailShape
+from mono_ext.models.qwen3_next.triton.k2_config import K2Config, next_pow2
 from mono_ext.models.qwen3_next.triton.k2_kernel import STAGE_ORDER, STAGES_ALL, k2_kernel
 from mono_ext.runtime.layout import Program, Region, Stage, plan_layout, push, wait, write
 
@@ -124,100 +125,6 @@ class K2Shape(TailShape):
         return (max(self.moe_inter, self.shared_inter) + 1) // 2
 
 
-@dataclass(frozen=True)
-class K2Config:
-    """Grid and tiles (one build per config; none of it changes per step).
-
-    Every GEMV is ``W [tile_rows, K] @ x^T [K, Bb]``: weight rows are the MMA's M (64 rows
-    over 4 warps: wgmma-sized, no warp re-reads another's weights), the rows of the batch its
-    N. ``out_proj_k_splits`` (None: from the grid) splits out_proj's K so that S1 has about
-    ``grid`` tasks; its partials are summed in a fixed order by the next stage. Device-side
-    constexprs keep the short names (in ``_constexprs``: ``BN``, ``BN3``, ``KS2``, ...).
-    """
-
-    grid: int
-    num_warps: int = 4
-    tile_rows: int = 64  # weight rows per MMA tile of out_proj and the router (16 * num_warps)
-    gate_up_rows: int = 64  # gate_up rows per task (half gate, half up): smaller = finer balance
-    down_rows: int = 64  # down: H rows per (slot, H block) task
-    out_proj_k_chunk: int = 256  # out_proj K chunk
-    out_proj_k_splits: int | None = None  # out_proj K splits (power of two)
-    # router K splits (a row's partial logits, summed in order by its top-k CTA): once the
-    # norm came from the reduce tasks' sums, 4 was ahead of 2 and 8 at the widest steps in
-    # two runs and level with 2 at the narrow ones (docs/results/k2_sweep_nir_h200.csv,
-    # k2_router_splits_h200.csv)
-    router_k_splits: int = 4
-    router_k_chunk: int = 256  # router K chunk (within a split)
-    # each CTA loads its router tile before S1's hand-offs instead of after the norm's wait:
-    # needs one task per CTA of one K chunk (router_k_splits * router_k_chunk >= hidden,
-    # experts / tile_rows * router_k_splits <= grid)
-    router_preload: bool = False
-    gate_up_k_chunk: int = 256  # gate_up K chunk
-    down_i_chunk: int = 256  # down I chunk (its K)
-    reduce_cols: int = 16  # H columns per reduce task (residual, MoE sum and output)
-    act_rows_per_wait: int = 8  # (slot, row) activation rows per down-stage wait (power of two)
-    # L2 prefetch of router/shared (after S1) and down planes (S4): off, since K2 was faster
-    # without it at every width, 1-7 us (docs/results/k2_sweep_prefetch_h200.csv,
-    # k2_vllm_8613b35.csv)
-    prefetch: bool = False
-    # the same L2 prefetch after S1 of the router alone, or of the shared gate_up alone
-    # (both surely read, neither larger than 4 MB), without the down planes'. The router's:
-    # on, since K2 was faster with it at every width on the H100 (3.6-4.2 us at width 1) and
-    # at widths 2-8 on the H200, level at 1 and 16 (docs/results/k2_ab_c8efdfb_h100.csv,
-    # k2_ab_52fb7be_h200.csv)
-    prefetch_router: bool = True
-    prefetch_shared: bool = False
-    # in steps of at most this many rows, the down stage's runs of (slot, H block) tasks are
-    # dealt from the last CTA: gate_up deals its tasks round-robin, so the lowest CTAs stream
-    # its last round, whose blocks complete the last slots; reversed, those same CTAs take
-    # the last slots' down runs and every other run reads slots the earlier rounds completed.
-    # The same tasks and sums: bit-identical. Off: on with local_topk_rows = 1, width 1 took
-    # 5 us longer than with neither (one H100 rep, docs/results/k2_ab_thread_spin_h100.csv);
-    # alone, each was faster only than a slower base (docs/results/k2_ab_topk_h100.csv)
-    down_runs_from_last_rows: int = 0
-    # steps of at most this many rows skip the picks hand-off: every CTA takes every row's
-    # top-k from the logits itself (the same sums and picks, serial in the rows). Off, as
-    # the option above (same files). fp8_activations builds publish at every width: their
-    # top-k CTA also quantizes its row
-    local_topk_rows: int = 0
-    # a row's picks by Triton's bitonic top-k (k2_topk.topk_row): the same keys and picks, a
-    # third of the top-k's barriers in series in the sm_90a PTX; off until timed on a GPU
-    topk_bitonic: bool = False
-    # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
-    # whole runs add up to several times the L2, so early lines can be evicted before use
-    down_prefetch_bytes: int = 0
-    # weight chunks in flight (Triton pipeline stages) of each streamed GEMV
-    out_proj_pipeline_stages: int = 4
-    # router K chunks in flight per task: 3 was faster than 1 and 2 at every width (2-6%) in
-    # docs/results/k2_sweep_owners_h200.csv
-    router_pipeline_stages: int = 3
-    gate_up_pipeline_stages: int = 4
-    down_pipeline_stages: int = 4
-    # fp8 block-128 expert planes (w13, w2 and the shared expert's) multiply e4m3
-    # activations, quantized per row and 128 columns as vLLM's fp8 MoE quantizes them, on an
-    # e4m3 MMA read from shared memory; off: the codes widen to bf16 for a bf16 MMA with bf16
-    # activations. One plane streamed twice as fast that way on the H200
-    # (docs/results/stream_fp8_h200.json); off until K2 itself is timed so (docs/perf.md)
-    fp8_activations: bool = False
-    trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
-    pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
-
-    def splits(self, shape: K2Shape) -> int:
-        """out_proj's K splits for this shape: about one S1 task per CTA."""
-        blocks = -(-shape.hidden // self.tile_rows)
-        per_block = 1 << max(0, (max(1, self.grid // blocks)).bit_length() - 1)
-        chunks = -(-shape.in_dim // self.out_proj_k_chunk)
-        splits = self.out_proj_k_splits or min(per_block, max(1, _next_pow2(chunks)))
-        for name, v in (
-            ("out_proj_k_splits", splits),
-            ("gate_up_rows", self.gate_up_rows),
-            ("down_rows", self.down_rows),
-        ):
-            if v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two")
-        return splits
-
-
 def k2_program(shape: K2Shape, config: K2Config) -> Program:
     """K2's regions and stages (checked by ``runtime.layout.check_handoffs`` at build).
 
@@ -236,7 +143,7 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
         Region("picks", bb * 2 * shape.top_k),
         Region("act", (shape.slots + 1) * bb * shape.act_words),
         Region("p4l", (shape.pairs + bb) * h),
-        Region("nsum", -(-h // config.reduce_cols) * bb * 2),
+        Region("nsum", -(-h // config.reduce_cols) * bb * 2 + 2),  # + the writers' counters
     ]
     stages = [
         Stage("out_proj", [push("p1") if peer else write("p1")]),
@@ -265,10 +172,6 @@ class K2Workspace:
     ppos: Any  # int32 [G, Um + 1, Bb]
     meta: Any  # int32 [G, Um + 1]
     trace: Any = None  # int64 [G, 16] (``trace`` builds only)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _interp() -> bool:
@@ -363,7 +266,7 @@ class K2Launch:
         ``router_k_chunk`` and inside one scale column of a block-128 plane."""
         s, c = self.shape, self.config
         lim = chunk_limit(self.formats, "router") or c.router_k_chunk
-        return min(c.router_k_chunk, max(16, _next_pow2(-(-s.hidden // c.router_k_splits))), lim)
+        return min(c.router_k_chunk, max(16, next_pow2(-(-s.hidden // c.router_k_splits))), lim)
 
     # -- plane formats -------------------------------------------------------------------
     @property
@@ -410,7 +313,7 @@ class K2Launch:
         column."""
         s, c = self.shape, self.config
         lim4 = chunk_limit(self.formats, "w2", "shared_down") or c.down_i_chunk
-        return min(c.down_i_chunk, max(32, _next_pow2(max(s.moe_inter, s.shared_inter))), lim4)
+        return min(c.down_i_chunk, max(32, next_pow2(max(s.moe_inter, s.shared_inter))), lim4)
 
     @property
     def a8_planes(self) -> frozenset[str]:
@@ -439,7 +342,7 @@ class K2Launch:
         import torch
 
         g, s = self.config.grid, self.shape
-        eslot_words = 2 * _next_pow2(s.experts) + BLOCK_B * 2 * s.top_k
+        eslot_words = 2 * next_pow2(s.experts) + BLOCK_B * 2 * s.top_k
         return K2Workspace(
             scratch=torch.zeros(
                 max(self.layout.scratch_words, 16), dtype=torch.int64, device=device
@@ -466,7 +369,7 @@ class K2Launch:
         s, c = self.shape, self.config
         rb4 = -(-s.hidden // c.down_rows)
         run = -(-((s.slots + 1) * rb4) // c.grid)
-        return _next_pow2(-(-run // rb4) + 1)
+        return next_pow2(-(-run // rb4) + 1)
 
     def _s1_prefetch(self) -> int:
         """What S1 prefetches into L2 after its stream: bit 1 the router, bit 2 the shared
@@ -487,7 +390,7 @@ class K2Launch:
             H=s.hidden,
             KO=s.in_dim,
             E=s.experts,
-            EP=_next_pow2(s.experts),
+            EP=next_pow2(s.experts),
             TOPK=s.top_k,
             NORM_TOPK=bool(s.norm_topk),
             IR=s.moe_inter,
@@ -512,31 +415,31 @@ class K2Launch:
             BN=c.tile_rows,
             BN3=c.gate_up_rows,
             BN4=c.down_rows,
-            BK1=min(c.out_proj_k_chunk, max(16, _next_pow2(-(-s.in_dim // ks1))), lim1),
+            BK1=min(c.out_proj_k_chunk, max(16, next_pow2(-(-s.in_dim // ks1))), lim1),
             KSPL1=ks1,
             KS2=c.router_k_splits,
             BK2=self._router_k_chunk(),
-            BK3=min(c.gate_up_k_chunk, max(16, _next_pow2(s.hidden)), lim3),
+            BK3=min(c.gate_up_k_chunk, max(16, next_pow2(s.hidden)), lim3),
             BI4=self._down_i_chunk(),
             JS=self._run_slots(),
             ACH=min(c.act_rows_per_wait, self._run_slots() * BLOCK_B),
             CB=c.reduce_cols,
-            TKP=_next_pow2(s.top_k),
-            PKWP=_next_pow2(2 * s.top_k),
-            TRP=_next_pow2(-(-s.hidden // c.reduce_cols)),
-            HP=_next_pow2(s.hidden),
+            TKP=next_pow2(s.top_k),
+            PKWP=next_pow2(2 * s.top_k),
+            TRP=next_pow2(-(-s.hidden // c.reduce_cols)),
+            HP=next_pow2(s.hidden),
             PREFETCH=c.prefetch and not _interp(),
             PF1=0 if _interp() else self._s1_prefetch(),
             PF4=c.down_prefetch_bytes,
             GATED=self.gated,
-            NPP=_next_pow2(s.pairs + BLOCK_B),
-            IWPOW=_next_pow2(s.act_words),
+            NPP=next_pow2(s.pairs + BLOCK_B),
+            IWPOW=next_pow2(s.act_words),
             STAGES=self.stages,
             PIPE1=c.out_proj_pipeline_stages,
             PIPE2=c.router_pipeline_stages,
             PIPE3=c.gate_up_pipeline_stages,
             PIPE4=c.down_pipeline_stages,
-            JM3=_next_pow2(-(-(self._max_tasks3()) // c.grid)),
+            JM3=next_pow2(-(-(self._max_tasks3()) // c.grid)),
             TRACE=c.trace,
             Q_O=format_code(self.formats, self.w_o_name),
             Q_13=format_code(self.formats, "w13"),
@@ -553,6 +456,7 @@ class K2Launch:
             DRR=c.down_runs_from_last_rows,
             LTR=0 if c.fp8_activations else c.local_topk_rows,
             TKB=c.topk_bitonic,
+            NCT=c.nsum_counter,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

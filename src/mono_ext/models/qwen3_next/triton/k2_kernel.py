@@ -77,6 +77,7 @@ def k2_kernel(
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
     DRR: tl.constexpr = 0, LTR: tl.constexpr = 0, TKB: tl.constexpr = False,
+    NCT: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -131,6 +132,10 @@ def k2_kernel(
         slot4 = parity * RANKS
 
     TR: tl.constexpr = (H + CB - 1) // CB
+    nctr_ptr = nsum_ptr + TR * (2 * BB) + parity  # NCT: this launch's count of nsum's writers
+    if NCT:  # noqa: SIM102 (a constexpr branch: nothing is built without it)
+        if pid == 0:  # the next launch's counter: the launch that last used it has ended
+            tl.store(nsum_ptr + TR * (2 * BB) + 1 - parity, 0)
     if STAGES & 1:
         s1_out_proj(
             o_in_ptr, gate_ptr, w_o_ptr, s_o_ptr, router_ptr, sgu_ptr, scratch_ptr, peers_ptr,
@@ -145,14 +150,14 @@ def k2_kernel(
     if STAGES & 2:
         s1_reduce(
             res_in_ptr, out_r_ptr, p1_read, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base, nsum_ptr,
-            ctrl_ptr, health_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H, BB, CB, TR, NS1,
-            W_P, RID_P1, Q_SEG, INTERP,
+            ctrl_ptr, health_ptr, nctr_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H, BB, CB,
+            TR, NS1, W_P, RID_P1, Q_SEG, NCT, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 2, TRACE)
     if STAGES & 4:
         rs = s2_norm_sums(
-            nsum_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps, H, BB, UM,
-            TR, TRP, RID_NSUM, INTERP,
+            nsum_ptr, nctr_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps, H,
+            BB, UM, TR, TRP, RID_NSUM, NCT, INTERP,
         )  # fmt: skip
         stamp(trace_ptr, 3, TRACE)
         s2_router(

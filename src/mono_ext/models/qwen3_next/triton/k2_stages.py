@@ -24,11 +24,13 @@ from mono_ext.kernels.triton.planes import (
     scale_index,
 )
 from mono_ext.kernels.triton.primitives import (
+    count_in,
     fence_gpu,
     fp32_bits,
     put_words,
     stamp,
     unpack_value,
+    wait_count,
     words_to_fp32,
 )
 from mono_ext.models.qwen3_next.triton.k2_sync import (
@@ -129,12 +131,13 @@ def s1_out_proj(
 @triton.jit
 def s1_reduce(
     res_in_ptr, out_r_ptr, p1_read, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base, nsum_ptr, ctrl_ptr,
-    health_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H: tl.constexpr, BB: tl.constexpr,
-    CB: tl.constexpr, TR: tl.constexpr, NS1: tl.constexpr, W_P: tl.constexpr,
-    RID_P1: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
+    health_ptr, nctr_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H: tl.constexpr,
+    BB: tl.constexpr, CB: tl.constexpr, TR: tl.constexpr, NS1: tl.constexpr, W_P: tl.constexpr,
+    RID_P1: tl.constexpr, Q_SEG: tl.constexpr, NCT: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S1 reduce: out_proj partials of all ranks and K splits summed in order, + residual ->
-    ``out_residual``, and the norm's parts of those columns (:func:`_norm_parts`)."""
+    ``out_residual``, and the norm's parts of those columns (:func:`_norm_parts`); ``NCT``:
+    each task then counts itself in at ``nctr_ptr``."""
     for t in range(pid, TR, G):
         cols = t * CB + tl.arange(0, CB)
         cm = rmask[:, None] & (cols[None, :] < H)
@@ -147,6 +150,10 @@ def s1_reduce(
         tl.store(out_r_ptr + off, r.to(tl.bfloat16), mask=cm)
         _norm_parts(r, t, cols, cm, off, rows, rmask, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base,
                     nsum_ptr, tag, H, BB, Q_SEG, INTERP)  # fmt: skip
+        if NCT:  # every thread's sums stored and fenced, then one increment
+            tl.debug_barrier()
+            fence_gpu(INTERP)
+            count_in(nctr_ptr, INTERP)
 
 
 @triton.jit
@@ -189,14 +196,18 @@ def _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, hh, H: tl.constexpr, Q_SEG: tl
 
 @triton.jit
 def s2_norm_sums(
-    nsum_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps, H: tl.constexpr,
-    BB: tl.constexpr, UM: tl.constexpr, TR: tl.constexpr, TRP: tl.constexpr,
-    RID_NSUM: tl.constexpr, INTERP: tl.constexpr,
+    nsum_ptr, nctr_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps,
+    H: tl.constexpr, BB: tl.constexpr, UM: tl.constexpr, TR: tl.constexpr, TRP: tl.constexpr,
+    RID_NSUM: tl.constexpr, NCT: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S2 norm from the reduce tasks' sums (:func:`_norm_parts`): every CTA waits for all of
     them, sums each row's TR blocks in one fixed order, and keeps the
     row's rsqrt (slot UM + 1 of ``wsc``, and returned) and its shared-expert gate (slot UM).
-    After the fence the shared ``xn`` planes (u) are this CTA's to read."""
+    After the fence the shared ``xn`` planes (u) are this CTA's to read. ``NCT``: the TR tasks'
+    counter is followed first (:func:`wait_count`), so the block is polled once, not per
+    round trip, when the count is right."""
+    if NCT:
+        wait_count(nctr_ptr, TR, health_ptr, INTERP)
     tt = tl.arange(0, TRP)
     cc = tl.arange(0, 2 * BB)
     idx = tt[:, None] * (2 * BB) + cc[None, :]
