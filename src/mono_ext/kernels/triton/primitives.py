@@ -34,7 +34,6 @@ from mono_ext.runtime import health as _h
 
 __all__ = [
     "allreduce_bf16_oneshot",
-    "count_in",
     "fence_gpu",
     "fp32_bits",
     "global_timer_ns",
@@ -51,7 +50,6 @@ __all__ = [
     "store_tagged",
     "unpack_tag",
     "unpack_value",
-    "wait_count",
     "wait_tagged",
     "words_to_fp32",
 ]
@@ -65,9 +63,6 @@ H_RECORDS = tl.constexpr(_h.H_RECORDS)
 MAX_RECORDS = tl.constexpr(_h.MAX_RECORDS)
 RECORD_WORDS = tl.constexpr(_h.RECORD_WORDS)
 _INT32_MAX = tl.constexpr(2147483647)
-# How long a reader follows a hand-off's counter before it polls the tagged words themselves:
-# far above a healthy hand-off (a few us), far below any deadline
-COUNT_CAP_NS = tl.constexpr(20_000)
 
 
 @triton.jit
@@ -232,35 +227,6 @@ def wait_tagged(ptrs, mask, index, tag, ctrl_ptr, health_ptr, region_id):
     if (n_bad > 0) & (waited > deadline):
         _record_give_up(health_ptr, ctrl_ptr, region_id, index, bad, words, tag, waited)
     return words, n_bad == 0
-
-
-@triton.jit
-def count_in(ctr_ptr, INTERP: tl.constexpr):
-    """A writer's increment of a hand-off counter, once its tagged words are stored and after a
-    CTA barrier and :func:`fence_gpu` (one thread: Triton predicates a scalar atomic)."""
-    if not INTERP:
-        tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def wait_count(ctr_ptr, target, health_ptr, INTERP: tl.constexpr):
-    """Spin on one counter word until it reaches ``target``, for at most ``COUNT_CAP_NS`` or
-    until the launch failed; a :func:`wait_tagged` on the words follows and decides.
-
-    Many writers' words polled whole cost every reader a wide load and a CTA reduction per
-    round trip; one word costs neither. The counter is only a hint: one left high (a launch
-    that reused its parity without the reset, or a failed one) lets the tagged wait poll as it
-    would alone, one left low costs at most the cap, and neither can pass a stale word.
-    """
-    if not INTERP:
-        seen = tl.load(ctr_ptr, volatile=True)
-        failed = tl.load(health_ptr + H_FAILED, volatile=True)
-        t0 = global_timer_ns()
-        spin = (seen < target) & (failed == 0)
-        while spin:
-            seen = tl.load(ctr_ptr, volatile=True)
-            failed = tl.load(health_ptr + H_FAILED, volatile=True)
-            spin = (seen < target) & (failed == 0) & (global_timer_ns() - t0 <= COUNT_CAP_NS)
 
 
 @triton.jit

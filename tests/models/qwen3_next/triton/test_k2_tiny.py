@@ -219,48 +219,6 @@ def test_k2_tiny_narrow_step_options_are_the_same_launch(option, rows, preset, s
         assert torch.equal(h_on, h_off) and torch.equal(r_on, r_off), f"width {b}"
 
 
-@pytest.mark.parametrize("preset, seed", [(PRESETS[0], 12), (PRESETS[2], 13)])
-def test_k2_tiny_bitonic_topk_is_the_same_launch(preset, seed):
-    """Each row's picks by the bitonic top-k (``topk_bitonic``) give the launch the other
-    build gives, bit for bit, at every width: top-k 2 and 3, with and without renormalised
-    weights."""
-    on = TinyTail(preset, seed=seed, topk_bitonic=True)
-    off = TinyTail(preset, seed=seed)
-    gen = torch.Generator(device=DEV).manual_seed(27)
-    for b in WIDTHS:
-        o_in, res = on.inputs(b, gen)
-        h_on, r_on = on.run(o_in, res)
-        h_off, r_off = off.run(o_in, res)
-        assert not torch.isnan(h_on).any(), f"width {b}: unwritten output"
-        assert torch.equal(h_on, h_off) and torch.equal(r_on, r_off), f"width {b}"
-
-
-@pytest.mark.parametrize("preset, seed", [(PRESETS[0], 14), (PRESETS[1], 15)])
-def test_k2_tiny_nsum_counter_is_the_same_launch(preset, seed):
-    """The norm's wait following its writers' counter first (``nsum_counter``) gives the launch
-    the build without it gives, bit for bit, at every width over consecutive launches (the two
-    counters alternate with the launch's parity, each reset by the launch before its use).
-    Both counters left far above their count, then far below it, still give the same bits:
-    the counter is a hint and the sums' tags decide. On a GPU the counters are live; the
-    interpreter runs one stage per launch, so there it checks the reset and the layout only."""
-    on = TinyTail(preset, seed=seed, nsum_counter=True)
-    off = TinyTail(preset, seed=seed)
-    tr = -(-on.dims.hidden // on.k2.config.reduce_cols)
-    at = on.k2.layout.offsets["nsum"] + tr * 2 * BLOCK_B
-    counters = on.ws.scratch[at : at + 2]
-    assert at + 2 == on.k2.layout.offsets["nsum"] + on.k2.layout.region("nsum").words
-    gen = torch.Generator(device=DEV).manual_seed(28)
-    for left in (None, 1 << 40, -(1 << 40)):
-        for b in WIDTHS if left is None else (1, WIDTHS[-1], 2):
-            if left is not None:
-                counters.fill_(left)
-            o_in, res = on.inputs(b, gen)
-            h_on, r_on = on.run(o_in, res)
-            h_off, r_off = off.run(o_in, res)
-            assert not torch.isnan(h_on).any(), f"width {b}: unwritten output"
-            assert torch.equal(h_on, h_off) and torch.equal(r_on, r_off), f"width {b}, {left}"
-
-
 def test_narrow_step_options_refuse_rows_past_the_block():
     shape = K2Shape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b")), tp=1))
     for name in ("local_topk_rows", "down_runs_from_last_rows"):

@@ -209,35 +209,3 @@ def test_k1_norm_once_build_fences_its_hand_off(plain_name, once_name, nonce):
     assert r.regs <= 255 and 0 < r.shared <= SHARED_PER_BLOCK, r
     res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
     assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1
-
-
-def test_k2_bitonic_topk_build(compiled):
-    """``K2Config.topk_bitonic``: no spills, still one CTA per SM, and at least 20 fewer CTA
-    barriers than the default build (its top-k runs three barriers per threshold round; the
-    bitonic steps run in registers and shuffles, crossing warps only in the last merges)."""
-    b = offline_build("k2 gdn bf16 bitonic-topk", 1)
-    assert b.constexprs["TKB"] and not compiled["k2 gdn bf16", 1][0].constexprs["TKB"]
-    c = b.compile()
-    bars = c.asm["ptx"].count("bar.sync")
-    bars0 = compiled["k2 gdn bf16", 1][1].asm["ptx"].count("bar.sync")
-    assert bars <= bars0 - 20, f"{b.label}: {bars} barriers, the default build {bars0}"
-    r = resources(c)
-    assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
-    res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
-    assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1
-
-
-def test_k2_nsum_counter_build(compiled):
-    """``K2Config.nsum_counter``: the reduce tasks count themselves in with one release add per
-    task (the default build has none: its only atomics are the give-up records' acq_rel adds),
-    the norm's wait polls that word first, and the build keeps no spills and one CTA per SM."""
-    b = offline_build("k2 gdn bf16 nsum-counter", 1)
-    assert b.constexprs["NCT"] and not compiled["k2 gdn bf16", 1][0].constexprs["NCT"]
-    c = b.compile()
-    add = "atom.global.gpu.release.add.u64"
-    assert c.asm["ptx"].count(add) == 1, f"{b.label}: {c.asm['ptx'].count(add)} counter adds"
-    assert add not in compiled["k2 gdn bf16", 1][1].asm["ptx"]
-    r = resources(c)
-    assert (r.spill_stores, r.spill_loads, r.stack) == (0, 0, 0), f"{b.label}: spills {r}"
-    res = KernelResources(regs_per_thread=r.regs, num_warps=r.num_warps, shared_bytes=r.shared)
-    assert check_residency(b.label, GRID, res, DeviceLimits(sm_count=132)) >= 1

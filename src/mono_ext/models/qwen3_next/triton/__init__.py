@@ -11,7 +11,7 @@ Hopper (sm_90), on the generic device code of ``kernels/triton``.
 | ``k2_kernel`` | K2's device code: the kernel and its stage bits                           |
 | ``k2_stages`` | K2's device code: its stages, in the order the kernel runs them           |
 | ``k2_sync``   | K2's device code: 2-D waits, partial sums, L2 prefetch, trace stamps     |
-| ``k2_topk``   | K2's device code: a row's router top-k (threshold rounds or bitonic)      |
+| ``k2_topk``   | K2's device code: a row's router top-k (threshold rounds)                 |
 | ``backend``   | the backend's ``target``: builds per width over one runtime, refusals     |
 | ``measured``  | the widths measured faster than each engine's own step, per device        |
 | ``offline``   | K1/K2 builds compiled for sm_90a without a device (``tools/ptx_digest.py``)|

@@ -143,7 +143,7 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
         Region("picks", bb * 2 * shape.top_k),
         Region("act", (shape.slots + 1) * bb * shape.act_words),
         Region("p4l", (shape.pairs + bb) * h),
-        Region("nsum", -(-h // config.reduce_cols) * bb * 2 + 2),  # + the writers' counters
+        Region("nsum", -(-h // config.reduce_cols) * bb * 2),
     ]
     stages = [
         Stage("out_proj", [push("p1") if peer else write("p1")]),
@@ -455,8 +455,6 @@ class K2Launch:
             RPRE=c.router_preload,
             DRR=c.down_runs_from_last_rows,
             LTR=0 if c.fp8_activations else c.local_topk_rows,
-            TKB=c.topk_bitonic,
-            NCT=c.nsum_counter,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

@@ -62,24 +62,14 @@ class K2Config:
     # dealt from the last CTA: gate_up deals its tasks round-robin, so the lowest CTAs stream
     # its last round, whose blocks complete the last slots; reversed, those same CTAs take
     # the last slots' down runs and every other run reads slots the earlier rounds completed.
-    # The same tasks and sums: bit-identical. Off: on with local_topk_rows = 1, width 1 took
-    # 5 us longer than with neither (one H100 rep, docs/results/k2_ab_thread_spin_h100.csv);
-    # alone, each was faster only than a slower base (docs/results/k2_ab_topk_h100.csv)
+    # The same tasks and sums: bit-identical. Off: alone against neither it was 0.3-1.2 us
+    # slower at every width (median of 6 paired H100 reps, docs/results/k2_ab_counter_bitonic_h100.csv)
     down_runs_from_last_rows: int = 0
     # steps of at most this many rows skip the picks hand-off: every CTA takes every row's
-    # top-k from the logits itself (the same sums and picks, serial in the rows). Off, as
-    # the option above (same files). fp8_activations builds publish at every width: their
-    # top-k CTA also quantizes its row
+    # top-k from the logits itself (the same sums and picks, serial in the rows). Off: 0.9 us
+    # slower at width 1 and within 0.5 us elsewhere (same file). fp8_activations builds
+    # publish at every width: their top-k CTA also quantizes its row
     local_topk_rows: int = 0
-    # a row's picks by Triton's bitonic top-k (k2_topk.topk_row): the same keys and picks, a
-    # third of the top-k's barriers in series in the sm_90a PTX; off until timed on a GPU
-    topk_bitonic: bool = False
-    # the norm's wait follows one counter of its TR writer tasks (one word per round trip)
-    # before the tagged wait on their sums, which then finds them in one poll; the tags still
-    # decide (primitives.wait_count). A block fed by 64 CTAs reached a 132-CTA grid in 0.96 /
-    # 1.31 us that way against 2.02 / 3.20 us polled whole (median / last CTA, 4 warps, H100,
-    # docs/results/handoff_main_h100.json); off until K2 is timed with it
-    nsum_counter: bool = False
     # bytes of its run's down rows each CTA prefetches (0: the whole run); at width 16 the
     # whole runs add up to several times the L2, so early lines can be evicted before use
     down_prefetch_bytes: int = 0

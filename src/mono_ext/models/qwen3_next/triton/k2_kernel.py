@@ -76,8 +76,7 @@ def k2_kernel(
     Q_2: tl.constexpr, Q_SGU: tl.constexpr, Q_SD: tl.constexpr, Q_R: tl.constexpr,
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
-    DRR: tl.constexpr = 0, LTR: tl.constexpr = 0, TKB: tl.constexpr = False,
-    NCT: tl.constexpr = False,
+    DRR: tl.constexpr = 0, LTR: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -132,10 +131,6 @@ def k2_kernel(
         slot4 = parity * RANKS
 
     TR: tl.constexpr = (H + CB - 1) // CB
-    nctr_ptr = nsum_ptr + TR * (2 * BB) + parity  # NCT: this launch's count of nsum's writers
-    if NCT:  # noqa: SIM102 (a constexpr branch: nothing is built without it)
-        if pid == 0:  # the next launch's counter: the launch that last used it has ended
-            tl.store(nsum_ptr + TR * (2 * BB) + 1 - parity, 0)
     if STAGES & 1:
         s1_out_proj(
             o_in_ptr, gate_ptr, w_o_ptr, s_o_ptr, router_ptr, sgu_ptr, scratch_ptr, peers_ptr,
@@ -150,14 +145,14 @@ def k2_kernel(
     if STAGES & 2:
         s1_reduce(
             res_in_ptr, out_r_ptr, p1_read, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base, nsum_ptr,
-            ctrl_ptr, health_ptr, nctr_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H, BB, CB,
-            TR, NS1, W_P, RID_P1, Q_SEG, NCT, INTERP,
+            ctrl_ptr, health_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H, BB, CB, TR, NS1,
+            W_P, RID_P1, Q_SEG, INTERP,
         )  # fmt: skip
     stamp(trace_ptr, 2, TRACE)
     if STAGES & 4:
         rs = s2_norm_sums(
-            nsum_ptr, nctr_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps, H,
-            BB, UM, TR, TRP, RID_NSUM, NCT, INTERP,
+            nsum_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps, H, BB, UM,
+            TR, TRP, RID_NSUM, INTERP,
         )  # fmt: skip
         stamp(trace_ptr, 3, TRACE)
         s2_router(
@@ -170,8 +165,8 @@ def k2_kernel(
         n_pub = tl.where(n_rows > LTR, n_rows, 0)
         s3_topk(
             logits_ptr, picks_ptr, xn_base, xq_base, wsc_base, ctrl_ptr, health_ptr, trace_ptr,
-            pid, G, n_pub, tag, E, EP, TOPK, TKP, NORM_TOPK, TKB, BB, KS2, H, HP, BK3, UM,
-            RID_LOGITS, INTERP, A8, TRACE,
+            pid, G, n_pub, tag, E, EP, TOPK, NORM_TOPK, BB, KS2, H, HP, BK3, UM, RID_LOGITS,
+            INTERP, A8, TRACE,
         )  # fmt: skip
     stamp(trace_ptr, 10, TRACE)
     if STAGES & 16:
@@ -181,7 +176,7 @@ def k2_kernel(
             if local_tk:
                 s3_topk_local(
                     logits_ptr, lpicks_base, ctrl_ptr, health_ptr, trace_ptr, n_rows, tag, E, EP,
-                    TOPK, TKP, NORM_TOPK, TKB, BB, KS2, RID_LOGITS, INTERP, TRACE,
+                    TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE,
                 )  # fmt: skip
         n_u = s3_union(
             picks_ptr, lpicks_base, local_tk, wsc_base, ppos_base, meta_base, eslot_base,

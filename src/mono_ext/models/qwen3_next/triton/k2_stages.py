@@ -24,13 +24,11 @@ from mono_ext.kernels.triton.planes import (
     scale_index,
 )
 from mono_ext.kernels.triton.primitives import (
-    count_in,
     fence_gpu,
     fp32_bits,
     put_words,
     stamp,
     unpack_value,
-    wait_count,
     words_to_fp32,
 )
 from mono_ext.models.qwen3_next.triton.k2_sync import (
@@ -131,13 +129,12 @@ def s1_out_proj(
 @triton.jit
 def s1_reduce(
     res_in_ptr, out_r_ptr, p1_read, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base, nsum_ptr, ctrl_ptr,
-    health_ptr, nctr_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H: tl.constexpr,
-    BB: tl.constexpr, CB: tl.constexpr, TR: tl.constexpr, NS1: tl.constexpr, W_P: tl.constexpr,
-    RID_P1: tl.constexpr, Q_SEG: tl.constexpr, NCT: tl.constexpr, INTERP: tl.constexpr,
+    health_ptr, pid, G, rows, rmask, n_rows, slot1, tag, H: tl.constexpr, BB: tl.constexpr,
+    CB: tl.constexpr, TR: tl.constexpr, NS1: tl.constexpr, W_P: tl.constexpr,
+    RID_P1: tl.constexpr, Q_SEG: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S1 reduce: out_proj partials of all ranks and K splits summed in order, + residual ->
-    ``out_residual``, and the norm's parts of those columns (:func:`_norm_parts`); ``NCT``:
-    each task then counts itself in at ``nctr_ptr``."""
+    ``out_residual``, and the norm's parts of those columns (:func:`_norm_parts`)."""
     for t in range(pid, TR, G):
         cols = t * CB + tl.arange(0, CB)
         cm = rmask[:, None] & (cols[None, :] < H)
@@ -150,10 +147,6 @@ def s1_reduce(
         tl.store(out_r_ptr + off, r.to(tl.bfloat16), mask=cm)
         _norm_parts(r, t, cols, cm, off, rows, rmask, norm_w_ptr, seg_ptr, s_seg_ptr, xn_base,
                     nsum_ptr, tag, H, BB, Q_SEG, INTERP)  # fmt: skip
-        if NCT:  # every thread's sums stored and fenced, then one increment
-            tl.debug_barrier()
-            fence_gpu(INTERP)
-            count_in(nctr_ptr, INTERP)
 
 
 @triton.jit
@@ -196,18 +189,14 @@ def _norm_weights(norm_w_ptr, seg_ptr, s_seg_ptr, hh, H: tl.constexpr, Q_SEG: tl
 
 @triton.jit
 def s2_norm_sums(
-    nsum_ptr, nctr_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps,
-    H: tl.constexpr, BB: tl.constexpr, UM: tl.constexpr, TR: tl.constexpr, TRP: tl.constexpr,
-    RID_NSUM: tl.constexpr, NCT: tl.constexpr, INTERP: tl.constexpr,
+    nsum_ptr, wsc_base, ctrl_ptr, health_ptr, rows, rmask, n_rows, tag, eps, H: tl.constexpr,
+    BB: tl.constexpr, UM: tl.constexpr, TR: tl.constexpr, TRP: tl.constexpr,
+    RID_NSUM: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """S2 norm from the reduce tasks' sums (:func:`_norm_parts`): every CTA waits for all of
     them, sums each row's TR blocks in one fixed order, and keeps the
     row's rsqrt (slot UM + 1 of ``wsc``, and returned) and its shared-expert gate (slot UM).
-    After the fence the shared ``xn`` planes (u) are this CTA's to read. ``NCT``: the TR tasks'
-    counter is followed first (:func:`wait_count`), so the block is polled once, not per
-    round trip, when the count is right."""
-    if NCT:
-        wait_count(nctr_ptr, TR, health_ptr, INTERP)
+    After the fence the shared ``xn`` planes (u) are this CTA's to read."""
     tt = tl.arange(0, TRP)
     cc = tl.arange(0, 2 * BB)
     idx = tt[:, None] * (2 * BB) + cc[None, :]
@@ -294,12 +283,11 @@ def s2_router(
 @triton.jit
 def _row_picks(
     logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E: tl.constexpr, EP: tl.constexpr,
-    TOPK: tl.constexpr, TKP: tl.constexpr, NORM_TOPK: tl.constexpr, TKB: tl.constexpr,
-    BB: tl.constexpr, KS2: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr,
-    TRACE: tl.constexpr,
+    TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr, KS2: tl.constexpr,
+    RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
-    """Row ``r``'s picks (:func:`.k2_topk.topk_row` over [1, EP]; ``TKB``: bitonic) once its KS2 partial logits are in,
-    summed in one order. The one body of both top-k stages (:func:`s3_topk`,
+    """Row ``r``'s picks (:func:`.k2_topk.topk_row` over [1, EP]) once its KS2 partial logits
+    are in, summed in one order. The one body of both top-k stages (:func:`s3_topk`,
     :func:`s3_topk_local`): a row's picks are the same bits whichever takes them, which batch
     invariance needs when a row alone and the same row in a wider step take different ones."""
     offs_e = tl.arange(0, EP)
@@ -312,7 +300,7 @@ def _row_picks(
     )
     stamp(trace_ptr, 13, TRACE)  # the row's logits are in: the rest is the top-k itself
     lg = tl.reshape(tl.sum(words_to_fp32(lwords), axis=0), (1, EP))
-    return topk_row(lg, valid, offs_e, TOPK, TKP, NORM_TOPK, TKB)
+    return topk_row(lg, valid, offs_e, TOPK, NORM_TOPK)
 
 
 @triton.jit
@@ -339,10 +327,10 @@ def _quantize_row(xr_base, xq_base, r, rs_r, H: tl.constexpr, HP: tl.constexpr,
 @triton.jit
 def s3_topk(
     logits_ptr, picks_ptr, xr_base, xq_base, wsc_base, ctrl_ptr, health_ptr, trace_ptr, pid, G,
-    n_rows, tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr,
-    NORM_TOPK: tl.constexpr, TKB: tl.constexpr, BB: tl.constexpr, KS2: tl.constexpr,
-    H: tl.constexpr, HP: tl.constexpr, BK3: tl.constexpr, UM: tl.constexpr,
-    RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr, TRACE: tl.constexpr,
+    n_rows, tag, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
+    BB: tl.constexpr, KS2: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+    BK3: tl.constexpr, UM: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr,
+    A8: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """S3 top-k, one row per CTA: CTA ``G - 1 - r`` (mod G: CTAs past the router's tasks) takes
     row r's softmax top-k and publishes its picks into ``picks``: TOPK expert ids by rank, then
@@ -360,8 +348,7 @@ def s3_topk(
     offs_e = tl.arange(0, EP)
     for r in range(G - 1 - pid, n_rows, G):
         sel, prank, wts = _row_picks(logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E, EP,
-                                     TOPK, TKP, NORM_TOPK, TKB, BB, KS2, RID_LOGITS, INTERP,
-                                     TRACE)  # fmt: skip
+                                     TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE)  # fmt: skip
         # each pick to the word of its rank (ranks are distinct). The rank decides, not the
         # weight: a NaN weight (a CUDA-graph padding row whose attention saw no keys is NaN
         # in vLLM) is still a pick whose pair must be written.
@@ -378,9 +365,8 @@ def s3_topk(
 @triton.jit
 def s3_topk_local(
     logits_ptr, lpicks_base, ctrl_ptr, health_ptr, trace_ptr, n_rows, tag, E: tl.constexpr,
-    EP: tl.constexpr, TOPK: tl.constexpr, TKP: tl.constexpr, NORM_TOPK: tl.constexpr,
-    TKB: tl.constexpr, BB: tl.constexpr, KS2: tl.constexpr, RID_LOGITS: tl.constexpr,
-    INTERP: tl.constexpr, TRACE: tl.constexpr,
+    EP: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, BB: tl.constexpr,
+    KS2: tl.constexpr, RID_LOGITS: tl.constexpr, INTERP: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """S3 top-k of every live row in this CTA (``K2Config.local_topk_rows``): the same
     picks as :func:`s3_topk` (:func:`_row_picks`), stored untagged into this CTA's ``lpicks_base``
@@ -389,8 +375,7 @@ def s3_topk_local(
     offs_e = tl.arange(0, EP)
     for r in range(0, n_rows):
         sel, prank, wts = _row_picks(logits_ptr, r, ctrl_ptr, health_ptr, trace_ptr, tag, E, EP,
-                                     TOPK, TKP, NORM_TOPK, TKB, BB, KS2, RID_LOGITS, INTERP,
-                                     TRACE)  # fmt: skip
+                                     TOPK, NORM_TOPK, BB, KS2, RID_LOGITS, INTERP, TRACE)  # fmt: skip
         at = r * (2 * TOPK) + prank
         tl.store(lpicks_base + at, offs_e[None, :], mask=sel)
         tl.store(lpicks_base + at + TOPK, fp32_bits(wts), mask=sel)

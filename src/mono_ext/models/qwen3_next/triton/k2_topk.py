@@ -1,14 +1,9 @@
-"""K2's router top-k of one row: softmax, then the TOPK largest probabilities and their ranks.
+"""K2's router top-k of one row: softmax, then the TOPK largest probabilities and their ranks,
+found in threshold rounds over unique int keys (:func:`topk_keys`): one block-wide max per
+pick, each a warp reduction, a shared-memory exchange and its barriers.
 
-Both ways of finding the picks give the same bits, because they select from the same unique
-int keys (:func:`topk_keys`); they differ in the reductions a CTA runs in series:
-
-- **threshold rounds** (the default): one block-wide max per pick, each a warp reduction,
-  a shared-memory exchange and its barriers (about three barriers a round on sm_90a);
-- **bitonic** (``K2Config.topk_bitonic``): Triton's bitonic top-TKP over the whole row
-  (``tl.topk``), whose compare-and-swap steps run in registers and warp shuffles and
-  cross warps only in its last merges, then each rank's key read off the sorted block by a
-  reduction over TKP elements. Fewer barriers in series, more shuffles.
+Triton's bitonic ``tl.topk`` over the same keys gave the same bits and was slower on an H100
+(the top-k about 4 us later at width 1; docs/perf.md, docs/results/k2_ab_counter_bitonic_h100.csv).
 """
 
 from __future__ import annotations
@@ -36,27 +31,17 @@ def topk_keys(lg, valid, offs_e):
 
 
 @triton.jit
-def topk_row(lg, valid, offs_e, TOPK: tl.constexpr, TKP: tl.constexpr,
-             NORM_TOPK: tl.constexpr, BITONIC: tl.constexpr):  # fmt: skip
-    """Softmax top-k of one row's [1, EP] logits (``valid``: the real experts; TKP: TOPK
-    rounded up to a power of two). Returns (sel, prank, wts): the picks, each pick's rank in
+def topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
+    """Softmax top-k of one row's [1, EP] logits (``valid``: the real experts). Returns (sel, prank, wts): the picks, each pick's rank in
     the row (0 = largest probability; meaningful where ``sel``) and the routing weights (0
     elsewhere)."""
     p, key = topk_keys(lg, valid, offs_e)
     prank = tl.zeros_like(key)
-    if BITONIC:
-        top = tl.topk(key, TKP, dim=1)  # [1, TKP]: the TKP largest keys, largest first
-        ti = tl.arange(0, TKP)[None, :]
-        for j in tl.static_range(TOPK - 1):
-            t_j = tl.max(tl.where(ti == j, top, -2147483648), axis=1)
-            prank += (key < t_j[:, None]).to(tl.int32)  # a pick's rank: how many picks beat it
-        thr = tl.max(tl.where(ti == TOPK - 1, top, -2147483648), axis=1)
-    else:
-        thr = tl.max(key, axis=1)
-        for _j in tl.static_range(TOPK - 1):
-            below = key < thr[:, None]
-            prank += below.to(tl.int32)
-            thr = tl.max(tl.where(below, key, -2147483648), axis=1)
+    thr = tl.max(key, axis=1)
+    for _j in tl.static_range(TOPK - 1):
+        below = key < thr[:, None]
+        prank += below.to(tl.int32)  # a pick's rank: how many picks beat it
+        thr = tl.max(tl.where(below, key, -2147483648), axis=1)
     sel = valid & (key >= thr[:, None])
     wts = tl.where(sel, p, 0.0)
     if NORM_TOPK:

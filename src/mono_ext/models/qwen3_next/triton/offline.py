@@ -30,8 +30,6 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k2 gdn bf16 router-preload | each CTA loads its router tile before S1's hand-offs (8 K splits) |
 | k2 gdn bf16 narrow-steps | a one-row step takes its top-k in every CTA, steps of up to two   |
 |                       | rows deal down runs from the last CTA (the narrow-step options)    |
-| k2 gdn bf16 bitonic-topk | each row's picks by Triton's bitonic top-k (topk_bitonic)        |
-| k2 gdn bf16 nsum-counter | the norm's wait follows its writers' counter first (nsum_counter) |
 
 Torch and Triton are imported inside the functions.
 """
@@ -101,8 +99,6 @@ _BUILDS: dict[str, tuple[str, dict]] = {
         "k2",
         {"kind": "gdn", "config": {"down_runs_from_last_rows": 2, "local_topk_rows": 1}},
     ),
-    "k2 gdn bf16 bitonic-topk": ("k2", {"kind": "gdn", "config": {"topk_bitonic": True}}),
-    "k2 gdn bf16 nsum-counter": ("k2", {"kind": "gdn", "config": {"nsum_counter": True}}),
 }
 #: the builds a deployment of the 80B-A3B preset compiles by default
 DEFAULT_BUILDS = ("k1 gdn", "k1 attn", "k2 gdn bf16")
