@@ -79,7 +79,11 @@ class K2Config:
     # docs/results/k2_sweep_owners_h200.csv
     router_pipeline_stages: int = 3
     gate_up_pipeline_stages: int = 4
-    down_pipeline_stages: int = 4
+    # down I chunks in flight: 3 was faster than 4 at every width, by 1.2-1.4 us at widths 1-4
+    # and 3.5 / 5.5 us at 8 / 16 (median of 14 paired H100 reps), and than 2 at every width
+    # (docs/results/k2_sweep_stages_h100.csv); the fp8 widening build level, the a8 build 11 us
+    # slower at width 16 (docs/results/k2_down3_fp8_h100.csv)
+    down_pipeline_stages: int = 3
     # fp8 block-128 expert planes (w13, w2 and the shared expert's) multiply e4m3
     # activations, quantized per row and 128 columns as vLLM's fp8 MoE quantizes them, on an
     # e4m3 MMA read from shared memory; off: the codes widen to bf16 for a bf16 MMA with bf16
