@@ -53,6 +53,13 @@
 #                                         and 16) alternating between $BASE_SRC and this tree,
 #                                         twice each; this tree also times $K2AB_VARIANTS
 #                                         (default "k2"; writes $OUT/k2_{base,new}_{1,2}.csv)
+#   bash tools/gpu/run_kernels.sh k2reps  bench_k2 (torch stock arm, widths 1-16) over
+#                                         $K2_VARIANTS (first: the base, default the default
+#                                         build), $REPS passes (default 6), each a process of its
+#                                         own, the order reversed every other pass; then
+#                                         benchmarks/ab_paired.py: each variant against the base
+#                                         of its pass (writes $OUT/k2_reps.csv, $OUT/k2_reps.md).
+#                                         A pass is 5-40 s on a warm Triton cache (H100)
 #   bash tools/gpu/run_kernels.sh handoff benchmarks/bench_handoff.py: how long a full grid
 #                                         takes to see a few CTAs' tagged words (K2's picks),
 #                                         with the bounded wait of $BASE_SRC and of this tree
@@ -169,6 +176,21 @@ k2ab)
         --csv "$OUT/k2_${arm}_$rep.csv" --trace-json "$OUT/k2_${arm}_${rep}_trace.json"
     done
   done ;;
+k2reps)
+  variants=${K2_VARIANTS:-k2}
+  base=${variants%%,*}
+  reversed=$(tr ',' '\n' <<< "$variants" | tac | paste -sd, -)
+  passes=()
+  for rep in $(seq 1 "${REPS:-6}"); do
+    v=$variants
+    [ $((rep % 2)) -eq 0 ] && v=$reversed
+    run "k2_rep_$rep" python3 benchmarks/bench_k2.py --widths 1,2,4,8,16 --stock torch \
+      --variants "$v" --csv "$OUT/k2_rep_$rep.csv"
+    [ -f "$OUT/k2_rep_$rep.csv" ] && passes+=("$OUT/k2_rep_$rep.csv")
+  done
+  run k2_reps python3 benchmarks/ab_paired.py --base "$base" --csv-out "$OUT/k2_reps.csv" \
+    --md-out "$OUT/k2_reps.md" "${passes[@]}"
+  cat "$OUT/k2_reps.md" ;;
 handoff)
   for arm in base new; do
     src=$PWD/src
@@ -179,6 +201,6 @@ handoff)
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1ab|k2ab|handoff|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1ab|k2ab|k2reps|handoff|a8|layer" >&2
   exit 2 ;;
 esac
