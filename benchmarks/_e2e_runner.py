@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime
 import json
 import math
@@ -774,13 +773,9 @@ def write_csv(s: dict[str, Any], path: Path) -> None:
         {"table": "accuracy", **{k: v for k, v in r.items() if k != "divergence_margins"}}
         for r in s["accuracy"]
     ]
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
+    from _csv_rows import write_rows
+
+    write_rows(path, rows)
 
 
 def write_plot(s: dict[str, Any], path: Path, title: str) -> str:

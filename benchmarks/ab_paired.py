@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _csv_rows import write_rows  # noqa: E402
 
 __all__ = ["Paired", "combine", "markdown", "paired", "read_passes"]
 
@@ -131,17 +135,6 @@ def _cell(p: Paired | None) -> str:
     return f"{p.median:+.2f} [{p.low:+.2f}, {p.high:+.2f}]"
 
 
-def write_csv(path: str, rows: Iterable[dict]) -> None:
-    rows = list(rows)
-    fields: list[str] = []
-    for r in rows:
-        fields += [k for k in r if k not in fields]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("passes", nargs="+", help="one CSV per pass, in the order they ran")
@@ -159,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + markdown(table, base_medians(passes, args.base), args.base)
     )
     if args.csv_out:
-        write_csv(args.csv_out, combine(passes))
+        write_rows(args.csv_out, combine(passes))
     if args.md_out:
         with open(args.md_out, "w") as f:
             f.write(text)
