@@ -12,6 +12,12 @@ SHARED_PER_BLOCK = 227 * 1024
 READ_FORMATS = frozenset(FORMAT_CODES)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): block sizes and padded extents of the
+    constexprs every build derives from its shapes."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
 def pdl_options(on: bool) -> dict:
     """A persistent kernel's ``PDL`` constexpr (``primitives.pdl_prologue``) and Triton's
     ``launch_pdl`` option, both or neither, so a build without PDL compiles exactly as one that

@@ -30,7 +30,7 @@ from mono_ext.kernels.triton.launcher import (
     live_template,
     live_values,
 )
-from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, pdl_options
+from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, next_pow2, pdl_options
 from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reasons
 from mono_ext.models.qwen3_next.triton.k1_kernel import (
     S0,
@@ -49,7 +49,6 @@ from mono_ext.models.qwen3_next.triton.k1_plan import (
     gdn_row_map,
     k1_attn_program,
     k1_gdn_program,
-    next_pow2,
     pow2_divisor,
     rope_table,
     s1_units,

@@ -21,7 +21,6 @@ __all__ = [
     "gdn_row_map",
     "k1_attn_program",
     "k1_gdn_program",
-    "next_pow2",
     "pow2_divisor",
     "rope_table",
     "s1_units",
@@ -259,7 +258,3 @@ def pow2_divisor(n: int, cap: int) -> int:
     while b * 2 <= cap and n % (b * 2) == 0:
         b *= 2
     return b
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())

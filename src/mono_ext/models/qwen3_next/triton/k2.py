@@ -88,10 +88,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mono_ext.kernels.triton.launcher import ROWS, FrozenLaunch, Live, live_template, live_values
-from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, pdl_options
+from mono_ext.kernels.triton.limits import BLOCK_B, PER_STEP_ARGS, next_pow2, pdl_options
 from mono_ext.kernels.triton.planes import chunk_limit, format_code, plane_reasons, scale_numel
 from mono_ext.models.qwen3_next.shapes import TailShape
-from mono_ext.models.qwen3_next.triton.k2_config import K2Config, next_pow2
+from mono_ext.models.qwen3_next.triton.k2_config import K2Config
 from mono_ext.models.qwen3_next.triton.k2_kernel import STAGE_ORDER, STAGES_ALL, k2_kernel
 from mono_ext.runtime.layout import Program, Region, Stage, plan_layout, push, wait, write
 

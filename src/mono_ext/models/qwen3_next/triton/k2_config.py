@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mono_ext.kernels.triton.limits import next_pow2
 from mono_ext.models.qwen3_next.shapes import TailShape
 
-__all__ = ["K2Config", "next_pow2"]
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+__all__ = ["K2Config"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +60,8 @@ class K2Config:
     # its last round, whose blocks complete the last slots; reversed, those same CTAs take
     # the last slots' down runs and every other run reads slots the earlier rounds completed.
     # The same tasks and sums: bit-identical. Off: alone against neither it was 0.3-1.2 us
-    # slower at every width (median of 6 paired H100 reps, docs/results/k2_ab_counter_bitonic_h100.csv)
+    # slower at every width (median of 6 paired H100 reps,
+    # docs/results/k2_ab_counter_bitonic_h100.csv)
     down_runs_from_last_rows: int = 0
     # steps of at most this many rows skip the picks hand-off: every CTA takes every row's
     # top-k from the logits itself (the same sums and picks, serial in the rows). Off: 0.9 us

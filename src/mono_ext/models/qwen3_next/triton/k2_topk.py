@@ -2,8 +2,8 @@
 found in threshold rounds over unique int keys (:func:`topk_keys`): one block-wide max per
 pick, each a warp reduction, a shared-memory exchange and its barriers.
 
-Triton's bitonic ``tl.topk`` over the same keys gave the same bits and was slower on an H100
-(the top-k about 4 us later at width 1; docs/perf.md, docs/results/k2_ab_counter_bitonic_h100.csv).
+Why not Triton's bitonic ``tl.topk`` over the same keys: the same bits, but slower on an H100
+(the picks about 4 us later at width 1; docs/results/k2_ab_counter_bitonic_h100.csv).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def topk_keys(lg, valid, offs_e):
 
 @triton.jit
 def topk_row(lg, valid, offs_e, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr):
-    """Softmax top-k of one row's [1, EP] logits (``valid``: the real experts). Returns (sel, prank, wts): the picks, each pick's rank in
-    the row (0 = largest probability; meaningful where ``sel``) and the routing weights (0
-    elsewhere)."""
+    """Softmax top-k of one row's [1, EP] logits (``valid``: the real experts). Returns (sel,
+    prank, wts): the picks, each pick's rank in the row (0 = largest probability; meaningful
+    where ``sel``) and the routing weights (0 elsewhere)."""
     p, key = topk_keys(lg, valid, offs_e)
     prank = tl.zeros_like(key)
     thr = tl.max(key, axis=1)
