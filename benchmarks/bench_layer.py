@@ -206,7 +206,7 @@ class MonoArm:
     """K1 + K2 builds of the deployment (one per kind), their workspaces and the rank state."""
 
     def __init__(self, d: Dims, kinds, layers, states, caches, bufs, kv: bool, pdl: bool = False,
-                 k1_over: dict | None = None):  # fmt: skip
+                 k1_over: dict | None = None, k2_over: dict | None = None):  # fmt: skip
         from mono_ext.models.qwen3_next.triton.k1 import (
             K1AttnLaunch,
             K1AttnShape,
@@ -219,8 +219,10 @@ class MonoArm:
 
         sm = torch.cuda.get_device_properties(0).multi_processor_count
         self.arm = PDL_ARM if pdl else ARM
+        if k2_over:
+            self.arm += " " + json.dumps(k2_over, separators=(",", ":"))
         k1c = K1Config(grid=sm, pdl=pdl, **(k1_over or {}))
-        k2c = K2Config(grid=sm, pdl=pdl)
+        k2c = K2Config(grid=sm, pdl=pdl, **(k2_over or {}))
         self.d, self.kinds, self.layers, self.states = d, kinds, layers, states
         self.caches, self.bufs, self.kv = caches, bufs, kv
         self.k1 = {
@@ -404,6 +406,19 @@ def time_graph(body, reps: int) -> float:
     return statistics.median(graph_times_us(body, reps))
 
 
+def time_arms(bodies, passes: int, time_one) -> dict[str, list[float]]:
+    """``time_one(body)`` of every ``(arm, body, mono)`` in ``bodies``, ``passes`` times, the
+    order reversed every other pass (so no arm always runs first after a capture); a mono
+    arm's health is checked after each of its timings. Returns each arm's times in pass order."""
+    out: dict[str, list[float]] = {arm: [] for arm, _, _ in bodies}
+    for p in range(passes):
+        for arm, body, mono in bodies if p % 2 == 0 else bodies[::-1]:
+            out[arm].append(time_one(body))
+            if mono is not None:
+                mono.healthy()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
@@ -411,6 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-pdl", action="store_true", help=f"leave out the {PDL_ARM!r} arm")
     ap.add_argument("--json", default=None, help="default docs/results/layer_<device>.json")
+    ap.add_argument("--k2-variants", default=None,
+                    help='more mono arms, each a K2Config override (JSON), ";" between them, '
+                         'e.g. \'{"down_pipeline_stages": 4}\'; each must leave the step '
+                         'bit-identical to the default arm\'s')  # fmt: skip
+    ap.add_argument("--passes", type=int, default=1,
+                    help="time every arm this many times per width, the order reversed every "
+                         "other pass; the median of the passes is reported")  # fmt: skip
     ap.add_argument("--k1-config", default=None,
                     help='K1Config overrides (JSON) of both mono arms, e.g. \'{"pipeline_stages": 4}\'')  # fmt: skip
     args = ap.parse_args(argv)
@@ -449,6 +471,16 @@ def main(argv: list[str] | None = None) -> int:
         if same:
             monos.append(pdl)
 
+    for over in (json.loads(v) for v in (args.k2_variants or "").split(";") if v.strip()):
+        var = MonoArm(d, kinds, layers, states, mono.caches, bufs, kv=mono.kv, k1_over=k1_over,
+                      k2_over=over)  # fmt: skip
+        same = same_step(mono, var, bufs)
+        var.healthy()
+        checks[var.arm] = {"bit_identical_to": ARM, "ok": same}
+        print(f"  {var.arm}: bit-identical to {ARM} at width {CHECK_WIDTH}: {same}")
+        if same:
+            monos.append(var)
+
     arms = []
     modes = [m for m in args.vllm_modes.split(",") if m]
     if problem is not None:
@@ -479,13 +511,13 @@ def main(argv: list[str] | None = None) -> int:
         hit = experts_hit(d, layers, bufs, b)
         nbytes = sum(layer_bytes(d, k, b, n) for k, n in zip(kinds, hit, strict=True))
         floor_us = nbytes / bw * 1e6
-        timed = {}
-        for m in monos:
-            timed[m.arm] = time_graph(lambda b=b, m=m: m.step(b), args.reps)
-            m.healthy()
-        for arm in arms:
-            timed[arm.arm] = time_graph(lambda b=b, arm=arm: arm.step(b, bufs), args.reps)
-        stock = min((us for a, us in timed.items() if a not in (ARM, PDL_ARM)), default=None)
+        bodies = [(m.arm, lambda b=b, m=m: m.step(b), m) for m in monos] + [
+            (arm.arm, lambda b=b, arm=arm: arm.step(b, bufs), None) for arm in arms
+        ]
+        passes = time_arms(bodies, args.passes, lambda body: time_graph(body, args.reps))
+        timed = {arm: statistics.median(v) for arm, v in passes.items()}
+        mono_arms = {m.arm for m in monos}
+        stock = min((us for a, us in timed.items() if a not in mono_arms), default=None)
         for a, us in timed.items():
             row = {
                 "width": b,
@@ -497,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                 "floor_fraction": round(floor_us / us, 3),
                 "stock_over_arm": round(stock / us, 3) if stock else None,
                 "experts_hit": hit,
+                "passes_us": [round(x, 2) for x in passes[a]],
             }
             rows.append(row)
             print(f"  w{b:<2} {a:<14} {us:8.1f} us/step {us / len(kinds):7.1f} us/layer "
@@ -508,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         "copy_tb_per_s": round(bw / 1e12, 3),
         "builds": [x for m in monos for x in m.labels()],
         "k1_config": k1_over,
+        "k2_variants": args.k2_variants,
+        "passes": args.passes,
         "kv_write": problem is None,
         "checks": {"width": CHECK_WIDTH, "min_cosine": STOCK_COSINE, "arms": checks},
         "rows": rows,

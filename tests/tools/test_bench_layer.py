@@ -51,3 +51,30 @@ def _numel(shape):
     for s in shape:
         n *= s
     return n
+
+
+def test_arms_are_timed_in_alternating_order_and_checked_after_each_timing():
+    calls, checked = [], []
+
+    class Mono:
+        def __init__(self, name):
+            self.name = name
+
+        def healthy(self):
+            checked.append(self.name)
+
+    bodies = [("a", "body-a", Mono("a")), ("b", "body-b", Mono("b")), ("vllm", "body-v", None)]
+    times = iter(range(100))
+
+    def time_one(body):
+        calls.append(body)
+        return float(next(times))
+
+    out = bench.time_arms(bodies, 3, time_one)
+    assert calls == ["body-a", "body-b", "body-v", "body-v", "body-b", "body-a"] + [
+        "body-a",
+        "body-b",
+        "body-v",
+    ]
+    assert out == {"a": [0.0, 5.0, 6.0], "b": [1.0, 4.0, 7.0], "vllm": [2.0, 3.0, 8.0]}
+    assert checked == ["a", "b", "b", "a", "a", "b"]
