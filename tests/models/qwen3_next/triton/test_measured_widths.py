@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mono_ext.core.backends import served_widths
+from mono_ext.core.backends import served_source, served_widths
 from mono_ext.models.qwen3_next.triton.backend import TritonBuilder
 from mono_ext.models.qwen3_next.triton.measured import FASTER, measured_faster
 
@@ -62,7 +62,7 @@ def test_vllm_on_an_h200_serves_what_its_result_file_shows_and_says_why_not():
 
 
 @pytest.mark.parametrize(
-    "engine,device", [("sglang", "NVIDIA H200"), ("vllm", "NVIDIA H100 80GB HBM3"), ("vllm", None)]
+    "engine,device", [("sglang", "NVIDIA H200"), ("vllm", "NVIDIA A100-SXM4-80GB"), ("vllm", None)]
 )
 def test_an_unmeasured_engine_or_device_serves_nothing_and_says_where_to_look(engine, device):
     widths, why = served_widths(
@@ -74,6 +74,18 @@ def test_an_unmeasured_engine_or_device_serves_nothing_and_says_where_to_look(en
     assert served_widths(SPEC, TritonBuilder(), "triton", True, engine=engine, device=device) == (
         SPEC,
         None,
+    )
+
+
+def test_vllm_on_an_h100_was_measured_and_serves_no_width():
+    """The H100 run measured every batch slower at one of its layer counts: stock runs there,
+    the log says so, and the source names the H100 result, not the H200 one."""
+    widths, why = served_widths(
+        SPEC, TritonBuilder(), "triton", False, engine="vllm", device="NVIDIA H100 80GB HBM3"
+    )
+    assert widths == () and "serves no width" in why and "NVIDIA H100 80GB HBM3" in why
+    assert served_source(TritonBuilder(), "vllm", "NVIDIA H100 80GB HBM3").startswith(
+        "docs/results/e2e_vllm_h100.json"
     )
 
 
