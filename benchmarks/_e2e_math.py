@@ -10,7 +10,9 @@ no engine, no torch.
 * plan selection and result merging across device calls; greedy agreement and KL(off || on)
   of top-k logprobs between two runs of the same prompts (:func:`compare_runs`);
 * a decode step's device time from profiled runs: busy (the union of its kernels' and
-  copies' intervals), idle, and the kernels by time (:func:`gpu_step_summary`).
+  copies' intervals), idle, and the kernels by time (:func:`gpu_step_summary`); over layer
+  counts, what of the fitted intercept per-step work is and what kernels run once per layer
+  at a cost that changes with depth (:func:`intercept_parts`).
 
 tests/tools/test_e2e_bench_math.py exercises these through ``e2e_vllm`` (which re-exports
 them) and ``tests/tools/test_e2e_sglang_bench.py`` through ``e2e_sglang``.
@@ -59,7 +61,7 @@ def gpu_step_summary(
     n1: int,
     n2: int,
     tpot_s: float,
-    top: int = 12,
+    top: int = 40,
 ) -> dict[str, Any]:
     """Per decode step, from the device events ``(name, start_us, end_us)`` of one generate
     of ``n1`` and one of ``n2`` tokens: what the second run has more, over ``n2 - n1`` (the
@@ -101,6 +103,61 @@ def gpu_step_summary(
         events_per_step=round((len(ev2) - len(ev1)) / steps, 2),
         kernels=kernels[:top],
     )
+
+
+def intercept_parts(profiles: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Where the intercept of a fit over layer counts comes from, per decode step, given one
+    arm's :func:`gpu_step_summary` at each of two or more layer counts (layers -> summary).
+
+    A kernel launched once per step whatever the depth (the logits GEMM, sampling, an
+    adapter's own copies) is per-step work: ``step_kernels_us``, its mean time per step. A
+    kernel launched a fixed number of times per layer adds to the intercept only if its time
+    per call changes with depth (an MoE whose rows hit fewer experts in later layers):
+    ``layer_kernels_intercept_us``, the sum of those kernels' own fitted intercepts, and the
+    largest of them in ``layer_kernels``. ``unattributed_us`` is the busy intercept neither
+    explains (kernels outside the summaries' top lists, or launched another way). Only
+    kernels present at every layer count are classed; the summaries keep a top few each."""
+    layers = sorted(profiles)
+    if len(layers) < 2:
+        raise ValueError(f"need two or more layer counts, got {layers}")
+    xs = [float(n) for n in layers]
+
+    def fit(values: list[float]) -> tuple[float, float]:
+        return fit_line(xs, values)
+
+    busy_slope, busy_icpt = fit([profiles[n]["busy_us"] for n in layers])
+    _, idle_icpt = fit([profiles[n]["idle_us"] for n in layers])
+    tpot_slope, tpot_icpt = fit([profiles[n]["tpot_us"] for n in layers])
+    per = [{k["name"]: k for k in profiles[n]["kernels"]} for n in layers]
+    common = set(per[0]).intersection(*per[1:])
+    step_us, layer_icpt, parts = 0.0, 0.0, []
+    for name in sorted(common):
+        calls = [p[name]["calls_per_step"] for p in per]
+        times = [p[name]["us_per_step"] for p in per]
+        if all(math.isclose(c, calls[0], rel_tol=0.01) for c in calls):
+            step_us += statistics.fmean(times)
+        elif calls[0] > 0 and all(
+            math.isclose(c / n, calls[0] / layers[0], rel_tol=0.01)
+            for c, n in zip(calls, layers, strict=True)
+        ):
+            icpt = fit(times)[1]
+            layer_icpt += icpt
+            parts.append({"name": name, "intercept_us": round(icpt, 2),
+                          "us_per_call": [round(t / c, 2) for t, c in zip(times, calls,
+                                                                          strict=True)]})  # fmt: skip
+    parts.sort(key=lambda p: -abs(p["intercept_us"]))
+    return {
+        "layers": layers,
+        "tpot_per_layer_us": round(tpot_slope, 2),
+        "tpot_intercept_us": round(tpot_icpt, 2),
+        "busy_per_layer_us": round(busy_slope, 2),
+        "busy_intercept_us": round(busy_icpt, 2),
+        "idle_intercept_us": round(idle_icpt, 2),
+        "layer_kernels_intercept_us": round(layer_icpt, 2),
+        "step_kernels_us": round(step_us, 2),
+        "unattributed_us": round(busy_icpt - layer_icpt - step_us, 2),
+        "layer_kernels": parts[:5],
+    }
 
 
 def expected_distinct(experts: int, top_k: int, rows: int) -> float:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _e2e_math import delta_tpot, gpu_step_summary, kinds_for, merge, select
+from _e2e_math import delta_tpot, gpu_step_summary, intercept_parts, kinds_for, merge, select
 
 ORDER = ("off", "on", "on", "off")
 # the packages whose versions every ``bw`` entry records (the absent ones left out)
@@ -538,6 +538,29 @@ def gpu_profile_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def gpu_profile_fit_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``summary.gpu_profile_fit``: per arm and batch with device profiles at two or more
+    layer counts (the first run of each), :func:`intercept_parts`: how much of the
+    fitted intercept is per-step device work, how much layer kernels whose cost changes with
+    depth, and the device's idle time."""
+    found: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    for _, r in sorted(runs.items()):
+        e = r.get("entry") or {}
+        if e.get("kind") != "offline":
+            continue
+        for b, v in (r.get("batches") or {}).items():
+            g = v.get("gpu_profile")
+            if g and "busy_us" in g:
+                found.setdefault((e["arm"], int(b)), {}).setdefault(e["layers"], g)
+    arms = sorted({a for a, _ in found}, key=lambda s: (s != "off", s))
+    return [
+        {"arm": a, "batch": b, **intercept_parts(found[a, b])}
+        for a in arms
+        for b in sorted(b for a_, b in found if a_ == a)
+        if len(found[a, b]) >= 2
+    ]
+
+
 #: ``--profile-steps`` keeps this many functions per batch: the engine's whole host side per
 #: decode step, in both arms (mono_ext's own hooks alone: ``MONO_EXT_PROFILE_HOST``)
 PROFILE_TOP = 30
@@ -752,6 +775,22 @@ def print_tables(s: dict[str, Any]) -> str:
                 f"{_f(r['busy_us'], '{:.1f}')} | {_f(r['idle_us'], '{:.1f}')} | "
                 f"{_f(r.get('overlap_us'), '{:.1f}')} | {_f(r['events_per_step'], '{:.1f}')} | "
                 f"{top} |"
+            )
+    if s.get("gpu_profile_fit"):
+        lines.append(
+            "\nwhat the device-time intercept is made of (fit over layer counts, us per step):"
+        )
+        lines.append(
+            "| arm | batch | busy per layer | busy intercept | per-step kernels | "
+            "layer kernels' intercept | unattributed | idle intercept |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for r in s["gpu_profile_fit"]:
+            lines.append(
+                f"| {r['arm']} | {r['batch']} | {r['busy_per_layer_us']:.1f} | "
+                f"{r['busy_intercept_us']:.1f} | {r['step_kernels_us']:.1f} | "
+                f"{r['layer_kernels_intercept_us']:.1f} | {r['unattributed_us']:.1f} | "
+                f"{r['idle_intercept_us']:.1f} |"
             )
     for k, v in s["routed"].items():
         lines.append(

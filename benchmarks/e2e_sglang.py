@@ -385,6 +385,7 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         "accuracy": accuracy_rows(runs),
         "routed": routed,
         "gpu_profile": runner.gpu_profile_rows(runs),
+        "gpu_profile_fit": runner.gpu_profile_fit_rows(runs),
         "failed": runner.failed_runs(data),
         "floor_model": runner.floor_model(
             bw, ssm_dtype or "float32 (assumed: SGLang's default)", ctx

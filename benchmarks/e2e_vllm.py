@@ -126,7 +126,10 @@ decode step (the delta of the two, as for TPOT) the device's busy time (union of
 copy intervals), its idle time (TPOT minus busy: the device waiting on the host), its overlap
 (the events' summed time minus busy: work running alongside other work, e.g. a second stream)
 and the kernels by time, in ``runs.*.batches.*.gpu_profile`` and ``summary.gpu_profile``. For a
-step-cost difference between the arms, e.g. ``--layers 16 --batches 16 --profile-gpu``.
+step-cost difference between the arms, e.g. ``--layers 16 --batches 16 --profile-gpu``. With
+profiles at two or more layer counts, ``summary.gpu_profile_fit`` splits each arm's fitted
+device-time intercept into per-step kernels, layer kernels whose time per call changes with
+depth (an intercept no per-step work causes) and the rest (``_e2e_math.intercept_parts``).
 
 ``--estimate`` prints the plan with estimated seconds per entry and exits. If the machine
 went cold between calls, carry the last e2e_vllm.json back (an ignored path) and pass it
@@ -156,6 +159,7 @@ from _e2e_math import (  # noqa: E402, F401  (re-exported: tests/tools/test_e2e_
     fit_line,
     floor_per_layer,
     gpu_step_summary,
+    intercept_parts,
     kinds_for,
     layer_bytes,
     merge,
@@ -691,6 +695,7 @@ def summarize(data: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         "latency": latency_rows(runs),
         "bench_serve": bench_serve_rows,
         "gpu_profile": runner.gpu_profile_rows(runs),
+        "gpu_profile_fit": runner.gpu_profile_fit_rows(runs),
         "failed": runner.failed_runs(data),
         "floor_model": runner.floor_model(bw, ssm_dtype or "bfloat16 (assumed)", ctx),
     }

@@ -357,3 +357,75 @@ def test_bench_serve_runs_random_prompts_of_the_servers_lengths(tmp_path):
     assert "--ignore-eos" in args and a.bench_serve is True
     off = bench.parse_args(["--out", str(tmp_path), "--bench-serve", "off"])
     assert off.bench_serve is False
+
+
+def _profile(busy, idle, kernels):
+    return {"tpot_us": busy + idle, "busy_us": busy, "idle_us": idle,
+            "kernels": [{"name": n, "us_per_step": t, "calls_per_step": c}
+                        for n, t, c in kernels]}  # fmt: skip
+
+
+def test_intercept_parts_separates_step_work_from_depth_dependent_layers():
+    # per step: a 150 us logits GEMM; per layer: "front" at a constant 50 us a call, "moe" at
+    # 250 us a call at 16 layers and 242.5 at 32 (fewer experts deeper), and 20 us of busy
+    # time the summaries do not name
+    p16 = _profile(
+        150 + 16 * 50 + 16 * 250 + 20,
+        80,
+        [("lm", 150, 1), ("front", 16 * 50, 16), ("moe", 16 * 250, 16)],
+    )
+    p32 = _profile(150 + 32 * 50 + 32 * 242.5 + 20, 100,
+                   [("lm", 150, 1), ("front", 32 * 50, 32), ("moe", 32 * 242.5, 32),
+                    ("only32", 5, 1)])  # fmt: skip
+    r = bench.intercept_parts({32: p32, 16: p16})
+    assert r["layers"] == [16, 32]
+    assert r["busy_per_layer_us"] == pytest.approx(50 + 235)
+    assert r["busy_intercept_us"] == pytest.approx(150 + 20 + 16 * 15)
+    assert r["step_kernels_us"] == pytest.approx(150)
+    assert r["layer_kernels_intercept_us"] == pytest.approx(16 * 15)
+    assert r["unattributed_us"] == pytest.approx(20)
+    assert r["idle_intercept_us"] == pytest.approx(60)
+    assert r["layer_kernels"][0] == {"name": "moe", "intercept_us": 240.0,
+                                     "us_per_call": [250.0, 242.5]}  # fmt: skip
+    assert {k["name"] for k in r["layer_kernels"]} == {"moe", "front"}  # "only32": not at 16
+    with pytest.raises(ValueError):
+        bench.intercept_parts({16: p16})
+
+
+def test_gpu_profile_fit_rows_per_arm_and_batch_and_table():
+    def run(arm, layers, busy):
+        g = _profile(busy, 10.0, [("k", busy, layers)])
+        return {
+            "entry": {"kind": "offline", "arm": arm, "layers": layers},
+            "batches": {"1": {"gpu_profile": g}, "4": {"gpu_profile": {"skipped": "x"}}},
+        }
+
+    runs = {"L16/on/0": run("on", 16, 1700.0), "L32/on/0": run("on", 32, 3300.0),
+            "L16/off/0": run("off", 16, 1800.0)}  # fmt: skip
+    rows = bench.runner.gpu_profile_fit_rows(runs)
+    assert [(r["arm"], r["batch"], r["layers"]) for r in rows] == [("on", 1, [16, 32])]
+    assert rows[0]["busy_per_layer_us"] == pytest.approx(100.0)
+    assert rows[0]["busy_intercept_us"] == pytest.approx(100.0)
+    assert rows[0]["layer_kernels_intercept_us"] == pytest.approx(100.0)
+    floor = dict(copy_bw_TBps=4.2, ssm_state_dtype="bf16", distinct_experts=10.0, ctx_mean=700)
+    summary = dict(floor_model=floor, tpot=[], accuracy=[], routed={}, failed=[],
+                   gpu_profile_fit=rows)  # fmt: skip
+    table = bench.runner.print_tables(summary)
+    assert "| on | 1 | 100.0 | 100.0 | 0.0 | 100.0 | 0.0 | 10.0 |" in table
+
+
+def test_the_92b4779_profile_puts_batch_16s_intercept_gap_in_k2s_depth_dependence():
+    """docs/perf.md's reading of the profiled run: at batch 16 the fused arm's higher busy
+    intercept is its layer kernels' (K2's time per call falls with depth), not per-step work."""
+    import json
+
+    path = Path(__file__).resolve().parents[2] / "docs/results/e2e_vllm_92b4779_profile.json"
+    rows = {(r["arm"], r["batch"]): r for r in bench.runner.gpu_profile_fit_rows(
+        json.loads(path.read_text())["runs"])}  # fmt: skip
+    on, off = rows["on", 16], rows["off", 16]
+    gap = on["busy_intercept_us"] - off["busy_intercept_us"]
+    layer_gap = on["layer_kernels_intercept_us"] - off["layer_kernels_intercept_us"]
+    assert gap == pytest.approx(114.76, abs=0.05)
+    assert layer_gap == pytest.approx(123.24, abs=0.05)
+    assert on["layer_kernels"][0]["name"] == "k2_kernel"
+    assert on["layer_kernels"][0]["us_per_call"] == [249.78, 242.49]
