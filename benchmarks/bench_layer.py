@@ -461,25 +461,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     mono.healthy()
     monos, checks = [mono], {}
-    if not args.no_pdl:
-        pdl = MonoArm(d, kinds, layers, states, mono.caches, bufs, kv=mono.kv, pdl=True,
-                      k1_over=k1_over)  # fmt: skip
-        same = same_step(mono, pdl, bufs)
-        pdl.healthy()
-        checks[PDL_ARM] = {"bit_identical_to": ARM, "ok": same}
-        print(f"  {PDL_ARM}: bit-identical to {ARM} at width {CHECK_WIDTH}: {same}")
-        if same:
-            monos.append(pdl)
 
-    for over in (json.loads(v) for v in (args.k2_variants or "").split(";") if v.strip()):
+    def add_if_same(**kw) -> None:
+        """Another mono arm of the same layers, timed only if its step is bit-identical."""
         var = MonoArm(d, kinds, layers, states, mono.caches, bufs, kv=mono.kv, k1_over=k1_over,
-                      k2_over=over)  # fmt: skip
+                      **kw)  # fmt: skip
         same = same_step(mono, var, bufs)
         var.healthy()
         checks[var.arm] = {"bit_identical_to": ARM, "ok": same}
         print(f"  {var.arm}: bit-identical to {ARM} at width {CHECK_WIDTH}: {same}")
         if same:
             monos.append(var)
+
+    if not args.no_pdl:
+        add_if_same(pdl=True)
+    for over in (json.loads(v) for v in (args.k2_variants or "").split(";") if v.strip()):
+        add_if_same(k2_over=over)
 
     arms = []
     modes = [m for m in args.vllm_modes.split(",") if m]

@@ -23,8 +23,8 @@ FASTER: dict[tuple[str, str, str], tuple[frozenset[int], str]] = {
         "docs/results/e2e_vllm.json (vLLM 0.26, Qwen3-Next-80B-A3B shapes at 16 and 32 layers, "
         "bf16, 2026-12-04, commit e751cee)",
     ),
-    # faster at every batch at 16 layers, slower at every batch at 8, where both arms' steps
-    # are the host's and mono_ext's hooks add their ~45 us
+    # faster at every batch at 16 layers, slower at every batch at 8 (there batches 1 and 4
+    # wait on the host, to which mono_ext's hooks add ~40 us)
     ("vllm", "NVIDIA H100 80GB HBM3", "bf16"): (
         frozenset(),
         "docs/results/e2e_vllm_h100.json (vLLM 0.26, Qwen3-Next-80B-A3B shapes at 8 and 16 "
