@@ -68,7 +68,7 @@ from mono_ext.runtime.peers import RankState
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cuda_timing import event_times_us  # noqa: E402
 from _provenance import provenance  # noqa: E402
-from _trace import format_points, trace_points  # noqa: E402
+from _trace import cta_times, format_points, trace_points  # noqa: E402
 
 DEV = torch.device("cuda")
 PRESET = "qwen3-next-80b-a3b"
@@ -420,7 +420,8 @@ def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=Fals
 def trace_front(kind: str, md: Dims, conf: K1Config, width: int, copies: int, st, gen) -> dict:
     """The graph of ``copies`` layers as timed, replayed with a trace build of ``conf``
     (``K1Config.trace``): per point of ``TRACE_POINTS``, min / median / max over the CTAs
-    that reached it of us since the first CTA of the graph's last launch started."""
+    that reached it of us since the first CTA of the graph's last launch started, and every
+    CTA's stamps (``ctas_us``: which CTAs are late, not only by how much)."""
     tconf = dataclasses.replace(conf, trace=True)
     if kind == "gdn":
         k1 = K1GdnLaunch(K1GdnShape.from_dims(md), tconf)
@@ -441,11 +442,13 @@ def trace_front(kind: str, md: Dims, conf: K1Config, width: int, copies: int, st
     g.replay()
     torch.cuda.synchronize()
     assert int(st.health[H_FAILED].item()) == 0, "a K1 wait gave up during the trace"
-    points = trace_points(ws.trace.cpu().tolist(), TRACE_POINTS)
+    stamps = ws.trace.cpu().tolist()
+    points = trace_points(stamps, TRACE_POINTS)
     print(f"  trace {kind} width {width} ({k1.label()}; us since the first CTA started: "
           f"min / median / max)", flush=True)  # fmt: skip
     print("\n".join(format_points(points)), flush=True)
-    return {"kind": kind, "width": width, "label": k1.label(), "points": points}
+    return {"kind": kind, "width": width, "label": k1.label(), "points": points,
+            "ctas_us": cta_times(stamps, len(TRACE_POINTS))}  # fmt: skip
 
 
 # ------------------------------------------------------------------ vLLM's own front
