@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
+import gzip
 import json
 import math
 import os
@@ -455,13 +457,25 @@ def fill_fp8_dummy(model: Any, chunk: int = 1 << 24) -> int:
     return n
 
 
+#: ``capture(fn)``: run ``fn()`` under a profiler that sees the engine's device work and
+#: return that work as events ``(name, start_us, end_us)``
+Capture = Callable[[Callable[[], Any]], list[tuple[str, float, float]]]
+
+#: the categories of device work in a torch.profiler chrome trace
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
 def time_batch(
-    spec: dict[str, Any], gen: Callable[..., tuple[float, Any]], prompts: Any, b: int
+    spec: dict[str, Any],
+    gen: Callable[..., tuple[float, Any]],
+    prompts: Any,
+    b: int,
+    capture: Capture | None = None,
 ) -> dict[str, Any]:
     """TPOT of one batch by the delta method over ``gen(prompts, n)`` wall times (min over
     ``reps`` of T(N1) and T(N2)): the row's ``t_n1``, ``t_n2`` and ``tpot_s``; after the
     timed reps, with the spec's ``profile_steps`` its ``step_profile`` (host) and with
-    ``profile_gpu`` its ``gpu_profile`` (device, :func:`profile_gpu`)."""
+    ``profile_gpu`` its ``gpu_profile`` (device, :func:`profile_gpu` through ``capture``)."""
     t1, t2 = [], []
     for _ in range(spec["reps"]):
         t1.append(gen(prompts, spec["n1"])[0])
@@ -478,7 +492,9 @@ def time_batch(
             print(f"[e2e]   {r['tottime_us_per_step']:8.1f} us/step {r['calls_per_step']:6.1f} "
                   f"calls  {r['function']}", flush=True)  # fmt: skip
     if spec.get("profile_gpu"):
-        row["gpu_profile"] = g = profile_gpu(gen, prompts, spec["n1"], spec["n2"], row["tpot_s"])
+        row["gpu_profile"] = g = profile_gpu(
+            gen, prompts, spec["n1"], spec["n2"], row["tpot_s"], capture
+        )
         if "busy_us" in g:
             print(f"[e2e]   device per step: busy {g['busy_us']:.1f} us, idle {g['idle_us']:.1f} "
                   f"us of {g['tpot_us']:.1f}", flush=True)  # fmt: skip
@@ -491,33 +507,59 @@ def time_batch(
 
 
 def profile_gpu(
-    gen: Callable[..., tuple[float, Any]], prompts: Any, n1: int, n2: int, tpot_s: float
+    gen: Callable[..., tuple[float, Any]],
+    prompts: Any,
+    n1: int,
+    n2: int,
+    tpot_s: float,
+    capture: Capture | None = None,
 ) -> dict[str, Any]:
-    """``gen(prompts, n1)`` and ``gen(prompts, n2)`` under torch.profiler (device activity
-    only), summarized per decode step by :func:`gpu_step_summary`. The profiler sees this
-    process's device work only: an engine that runs its model in another process (vLLM with
-    ``--mp``, SGLang's scheduler) gives no events, which the result says."""
-    import torch
+    """``gen(prompts, n1)`` and ``gen(prompts, n2)`` under ``capture`` (default
+    :func:`local_device_events`), summarized per decode step by :func:`gpu_step_summary`.
+    A profiler in this process sees none of an engine that runs its model in another (vLLM
+    with ``--mp``): the result then says so. SGLang's scheduler is such a process; its
+    benchmark passes a ``capture`` through SGLang's own profiler, which runs there."""
+    if capture is None:
+        import torch
 
-    if not torch.cuda.is_available():
-        return {"skipped": "no CUDA device"}
-    from torch.profiler import ProfilerActivity, profile
-
-    events = []
-    for n in (n1, n2):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            gen(prompts, n)
-            torch.cuda.synchronize()
-        events.append(
-            [
-                (e.name, float(e.time_range.start), float(e.time_range.end))
-                for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA
-            ]
-        )
+        if not torch.cuda.is_available():
+            return {"skipped": "no CUDA device"}
+        capture = local_device_events
+    events = [capture(functools.partial(gen, prompts, n)) for n in (n1, n2)]
     if not events[1]:
         return {"skipped": "no device events in this process (the engine's model runs elsewhere)"}
     return gpu_step_summary(events[0], events[1], n1, n2, tpot_s)
+
+
+def local_device_events(fn: Callable[[], Any]) -> list[tuple[str, float, float]]:
+    """``fn()`` under torch.profiler (device activity only) in this process: its device
+    events ``(name, start_us, end_us)``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [
+        (e.name, float(e.time_range.start), float(e.time_range.end))
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+
+
+def chrome_device_events(path: Path) -> list[tuple[str, float, float]]:
+    """The device events ``(name, start_us, end_us)`` of a torch.profiler chrome trace
+    (``.json`` or ``.json.gz``, as an engine's own profiler exports it): its complete events
+    of :data:`DEVICE_CATEGORIES`."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    return [
+        (str(ev["name"]), float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))
+        for ev in events
+        if ev.get("ph") == "X" and ev.get("cat") in DEVICE_CATEGORIES
+    ]
 
 
 def gpu_profile_rows(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

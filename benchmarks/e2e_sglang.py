@@ -54,7 +54,11 @@ with the math of ``benchmarks/_e2e_math.py`` shared with ``e2e_vllm.py`` and its
   layer count and KL(off || on) of the top-k logprobs at the decode positions with the same
   context (``on`` vs ``on`` and ``off`` vs ``off`` repeats as the noise floor);
 * provenance (``benchmarks/_provenance.py``): device, date, commit, command; per run the Engine
-  arguments and environment it was started with.
+  arguments and environment it was started with;
+* with ``--profile-gpu``, per batch the device's busy and idle time per decode step and its
+  kernels, from SGLang's own profiler (``Engine.start_profile``), which runs in the scheduler
+  process where the model's device work is (a profiler in this process sees none of it; for
+  the same reason ``--profile-steps`` is refused).
 
 Dummy weights: SGLang fills every parameter uniform in +-1e-3, identical in both arms. On
 CUDA every floating parameter is scaled in place by ``--weight-scale`` (16) in each scheduler
@@ -90,6 +94,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -259,12 +264,30 @@ def worker_offline(spec: dict[str, Any]) -> dict[str, Any]:
         outs = engine.generate(input_ids=prompts, sampling_params=params, **kw)
         return time.perf_counter() - t, outs
 
+    def scheduler_events(fn: Any) -> list[tuple[str, float, float]]:
+        """``fn()`` under SGLang's own torch.profiler, which runs in the scheduler process,
+        where the model's device work is: the device events of the trace it exports."""
+        out = Path(spec["report_dir"] + ".gpu_profile")
+        shutil.rmtree(out, ignore_errors=True)
+        engine.start_profile(output_dir=str(out), activities=["GPU"], profile_id="e2e")
+        try:
+            fn()
+        finally:
+            engine.stop_profile()
+        traces = sorted(out.glob("*.trace.json*"))
+        if len(traces) != 1:  # TP 1: one scheduler, one trace
+            raise RuntimeError(f"SGLang's profiler wrote {len(traces)} traces into {out}, not 1")
+        events = runner.chrome_device_events(traces[0])
+        shutil.rmtree(out, ignore_errors=True)
+        return events
+
     batches = {}
     try:
         for b in spec["batches"]:
             prompts = spec["prompts"][:b]
             gen(prompts, 8)
-            row = runner.time_batch(spec, gen, prompts, b)
+            on_cpu = spec["engine"].get("device") == "cpu"  # no device work to profile
+            row = runner.time_batch(spec, gen, prompts, b, None if on_cpu else scheduler_events)
             _, outs = gen(prompts, spec["acc_tokens"], spec["logprobs"])
             row["tokens"] = [list(o["output_ids"]) for o in outs]
             row["logprobs"] = [
@@ -433,6 +456,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default=None, help="mono_ext backend of the on arm (triton)")
     runner.add_call_args(p, entry_timeout_s=None)
     a = p.parse_args(argv)
+    if a.profile_steps:
+        p.error(
+            "--profile-steps: SGLang runs the model in its scheduler process, which a cProfile "
+            "of this one does not see (--profile-gpu profiles there, through SGLang's profiler)"
+        )
     runner.apply_defaults(a, runner.DECODE_DEFAULTS)
     a.preset = MODELS[a.model][1 if a.cpu_smoke else 0]
     runner.fit_context(a, max(a.n2, a.acc_tokens))

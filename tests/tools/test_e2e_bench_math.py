@@ -233,6 +233,53 @@ def test_gpu_step_summary_takes_the_delta_of_two_runs():
         bench.gpu_step_summary(trace(4), trace(4), 4, 4, 50e-6)
 
 
+def test_profile_gpu_reads_an_engines_own_chrome_trace(tmp_path):
+    """An engine whose model runs in another process (SGLang's scheduler) exports its own
+    torch.profiler chrome trace: profile_gpu takes the device work from it through a
+    ``capture`` (kernels, copies and memsets; host ops, flows and counters are not device
+    time), gzipped or not, and summarizes it like a trace taken here."""
+    import gzip
+    import json
+
+    def trace(steps):
+        ev = [{"ph": "X", "cat": "kernel", "name": "prefill", "ts": 0.0, "dur": 400.0}]
+        for i in range(steps):
+            t = 1000.0 + 50.0 * i
+            ev += [
+                {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t - 9, "dur": 8.0},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t - 1,
+                 "dur": 1.0},  # fmt: skip
+                {"ph": "X", "cat": "kernel", "name": "layer", "ts": t, "dur": 30.0},
+                {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": t + 25, "dur": 5.0},
+                {"ph": "X", "cat": "gpu_memset", "name": "zero", "ts": t + 31, "dur": 2.0},
+                {"ph": "s", "cat": "ac2g", "name": "flow", "ts": t, "id": i},
+                {"ph": "C", "cat": "kernel", "name": "counter", "ts": t, "args": {}},
+            ]
+        return {"traceEvents": ev}
+
+    paths = {4: tmp_path / "a.trace.json", 12: tmp_path / "b.trace.json.gz"}
+    paths[4].write_text(json.dumps(trace(4)))
+    with gzip.open(paths[12], "wt") as f:
+        json.dump(trace(12), f)
+    assert bench.runner.chrome_device_events(paths[4])[1] == ("layer", 1000.0, 1030.0)
+
+    ran = []
+
+    def gen(prompts, n):
+        ran.append(n)
+        return 0.0, None
+
+    def capture(fn):
+        fn()
+        return bench.runner.chrome_device_events(paths[ran[-1]])
+
+    g = bench.runner.profile_gpu(gen, None, 4, 12, 50e-6, capture)
+    assert ran == [4, 12]
+    assert (g["tpot_us"], g["busy_us"], g["idle_us"], g["overlap_us"]) == (50.0, 32.0, 18.0, 5.0)
+    assert g["events_per_step"] == 3.0
+    assert bench.runner.profile_gpu(gen, None, 4, 12, 50e-6, lambda fn: [])["skipped"]
+
+
 def test_gpu_profile_rows_and_table():
     g = bench.gpu_step_summary(
         [("k", 0.0, 1.0)], [("k", 0.0, 1.0), ("k", 10.0, 31.0)], 1, 2, tpot_s=40e-6

@@ -37,6 +37,16 @@ def test_gpu_arms_differ_only_by_the_flag(tmp_path):
     assert a.max_model_len >= a.prompt_len + a.n2
 
 
+def test_profile_steps_is_refused_in_one_line(tmp_path, capsys):
+    """A cProfile of the benchmark's process would profile SGLang's front end, not the
+    scheduler that runs the model: the option is refused, naming the one that works."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(tmp_path), "--profile-steps"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--profile-steps" in err and "scheduler" in err and "--profile-gpu" in err
+    assert bench.parse_args(["--out", str(tmp_path), "--profile-gpu"]).profile_gpu
+
+
 def test_cpu_smoke_arguments(tmp_path):
     a = bench.parse_args(["--out", str(tmp_path), "--cpu-smoke"])
     assert (a.preset, a.backend, a.layers, a.batches) == (
