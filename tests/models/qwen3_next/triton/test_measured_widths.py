@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[4]
 SPEC = tuple(range(1, 17))
 
 
-def _faster_in(result: Path) -> tuple[str, frozenset[int]]:
+def _faster_in(result: Path) -> tuple[str, str, set[str], frozenset[int]]:
     data = json.loads(result.read_text())
     rows = {(r["arm"], r["batch"]): r for r in data["summary"]["tpot"]}
     layers = sorted(
@@ -36,14 +36,18 @@ def _faster_in(result: Path) -> tuple[str, frozenset[int]]:
         on, off = rows["on", batch], rows["off", batch]
         if all(on[f"tpot_L{n}_ms"] < off[f"tpot_L{n}_ms"] for n in layers):
             faster.add(batch)
-    return data["meta"]["device"], data["meta"]["args"]["formats"], frozenset(faster)
+    # e2e_sglang runs unquantized dummy weights only, so its args have no formats
+    formats = data["meta"]["args"].get("formats", "bf16")
+    engines = {e for e in ("vllm", "sglang") if e in data["meta"]["versions"]}
+    return data["meta"]["device"], formats, engines, frozenset(faster)
 
 
 @pytest.mark.parametrize("entry", sorted(FASTER))
 def test_each_entry_is_what_its_result_file_shows(entry):
     widths, source = FASTER[entry]
     path = REPO / source.split(" ")[0]
-    device, formats, faster = _faster_in(path)
+    device, formats, engines, faster = _faster_in(path)
+    assert engines == {entry[0]}, f"{path}: a run of {sorted(engines)}, listed for {entry[0]}"
     assert device == entry[1]
     assert formats == entry[2], f"{path}: measured with {formats} planes, listed for {entry[2]}"
     assert widths == faster, f"{path}: faster at {sorted(faster)}, listed {sorted(widths)}"
@@ -86,6 +90,18 @@ def test_vllm_on_an_h100_was_measured_and_serves_no_width():
     assert widths == () and "serves no width" in why and "NVIDIA H100 80GB HBM3" in why
     assert served_source(TritonBuilder(), "vllm", "NVIDIA H100 80GB HBM3").startswith(
         "docs/results/e2e_vllm_h100.json"
+    )
+
+
+def test_sglang_on_an_h100_was_measured_and_serves_no_width():
+    """SGLang's H100 run measured no batch faster at both of its layer counts: stock runs, the
+    log names the device, and the source is the SGLang result, not vLLM's."""
+    widths, why = served_widths(
+        SPEC, TritonBuilder(), "triton", False, engine="sglang", device="NVIDIA H100 80GB HBM3"
+    )
+    assert widths == () and "serves no width" in why and "with sglang on" in why
+    assert served_source(TritonBuilder(), "sglang", "NVIDIA H100 80GB HBM3").startswith(
+        "docs/results/e2e_sglang_h100.json"
     )
 
 

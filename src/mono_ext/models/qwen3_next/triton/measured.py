@@ -30,6 +30,13 @@ FASTER: dict[tuple[str, str, str], tuple[frozenset[int], str]] = {
         "docs/results/e2e_vllm_h100.json (vLLM 0.26, Qwen3-Next-80B-A3B shapes at 8 and 16 "
         "layers, bf16, 2026-12-07, commit a58e931)",
     ),
+    # every batch slower at 8 layers; at 16 batch 4 faster, 1 and 16 slower (batch 1 within
+    # its rep-to-rep spread: docs/perf.md)
+    ("sglang", "NVIDIA H100 80GB HBM3", "bf16"): (
+        frozenset(),
+        "docs/results/e2e_sglang_h100.json (SGLang 0.5.17, Qwen3-Next-80B-A3B shapes at 8 and "
+        "16 layers, bf16, 2026-12-07, commit 80d9772)",
+    ),
 }
 
 
