@@ -129,17 +129,26 @@ def build_plan(layers: list[int], order: list[str]) -> list[dict[str, Any]]:
     return [{"id": "bw", "kind": "bw"}, *runner.offline_entries(layers, order)]
 
 
+#: engine start, s: the first of a call (Triton/FLA autotuning and JIT into cold caches), a
+#: later one, and the extra of an arm's first start at a layer count. On one H100 at 8 and 16
+#: layers (docs/results/e2e_sglang_h100.json, ``runs.*.seconds.up``) they took 164, 62-72 and
+#: about 25 s (ENGINES.md gives ~8 min for a first start of an 8-layer model on the H200, an
+#: older bundle). Kept above the measured ones: a call that starts an entry it cannot finish
+#: loses the entry.
+START_S = {"cold": 240.0, "warm": 90.0, "new_arm": 30.0}
+
+
 def estimate_entry_s(e: dict[str, Any], a: argparse.Namespace, warm: set[str]) -> float:
-    """Rough device seconds of one entry: engine start (cold: Triton/FLA autotuning and JIT,
-    ~8 min for the first engine on the H200 per ENGINES.md; warm: caches reused) plus the
-    generate calls at vLLM-stock-like step times."""
+    """Rough device seconds of one entry: engine start (:data:`START_S`) plus the generate
+    calls at vLLM-stock-like step times."""
     if e["kind"] == "bw":
         return 20.0
     if a.cpu_smoke:
         return 120.0
     n = e["layers"]
     key = f"{e['arm']}/{n}"
-    start = (150.0 if warm else 420.0) + (60.0 if key not in warm else 0.0) + 1.5 * n
+    start = START_S["warm" if warm else "cold"] + 1.5 * n
+    start += START_S["new_arm"] if key not in warm else 0.0
     warm.add(key)
     s = start
     for b in a.batches:
