@@ -519,15 +519,17 @@ def profile_gpu(
     A profiler in this process sees none of an engine that runs its model in another (vLLM
     with ``--mp``): the result then says so. SGLang's scheduler is such a process; its
     benchmark passes a ``capture`` through SGLang's own profiler, which runs there."""
+    where = "the engine's own profiler recorded"
     if capture is None:
         import torch
 
         if not torch.cuda.is_available():
             return {"skipped": "no CUDA device"}
         capture = local_device_events
+        where = "in this process (the engine's model runs elsewhere)"
     events = [capture(functools.partial(gen, prompts, n)) for n in (n1, n2)]
     if not events[1]:
-        return {"skipped": "no device events in this process (the engine's model runs elsewhere)"}
+        return {"skipped": f"no device events {where}"}
     return gpu_step_summary(events[0], events[1], n1, n2, tpot_s)
 
 
