@@ -81,28 +81,18 @@ def test_an_unmeasured_engine_or_device_serves_nothing_and_says_where_to_look(en
     )
 
 
-def test_vllm_on_an_h100_was_measured_and_serves_no_width():
-    """The H100 run measured every batch slower at one of its layer counts: stock runs there,
-    the log says so, and the source names the H100 result, not the H200 one."""
-    widths, why = served_widths(
-        SPEC, TritonBuilder(), "triton", False, engine="vllm", device="NVIDIA H100 80GB HBM3"
-    )
-    assert widths == () and "serves no width" in why and "NVIDIA H100 80GB HBM3" in why
-    assert served_source(TritonBuilder(), "vllm", "NVIDIA H100 80GB HBM3").startswith(
-        "docs/results/e2e_vllm_h100.json"
-    )
-
-
-def test_sglang_on_an_h100_was_measured_and_serves_no_width():
-    """SGLang's H100 run measured no batch faster at both of its layer counts: stock runs, the
-    log names the device, and the source is the SGLang result, not vLLM's."""
-    widths, why = served_widths(
-        SPEC, TritonBuilder(), "triton", False, engine="sglang", device="NVIDIA H100 80GB HBM3"
-    )
-    assert widths == () and "serves no width" in why and "with sglang on" in why
-    assert served_source(TritonBuilder(), "sglang", "NVIDIA H100 80GB HBM3").startswith(
-        "docs/results/e2e_sglang_h100.json"
-    )
+@pytest.mark.parametrize(
+    "engine,result", [("vllm", "e2e_vllm_h100.json"), ("sglang", "e2e_sglang_h100.json")]
+)
+def test_each_engine_on_an_h100_was_measured_and_serves_no_width(engine, result):
+    """Each engine's H100 run measured no batch faster at both of its layer counts: stock
+    runs there, the log names the engine and the device, and the source is that engine's H100
+    result, not the H200 one or the other engine's."""
+    device = "NVIDIA H100 80GB HBM3"
+    widths, why = served_widths(SPEC, TritonBuilder(), "triton", False, engine=engine,
+                                device=device)  # fmt: skip
+    assert widths == () and "serves no width" in why and f"with {engine} on {device}" in why
+    assert served_source(TritonBuilder(), engine, device).startswith(f"docs/results/{result}")
 
 
 def test_an_fp8_checkpoint_serves_nothing_a_bf16_run_measured():
