@@ -25,6 +25,11 @@ state); an arm that fails is reported and not timed. ``--results-csv`` writes on
 (kind, width, arm) with ``stock_over_arm`` = the fastest vLLM arm's time over the arm's, the
 stock to beat being vLLM's, never the torch chain.
 
+``--stream``: the attention front on the stream engine (``k1_stream``, Gluon) as arm
+``k1-stream``, in the same graph treatment on the same weights and rows, its q checked against
+K1's first (cosine >= 0.999); ``--stream-configs`` (a JSON list of ``StreamConfig`` overrides)
+times each build as arm ``k1-stream <overrides>``.
+
 ``--trace``: after the tables, each front's graph replayed once more with a trace build of the
 table config (``K1Config.trace``: %globaltimer per CTA at ``k1.TRACE_POINTS``: start, rows
 normed, S1 done, first S2 task's words, end), at ``--trace-widths``; the last launch's points
@@ -350,18 +355,30 @@ def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too, v
     return row
 
 
-def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too=False):
+def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too=False,
+               stream=(), stream_trace=False):  # fmt: skip
     md = Dims.from_config(cfg)
     shape = K1AttnShape.from_dims(md)
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
     k1 = K1AttnLaunch(shape, conf or K1Config(grid=grid), max_positions=8192)
     k1.build(DEV)
     print(f"built {k1.label()} ({k1.resources})", flush=True)
+    streams = []
+    for over in stream or []:
+        from mono_ext.models.qwen3_next.triton.k1_stream import K1AttnStreamLaunch, StreamConfig
+
+        k1s = K1AttnStreamLaunch(shape, grid, StreamConfig(**over), max_positions=8192,
+                                 trace=stream_trace)  # fmt: skip
+        k1s.build(DEV)
+        arm = "k1-stream" + (f" {json.dumps(over, sort_keys=True)}" if over else "")
+        streams.append((arm, k1s))
+        print(f"built {k1s.label()}", flush=True)
     ws = k1.workspace(DEV)
     gen = torch.Generator(device=DEV).manual_seed(1)
     st = RankState.create(0, DEV, float(os.environ.get("MONO_EXT_DEADLINE_S", "2")))
     for width in widths:
-        rows_out.append(_attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too))
+        rows_out.append(_attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too,
+                                    streams))  # fmt: skip
         print(rows_out[-1], flush=True)
 
 
@@ -390,7 +407,8 @@ def make_attn_layers(md: Dims, width: int, copies: int, gen):
     return ws_list, hid, res, pos, outs, torch.empty_like(hid)
 
 
-def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=False) -> dict:
+def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=False,
+                streams=()) -> dict:  # fmt: skip
     h, d = md.hidden, md.head_dim
     rows = (2 * md.hq + 2 * md.hkv) * d
     qd, kvd = md.hq * d, md.hkv * d
@@ -407,11 +425,17 @@ def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=Fals
         "k1_GBps": round(nbytes / us / 1e3, 1),
         "pct_copy_bw": round(100 * nbytes / us / 1e3 / bw_copy, 1),
     }
-    if vllm_too:  # layer 0's q from K1 (the graph's inputs are the same): vLLM must match it
+    if vllm_too or streams:  # layer 0's q from K1: the other arms must match it
         st.bump_epoch()
         k1.launch(hid, res, ws_list[0], pos, *outs, r_out, ws=ws, ctrl=st.ctrl, health=st.health,
                   layer=0, layers_per_step=copies)  # fmt: skip
         torch.cuda.synchronize()
+    row["stream_rows"] = [
+        r for arm, k1s in streams
+        for r in stream_attn_rows(arm, width, k1s, ws_list, hid, res, pos, outs[0].clone(),
+                                  copies, reps, nbytes, bw_copy)
+    ]  # fmt: skip
+    if vllm_too:
         row["vllm_rows"] = vllm_attn_rows(md, width, ws_list, hid.clone(), res.clone(), pos,
                                           outs[0].clone(), copies, reps, nbytes, bw_copy)  # fmt: skip
     return row
@@ -513,6 +537,40 @@ def _timed_row(kind, width, arm, body, copies, reps, nbytes, bw_copy) -> dict:
             "bytes": nbytes, "pct_hbm": round(100 * nbytes / us / 1e3 / bw_copy, 1)}  # fmt: skip
 
 
+def stream_attn_rows(arm, width, k1s, ws_list, hid, res, pos, k1_ref, copies, reps, nbytes,
+                     bw_copy):  # fmt: skip
+    """The stream-engine attention front on the same weights and rows: q checked against
+    ``k1_ref`` (K1's q), then timed as K1 is."""
+    kvd = k1s.shape.hkv * k1s.shape.head_dim
+    outs = [torch.empty_like(k1_ref), torch.empty(width, kvd, dtype=torch.bfloat16, device=DEV),
+            torch.empty(width, kvd, dtype=torch.bfloat16, device=DEV), torch.empty_like(k1_ref),
+            torch.empty_like(hid)]  # fmt: skip
+    k1s.launch(hid, res, ws_list[0], pos, *outs)
+    torch.cuda.synchronize()
+    c_q = cosine(outs[0], k1_ref)
+    print(f"  {arm} attn w{width} vs k1: q cosine {c_q:.6f}", flush=True)
+    if not c_q >= STOCK_COSINE:
+        print(f"  {arm}: below {STOCK_COSINE} against K1; not timed", flush=True)
+        return []
+
+    def body():
+        for i in range(copies):
+            k1s.launch(hid, res, ws_list[i], pos, *outs, validate=i == 0)
+
+    row = _timed_row("attn", width, arm, body, copies, reps, nbytes, bw_copy)
+    if k1s.trace:  # the last layer's launch of one more eager step
+        from mono_ext.models.qwen3_next.triton.k1_stream_kernel import TRACE_POINTS
+
+        k1s.stamps.zero_()
+        body()
+        torch.cuda.synchronize()
+        stamps = k1s.stamps.tolist()
+        print("\n".join(format_points(trace_points(stamps, TRACE_POINTS))), flush=True)
+        row["trace"] = {"points": trace_points(stamps, TRACE_POINTS),
+                        "ctas_us": cta_times(stamps, len(TRACE_POINTS))}  # fmt: skip
+    return [row]
+
+
 def vllm_attn_rows(md, width, ws_list, hid, res, pos, k1_ref, copies, reps, nbytes, bw_copy):
     """vLLM's attention front per mode on the same weights as K1's rows: q checked against
     ``k1_ref`` (K1's q), then timed with K/V written into a FlashAttention cache."""
@@ -553,10 +611,12 @@ def results_rows(rows: list[dict], meta: dict) -> list[dict]:
             arms.append({"kind": r["kind"], "width": r["width"], "arm": "k1",
                          "median_us": r["k1_us"], "bytes": r["bytes"],
                          "pct_hbm": r["pct_copy_bw"]})  # fmt: skip
+            arms.extend(r.get("stream_rows", []))
             arms.extend(r.get("vllm_rows", []))
     for a in arms:
         stock = [b["median_us"] for b in arms
-                 if (b["kind"], b["width"]) == (a["kind"], a["width"]) and b["arm"] != "k1"]  # fmt: skip
+                 if (b["kind"], b["width"]) == (a["kind"], a["width"])
+                 and b["arm"].startswith("vllm")]  # fmt: skip
         a["stock_over_arm"] = round(min(stock) / a["median_us"], 3) if stock else ""
         a.update(meta)
     return arms
@@ -593,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--s1-only", action="store_true", help="also time S1 alone (diagnosis)")
     ap.add_argument("--no-attn", action="store_true")
+    ap.add_argument("--no-gdn", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="try SWEEP configs, table with best")
     ap.add_argument("--sweep-widths", default="1")
     ap.add_argument("--config", default=None, help="K1Config overrides (JSON) for the table")
@@ -607,6 +668,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="one row per (kind, width, arm), e.g. docs/results/k1_vllm.csv")  # fmt: skip
     ap.add_argument(
         "--ncu", action="store_true", help="3 GDN then 3 attention K1 at width 1 (for ncu), exit"
+    )
+    ap.add_argument(
+        "--stream",
+        action="store_true",
+        help="also the attention front on the stream engine (arm k1-stream)",
+    )
+    ap.add_argument(
+        "--stream-configs",
+        default=None,
+        help="with --stream: a JSON list of StreamConfig overrides, one arm each",
     )
     ap.add_argument("--trace", action="store_true",
                     help="after the tables, each front's graph once more with a trace build of "
@@ -641,9 +712,12 @@ def main(argv: list[str] | None = None) -> int:
 
         args.stock = "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
     vllm_too = args.stock == "vllm"
-    bench_gdn(widths, args.copies, args.reps, cfg, variants, bw_copy, rows, conf, vllm_too)
+    if not args.no_gdn:
+        bench_gdn(widths, args.copies, args.reps, cfg, variants, bw_copy, rows, conf, vllm_too)
     if not args.no_attn:
-        bench_attn(widths, args.copies, args.reps, cfg, bw_copy, rows, conf, vllm_too)
+        streams = json.loads(args.stream_configs or "[{}]") if args.stream else []
+        bench_attn(widths, args.copies, args.reps, cfg, bw_copy, rows, conf, vllm_too, streams,
+                   args.trace)  # fmt: skip
     sweep_rows = [r for r in rows if r["kind"] == "gdn_sweep"]
     if sweep_rows:
         print("\n| config (K1Config overrides) | width | GDN us | % BW | attn us | attn % BW | regs "
@@ -664,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('k1_s1_only_us', '-')} | {r.get('torch_chain_us', '-')} | {sp} | "
               f"{r['k1_GBps']} | {r['pct_copy_bw']} |")  # fmt: skip
     arms = results_rows(rows, {**provenance(props.name), "copy_GBps": round(bw_copy)})
-    if vllm_too:
+    if vllm_too or args.stream:
         print("\n| kind | width | arm | us | % copy BW | vLLM / arm |")
         print("|---|---|---|---|---|---|")
         for a in arms:
@@ -679,10 +753,11 @@ def main(argv: list[str] | None = None) -> int:
             wr.writerows(arms)
     for r in rows:
         r.pop("vllm_rows", None)
+        r.pop("stream_rows", None)
     if args.trace:
         st = RankState.create(0, DEV, float(os.environ.get("MONO_EXT_DEADLINE_S", "2")))
         gen = torch.Generator(device=DEV).manual_seed(3)
-        kinds = ("gdn",) if args.no_attn else ("gdn", "attn")
+        kinds = [k for k, off in (("gdn", args.no_gdn), ("attn", args.no_attn)) if not off]
         traces = [trace_front(kind, Dims.from_config(cfg), conf, int(w), args.copies, st, gen)
                   for kind in kinds for w in args.trace_widths.split(",")]  # fmt: skip
         if args.trace_json:

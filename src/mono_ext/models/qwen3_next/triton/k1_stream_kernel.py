@@ -1,0 +1,233 @@
+"""K1's attention front on the stream engine (Gluon, sm_90): device code.
+
+One persistent launch per layer per decode step of at most ``BB`` (16) rows, one CTA per SM:
+
+- the **loader** warp (``stream.range_loader``) streams the CTA's contiguous range of
+  ``qkv_proj`` chunks (``stream_schedule.ChunkDeal``: equal bytes on every CTA) into an SMEM
+  ring from the first instruction on, so no weight byte waits for the input norm;
+- the **consumer** warpgroup norms the step's rows into ``x^T`` in SMEM meanwhile (residual
+  add, Gemma RMSNorm's ``s * (1 + w)``; the rows' ``rsqrt`` scales each tile at its end, since
+  ``W (s (1 + w)) rsqrt`` is ``W x_normed``), then runs one async wgmma per chunk;
+- a tile is one head's 256 rows of q, gate, k or v (``head_dim`` rows), so the q/k Gemma norm
+  and the partial RoPE need no other tile. Each CTA that streamed some of a tile's chunks
+  stores its part; the last part to arrive (``stream.count_in``) sums the parts in part
+  order and writes the tile's outputs. Nothing in the launch waits on another CTA.
+
+Tensor contract (``B`` = rows of the step, at most ``BB``; ``T = 2 HQ + 2 HKV`` tiles):
+
+| name | shape | dtype | layout | written by |
+|---|---|---|---|---|
+| ``hid`` / ``res`` | [B, H] | bf16 | row-major | the engine (``res`` not read when ``has_res`` is 0) |
+| ``rout`` | [B, H] | bf16 | row-major | CTA 0: ``hid + res`` |
+| ``nw`` | [H] | bf16 | | the engine (input_layernorm) |
+| ``qkv_proj`` | [T * D, H] | bf16 | per q head: D q rows, D gate rows; then k, then v heads | the engine |
+| ``qn`` / ``kn`` | [D] | bf16 | | the engine (q_norm / k_norm) |
+| ``rope`` | [max_pos, RD] | fp32 | cos (RD/2) then sin (RD/2) per position | the launch, once |
+| ``pos`` | [B] | int32 / int64 | | the engine |
+| ``q`` / ``gate`` | [B, HQ * D] | bf16 | row-major | the tile's last part |
+| ``k`` / ``v`` | [B, HKV * D] | bf16 | row-major | the tile's last part |
+| ``parts`` | [T, MAXP, BB, D] | fp32 | part p of tile t, batch-row major | each part's CTA |
+| ``count`` | [T] | int32 | zero between launches | ``stream.count_in`` |
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mono_ext.kernels.triton.stream import (
+    chunk_owner,
+    chunk_range,
+    count_in,
+    range_loader,
+    stamp,
+)
+
+__all__ = ["TRACE_POINTS", "k1_attn_stream_kernel"]
+
+#: what a trace build stamps, by word: the consumer's start, x^T written, its first chunk
+#: arrived, its last chunk multiplied, its last tile output written (CTAs that finish a tile)
+TRACE_POINTS = ("start", "rows normed", "first chunk", "stream done", "last tile out")
+
+
+@gluon.jit
+def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, eps,
+                H: gl.constexpr, BB: gl.constexpr, NG: gl.constexpr):  # fmt: skip
+    """``x^T`` [H, BB] = bf16((hid + res) * (1 + nw)) into ``xs`` (rows past ``n_rows``:
+    zeros); CTA 0 writes ``hid + res`` to ``rout``. Returns each row's ``rsqrt(mean(s^2) +
+    eps)`` [BB]. ``NG`` groups of ``H / NG`` columns: each group's loads are all in flight
+    before its math, and a group's registers bound the consumer's."""
+    GK: gl.constexpr = H // NG
+    nl: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4], order=[0, 1]
+    )
+    kk = gl.arange(0, GK, layout=gl.SliceLayout(1, nl))
+    bb = gl.arange(0, BB, layout=gl.SliceLayout(0, nl))
+    bm = bb < n_rows
+    sq = gl.zeros([BB], gl.float32, layout=gl.SliceLayout(0, nl))
+    for g in gl.static_range(NG):
+        k = g * GK + kk
+        off = bb[None, :] * H + k[:, None]
+        m = bm[None, :] & (k[:, None] < H)
+        s = gl.load(hid_ptr + off, mask=m, other=0.0).to(gl.float32)
+        s += gl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(gl.float32)
+        w = gl.load(nw_ptr + k).to(gl.float32)
+        sq += gl.sum(s * s, axis=0)
+        gl.store(rout_ptr + off, s.to(gl.bfloat16), mask=m & (pid == 0))
+        xs.slice(g * GK, GK).store((s * (1.0 + w[:, None])).to(gl.bfloat16))
+    return gl.rsqrt(sq / H + eps)
+
+
+@gluon.jit
+def _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr,
+                  v_ptr, gate_ptr, n_rows, max_pos, eps, HQ: gl.constexpr, HKV: gl.constexpr,
+                  D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr,
+                  MAXP: gl.constexpr):  # fmt: skip
+    """Tile ``t``'s last part: sum its ``n_parts`` parts in part order, scale by the input
+    norm's ``rstd`` and write the tile's outputs: gate / v as they are; q / k through the Gemma
+    head norm and the partial neox RoPE (rotation partner of dim ``d < RD`` at ``d +- RD/2``,
+    summed from the same parts in the same order)."""
+    el: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 2], threads_per_warp=[1, 32], warps_per_cta=[1, 4], order=[1, 0]
+    )
+    HALF: gl.constexpr = RD // 2
+    b = gl.arange(0, BB, layout=gl.SliceLayout(1, el))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, el))
+    bm = b < n_rows
+    m2 = bm[:, None] & (d[None, :] < D)
+    partner = gl.where(d < HALF, d + HALF, gl.where(d < RD, d - HALF, d))
+    tile = parts_ptr + t * (MAXP * BB * D)
+    x = gl.zeros([BB, D], gl.float32, layout=el)
+    xp = gl.zeros([BB, D], gl.float32, layout=el)
+    for p in range(n_parts):
+        part = tile + p * (BB * D) + b[:, None] * D
+        x += gl.load(part + d[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+        xp += gl.load(part + partner[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+    rs = gl.convert_layout(rstd, gl.SliceLayout(1, el))
+    x = x * rs[:, None]
+    xp = xp * rs[:, None]
+    QT: gl.constexpr = 2 * HQ  # q and gate tiles, alternating per head
+    if t >= QT + HKV:  # v head
+        j = t - QT - HKV
+        gl.store(v_ptr + b[:, None] * (HKV * D) + j * D + d[None, :], x.to(gl.bfloat16), mask=m2)
+    elif (t < QT) & (t % 2 == 1):  # gate of q head t // 2
+        gl.store(gate_ptr + b[:, None] * (HQ * D) + (t // 2) * D + d[None, :],
+                 x.to(gl.bfloat16), mask=m2)  # fmt: skip
+    else:  # q head t // 2, or k head t - QT
+        is_k = t >= QT
+        pos = gl.load(pos_ptr + b, mask=bm, other=0)
+        pos = gl.minimum(gl.maximum(pos, 0), max_pos - 1).to(gl.int64)
+        fi = gl.where(d < HALF, d, gl.where(d < RD, d - HALF, 0))
+        rot = bm[:, None] & (d[None, :] < RD)
+        cs = rope_ptr + pos[:, None] * RD + fi[None, :]
+        cos = gl.load(cs, mask=rot, other=1.0)
+        sin = gl.load(cs + HALF, mask=rot, other=0.0)
+        nw = gl.where(is_k, kn_ptr, qn_ptr)
+        w = gl.load(nw + d).to(gl.float32)
+        wp = gl.load(nw + partner).to(gl.float32)
+        hr = gl.rsqrt(gl.sum(x * x, axis=1) / D + eps)
+        xn = x * hr[:, None] * (1.0 + w[None, :])
+        xpn = xp * hr[:, None] * (1.0 + wp[None, :])
+        sgn = gl.where(d < HALF, -1.0, 1.0)
+        out = gl.where(d[None, :] < RD, xn * cos + sgn[None, :] * xpn * sin, xn)
+        base = gl.where(is_k, k_ptr + (t - QT) * D, q_ptr + (t // 2) * D)
+        stride = gl.where(is_k, HKV * D, HQ * D)
+        gl.store(base + b[:, None] * stride + d[None, :], out.to(gl.bfloat16), mask=m2)
+
+
+@gluon.jit
+def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
+                   qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
+                   count_ptr, n_rows, has_res, max_pos, eps, H: gl.constexpr, HQ: gl.constexpr,
+                   HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr,
+                   BK: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr,
+                   NG: gl.constexpr, trace_ptr, TRACE: gl.constexpr):  # fmt: skip
+    KT: gl.constexpr = H // BK
+    trace_ptr += pid * 8
+    stamp(trace_ptr, 0, TRACE)
+    C: gl.constexpr = (2 * HQ + 2 * HKV) * KT
+    # the norm writes x^T as one [H, BB] matrix: the same bytes as the [KT, BK, BB] chunks,
+    # the swizzle repeating within every chunk
+    x2 = xs._reinterpret(gl.bfloat16, [H, BB], xs.layout)
+    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, x2, pid, n_rows, has_res, eps, H, BB,
+                       NG)  # fmt: skip
+    fence_async_shared()  # x^T's generic-proxy stores, before the wgmma reads them
+    gl.thread_barrier()
+    stamp(trace_ptr, 1, TRACE)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BB, 16]
+    )
+    acc = gl.zeros([D, BB], gl.float32, layout=mma)
+    ro = gl.arange(0, D, layout=gl.SliceLayout(1, mma))
+    co = gl.arange(0, BB, layout=gl.SliceLayout(0, mma))
+    for c in range(c0, c1):
+        i = c - c0
+        s = i % NS
+        kc = c % KT
+        cont = (kc > 0) & (c > c0)  # this part's chunks so far are in acc
+        mbarrier.wait(ready.index(s), (i // NS) & 1)
+        if TRACE:  # noqa: SIM102 (a constexpr branch, then a runtime one)
+            if i == 0:
+                stamp(trace_ptr, 2, TRACE)
+        acc = warpgroup_mma(ring.index(s), xs.index(kc), acc, use_acc=cont, is_async=True)
+        # one wgmma stays in flight: the one before it has read its slot and can free it
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index((i + NS - 1) % NS), pred=cont)
+        if (kc == KT - 1) | (c == c1 - 1):  # the part ends: its tile's last chunk or ours
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s))
+            t = c // KT
+            first = chunk_owner(t * KT, C, G)
+            n_parts = chunk_owner(t * KT + KT - 1, C, G) - first + 1
+            part = parts_ptr + (t * MAXP + pid - first) * (BB * D)
+            gl.store(part + co[None, :] * D + ro[:, None], acc, mask=co[None, :] < n_rows)
+            if TRACE:  # noqa: SIM102 (a constexpr branch, then a runtime one)
+                if c == c1 - 1:
+                    stamp(trace_ptr, 3, TRACE)
+            if count_in(count_ptr + t, n_parts):
+                _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr,
+                              q_ptr, k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps, HQ, HKV, D,
+                              RD, BB, MAXP)  # fmt: skip
+                stamp(trace_ptr, 4, TRACE)
+
+
+@gluon.jit(do_not_specialize=["n_rows", "has_res", "max_pos"])
+def k1_attn_stream_kernel(
+    hid_ptr, res_ptr, rout_ptr, nw_ptr, w_desc, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr,
+    v_ptr, gate_ptr, parts_ptr, count_ptr, trace_ptr, n_rows, has_res, max_pos, eps,
+    H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr,
+    BB: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr, NG: gl.constexpr,
+    X_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr, TRACE: gl.constexpr = False,
+):  # fmt: skip
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    KT: gl.constexpr = H // BK
+    c0, c1 = chunk_range(pid, (2 * HQ + 2 * HKV) * KT, G)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NS, D, BK], w_desc.layout)
+    xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BK, BB], X_LAYOUT)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (
+                _attn_consumer,
+                (ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
+                 qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
+                 count_ptr, n_rows, has_res, max_pos, eps, H, HQ, HKV, D, RD, BB, BK, NS, MAXP,
+                 NG, trace_ptr, TRACE),
+            ),  # fmt: skip
+            (range_loader, (w_desc, ring, ready, empty, c0, c1, KT, NS)),
+        ],
+        [1],
+        [LOADER_REGS],
+    )
