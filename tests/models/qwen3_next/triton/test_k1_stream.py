@@ -8,7 +8,8 @@ computed; the refusals, by name.
 
 On an sm_90 device, at the 80B-A3B shapes: q, k, v, gate and residual_out against the fp32
 reference at widths 1..16 (the first layer, without a residual, at width 2), outputs
-poisoned first, on 132 CTAs and on 37 (tiles in other parts); each row's outputs the same
+poisoned first, on 132 CTAs and on 37 (tiles in other parts), and with the parts counted in
+after the stream and x^T stored by rows; each row's outputs the same
 bits whatever else is in the step; CUDA-graph replay bit-identical to eager.
 """
 
@@ -33,7 +34,8 @@ from mono_ext.models.qwen3_next.triton.k1_stream import (  # noqa: E402
 
 NUM = Qwen3NextSpec.NUMERICS
 REAL = K1AttnShape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b"))))
-CONFIGS = [StreamConfig(), StreamConfig(stages=4), StreamConfig(norm_groups=8)]
+CONFIGS = [StreamConfig(), StreamConfig(stages=4), StreamConfig(norm_groups=8),
+           StreamConfig(defer_counts=True), StreamConfig(x_row_stores=True)]  # fmt: skip
 OUT_NAMES = ("q", "k", "v", "gate", "residual_out")
 
 
@@ -81,7 +83,12 @@ def _compiled(config):
         pytest.skip(f"cannot compile for sm_90a here: {exc}")
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"ns{c.stages}ng{c.norm_groups}")
+@pytest.mark.parametrize(
+    "config",
+    CONFIGS,
+    ids=lambda c: f"ns{c.stages}ng{c.norm_groups}{'defer' * c.defer_counts}"
+    f"{'xrow' * c.x_row_stores}",
+)
 def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     kernel = _compiled(config)
     ptx = kernel.asm["ptx"]
@@ -93,7 +100,9 @@ def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     res = resources(kernel)
     assert res.stack == 0 and res.spill_stores == res.spill_loads == 0
     want = K1AttnStreamLaunch(REAL, 132, config).smem_bytes()
-    assert want <= res.shared <= want + 1024, (res.shared, want)
+    # x_row_stores: the layout change's scratch, one column group of x^T (fp32 words at most)
+    scratch = REAL.hidden // config.norm_groups * 16 * 4 if config.x_row_stores else 0
+    assert want <= res.shared <= want + scratch + 1024, (res.shared, want)
     assert res.shared <= SHARED_PER_BLOCK
 
 
@@ -181,9 +190,17 @@ def _assert_close(name, got, ref, metric):
     assert rl2 <= NUM[f"k1.{metric}.rel_l2"], f"{name}: rel_l2 {rl2:.2e} (cosine {cos:.6f})"
 
 
-@pytest.fixture(scope="module", params=[132, 37], ids=lambda g: f"ctas{g}")
+@pytest.fixture(
+    scope="module",
+    params=[
+        (132, StreamConfig()),
+        (37, StreamConfig()),
+        (132, StreamConfig(defer_counts=True, x_row_stores=True)),
+    ],
+    ids=lambda p: f"ctas{p[0]}{'-defer-xrow' * p[1].defer_counts}",
+)
 def built(request):
-    k1 = K1AttnStreamLaunch(REAL, request.param)
+    k1 = K1AttnStreamLaunch(REAL, *request.param)
     k1.build(DEV)
     return k1
 

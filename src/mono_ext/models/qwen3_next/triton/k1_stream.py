@@ -29,6 +29,8 @@ class StreamConfig:
     stages: int = 3  # ring slots
     norm_groups: int = 4  # the input norm's column groups (registers against round trips)
     loader_regs: int = 40  # registers the loader warp keeps after reallocation
+    defer_counts: bool = False  # count the parts in after the stream, not as each one ends
+    x_row_stores: bool = False  # x^T stored a row (16 values) per vector, after a layout change
 
 
 @dataclass
@@ -175,7 +177,7 @@ class K1AttnStreamLaunch:
             H=s.hidden, HQ=s.hq, HKV=s.hkv, D=s.head_dim, RD=s.rotary_dim, BB=BLOCK_B,
             BK=c.k_chunk, NS=c.stages, MAXP=self.deal.max_parts, NG=c.norm_groups,
             X_LAYOUT=gl.NVMMASharedLayout.get_default_for([c.k_chunk, BLOCK_B], gl.bfloat16),
-            LOADER_REGS=c.loader_regs, TRACE=self.trace,
+            LOADER_REGS=c.loader_regs, XB=c.x_row_stores, DEFER=c.defer_counts, TRACE=self.trace,
         )  # fmt: skip
 
     def compile_offline(self, arch: int = 90) -> Any:

@@ -58,14 +58,20 @@ TRACE_POINTS = ("start", "rows normed", "first chunk", "stream done", "last tile
 
 @gluon.jit
 def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, eps,
-                H: gl.constexpr, BB: gl.constexpr, NG: gl.constexpr):  # fmt: skip
+                H: gl.constexpr, BB: gl.constexpr, NG: gl.constexpr,
+                XB: gl.constexpr):  # fmt: skip
     """``x^T`` [H, BB] = bf16((hid + res) * (1 + nw)) into ``xs`` (rows past ``n_rows``:
     zeros); CTA 0 writes ``hid + res`` to ``rout``. Returns each row's ``rsqrt(mean(s^2) +
     eps)`` [BB]. ``NG`` groups of ``H / NG`` columns: each group's loads are all in flight
-    before its math, and a group's registers bound the consumer's."""
+    before its math, and a group's registers bound the consumer's. ``XB``: the values move to
+    a layout of 8 rows per thread before the SMEM store (vector stores along x^T's rows,
+    where the load layout's 8 columns per thread are 8 scalar stores)."""
     GK: gl.constexpr = H // NG
     nl: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4], order=[0, 1]
+    )
+    xl: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[16, 2], warps_per_cta=[4, 1], order=[1, 0]
     )
     kk = gl.arange(0, GK, layout=gl.SliceLayout(1, nl))
     bb = gl.arange(0, BB, layout=gl.SliceLayout(0, nl))
@@ -80,7 +86,10 @@ def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, ep
         w = gl.load(nw_ptr + k).to(gl.float32)
         sq += gl.sum(s * s, axis=0)
         gl.store(rout_ptr + off, s.to(gl.bfloat16), mask=m & (pid == 0))
-        xs.slice(g * GK, GK).store((s * (1.0 + w[:, None])).to(gl.bfloat16))
+        x = (s * (1.0 + w[:, None])).to(gl.bfloat16)
+        if XB:  # a row of x^T (16 rows' values at one column) per 16-byte store
+            x = gl.convert_layout(x, xl)
+        xs.slice(g * GK, GK).store(x)
     return gl.rsqrt(sq / H + eps)
 
 
@@ -147,7 +156,8 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
                    count_ptr, n_rows, has_res, max_pos, eps, H: gl.constexpr, HQ: gl.constexpr,
                    HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr,
                    BK: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr,
-                   NG: gl.constexpr, trace_ptr, TRACE: gl.constexpr):  # fmt: skip
+                   NG: gl.constexpr, XB: gl.constexpr, DEFER: gl.constexpr, trace_ptr,
+                   TRACE: gl.constexpr):  # fmt: skip
     KT: gl.constexpr = H // BK
     trace_ptr += pid * 8
     stamp(trace_ptr, 0, TRACE)
@@ -156,7 +166,7 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
     # the swizzle repeating within every chunk
     x2 = xs._reinterpret(gl.bfloat16, [H, BB], xs.layout)
     rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, x2, pid, n_rows, has_res, eps, H, BB,
-                       NG)  # fmt: skip
+                       NG, XB)  # fmt: skip
     fence_async_shared()  # x^T's generic-proxy stores, before the wgmma reads them
     gl.thread_barrier()
     stamp(trace_ptr, 1, TRACE)
@@ -190,6 +200,16 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
             if TRACE:  # noqa: SIM102 (a constexpr branch, then a runtime one)
                 if c == c1 - 1:
                     stamp(trace_ptr, 3, TRACE)
+            if not DEFER:  # noqa: SIM102 (a constexpr branch, then a runtime one)
+                if count_in(count_ptr + t, n_parts):
+                    _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr,
+                                  pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps,
+                                  HQ, HKV, D, RD, BB, MAXP)  # fmt: skip
+                    stamp(trace_ptr, 4, TRACE)
+    if DEFER:  # the parts' counts after the stream: a tile ending mid-range stops no load
+        for t in range(c0 // KT, (c1 - 1) // KT + 1):
+            first = chunk_owner(t * KT, C, G)
+            n_parts = chunk_owner(t * KT + KT - 1, C, G) - first + 1
             if count_in(count_ptr + t, n_parts):
                 _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr,
                               q_ptr, k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps, HQ, HKV, D,
@@ -203,7 +223,8 @@ def k1_attn_stream_kernel(
     v_ptr, gate_ptr, parts_ptr, count_ptr, trace_ptr, n_rows, has_res, max_pos, eps,
     H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr,
     BB: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr, NG: gl.constexpr,
-    X_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr, TRACE: gl.constexpr = False,
+    X_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr, XB: gl.constexpr, DEFER: gl.constexpr,
+    TRACE: gl.constexpr = False,
 ):  # fmt: skip
     pid = gl.program_id(0)
     G = gl.num_programs(0)
@@ -224,7 +245,7 @@ def k1_attn_stream_kernel(
                 (ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
                  qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
                  count_ptr, n_rows, has_res, max_pos, eps, H, HQ, HKV, D, RD, BB, BK, NS, MAXP,
-                 NG, trace_ptr, TRACE),
+                 NG, XB, DEFER, trace_ptr, TRACE),
             ),  # fmt: skip
             (range_loader, (w_desc, ring, ready, empty, c0, c1, KT, NS)),
         ],
