@@ -106,33 +106,25 @@ def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     assert res.shared <= SHARED_PER_BLOCK
 
 
-def test_stream_front_refuses_what_it_cannot_tile():
-    with pytest.raises(ValueError, match="head_dim=96"):
-        K1AttnStreamLaunch(K1AttnShape(
-            hidden=2048,
-            hq=4,
-            hkv=2,
-            head_dim=96,
-            rotary_dim=32,
-            rope_theta=1e4,
-            eps=1e-6),  # fmt: skip
-            132,
-        )
-    with pytest.raises(ValueError, match="hidden=2000"):
-        K1AttnStreamLaunch(K1AttnShape(
-            hidden=2000,
-            hq=4,
-            hkv=2,
-            head_dim=128,
-            rotary_dim=32,
-            rope_theta=1e4,
-            eps=1e-6),  # fmt: skip
-            132,
-        )
-    with pytest.raises(ValueError, match="SMEM"):
-        K1AttnStreamLaunch(REAL, 132, StreamConfig(stages=6))
-    with pytest.raises(ValueError, match="positions_dtype"):
-        K1AttnStreamLaunch(REAL, 132, positions_dtype="int16")
+def _shape(**over):
+    base = dict(hidden=2048, hq=4, hkv=2, head_dim=128, rotary_dim=32, rope_theta=1e4, eps=1e-6)
+    return K1AttnShape(**{**base, **over})
+
+
+@pytest.mark.parametrize(
+    "shape,kwargs,match",
+    [
+        (_shape(head_dim=96), {}, "head_dim=96"),
+        (_shape(hidden=2000), {}, "hidden=2000"),
+        (REAL, {"config": StreamConfig(stages=6)}, "SMEM"),
+        (REAL, {"positions_dtype": "int16"}, "positions_dtype"),
+        (_shape(hq=1, hkv=1, hidden=256), {"ctas": 132}, "132 CTAs for 16 chunks"),
+    ],
+    ids=["head_dim", "hidden", "smem", "positions", "ctas"],
+)
+def test_stream_front_refuses_what_it_cannot_tile(shape, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        K1AttnStreamLaunch(shape, **{"ctas": 132, **kwargs})
 
 
 # ------------------------------------------------------------------------- on the device
