@@ -8,8 +8,9 @@ computed; the refusals, by name.
 
 On an sm_90 device, at the 80B-A3B shapes: q, k, v, gate and residual_out against the fp32
 reference at widths 1..16 (the first layer, without a residual, at width 2), outputs
-poisoned first, on 132 CTAs and on 37 (tiles in other parts), and with the parts counted in
-after the stream and x^T stored by rows; each row's outputs the same
+poisoned first, on 132 CTAs and on 37 (tiles in other parts), with the parts counted in
+after the stream and x^T stored by rows, and with heads of 4 and 2 tiles (chunks of 64 rows
+x 256 columns, 128 x 128); each row's outputs the same
 bits whatever else is in the step; CUDA-graph replay bit-identical to eager.
 """
 
@@ -35,7 +36,8 @@ from mono_ext.models.qwen3_next.triton.k1_stream import (  # noqa: E402
 NUM = Qwen3NextSpec.NUMERICS
 REAL = K1AttnShape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b"))))
 CONFIGS = [StreamConfig(), StreamConfig(stages=4), StreamConfig(norm_groups=8),
-           StreamConfig(defer_counts=True), StreamConfig(x_row_stores=True)]  # fmt: skip
+           StreamConfig(defer_counts=True), StreamConfig(x_row_stores=True),
+           StreamConfig(chunk_rows=64, k_chunk=256), StreamConfig(chunk_rows=128, k_chunk=128)]  # fmt: skip
 OUT_NAMES = ("q", "k", "v", "gate", "residual_out")
 
 
@@ -86,13 +88,14 @@ def _compiled(config):
 @pytest.mark.parametrize(
     "config",
     CONFIGS,
-    ids=lambda c: f"ns{c.stages}ng{c.norm_groups}{'defer' * c.defer_counts}"
-    f"{'xrow' * c.x_row_stores}",
+    ids=lambda c: f"cr{c.chunk_rows}bk{c.k_chunk}ns{c.stages}ng{c.norm_groups}"
+    f"{'defer' * c.defer_counts}{'xrow' * c.x_row_stores}",
 )
 def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     kernel = _compiled(config)
     ptx = kernel.asm["ptx"]
-    assert "cp.async.bulk.tensor" in ptx  # the loader's TMA copies
+    # the loader's TMA copies: one per 64 columns of a chunk (a 128-byte swizzled row)
+    assert ptx.count("cp.async.bulk.tensor") == config.k_chunk // 64
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group" in ptx
     assert "setmaxnreg.dec" in ptx  # the loader warp hands its registers to the consumer
@@ -119,8 +122,9 @@ def _shape(**over):
         (REAL, {"config": StreamConfig(stages=6)}, "SMEM"),
         (REAL, {"positions_dtype": "int16"}, "positions_dtype"),
         (_shape(hq=1, hkv=1, hidden=256), {"ctas": 132}, "132 CTAs for 16 chunks"),
+        (REAL, {"config": StreamConfig(chunk_rows=32)}, "chunk_rows=32"),
     ],
-    ids=["head_dim", "hidden", "smem", "positions", "ctas"],
+    ids=["head_dim", "hidden", "smem", "positions", "ctas", "chunk_rows"],
 )
 def test_stream_front_refuses_what_it_cannot_tile(shape, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -188,8 +192,11 @@ def _assert_close(name, got, ref, metric):
         (132, StreamConfig()),
         (37, StreamConfig()),
         (132, StreamConfig(defer_counts=True, x_row_stores=True)),
+        (132, StreamConfig(chunk_rows=64, k_chunk=256)),
+        (37, StreamConfig(chunk_rows=128, k_chunk=128, defer_counts=True)),
     ],
-    ids=lambda p: f"ctas{p[0]}{'-defer-xrow' * p[1].defer_counts}",
+    ids=lambda p: f"ctas{p[0]}-cr{p[1].chunk_rows}bk{p[1].k_chunk}"
+    f"{'-defer' * p[1].defer_counts}{'-xrow' * p[1].x_row_stores}",
 )
 def built(request):
     k1 = K1AttnStreamLaunch(REAL, *request.param)

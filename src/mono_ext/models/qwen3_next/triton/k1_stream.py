@@ -25,7 +25,8 @@ TMA_BOX_MAX = 256
 class StreamConfig:
     """How the launch streams (one build per config)."""
 
-    k_chunk: int = 64  # columns per TMA copy: one 128-byte swizzled row of bf16
+    k_chunk: int = 64  # columns per chunk (a TMA copy is at most 64: one 128-byte row)
+    chunk_rows: int | None = None  # rows per chunk and tile; None: a head's (head_dim)
     stages: int = 3  # ring slots
     norm_groups: int = 4  # the input norm's column groups (registers against round trips)
     loader_regs: int = 40  # registers the loader warp keeps after reallocation
@@ -59,14 +60,30 @@ class K1AttnStreamLaunch:
         if bad:
             raise ValueError("k1 attention stream front: " + "; ".join(bad))
         s = self.shape
-        self.deal = ChunkDeal(2 * s.hq + 2 * s.hkv, s.hidden // self.config.k_chunk, self.ctas)
+        tiles = (2 * s.hq + 2 * s.hkv) * (s.head_dim // self.chunk_rows)
+        self.deal = ChunkDeal(tiles, s.hidden // self.config.k_chunk, self.ctas)
+
+    @property
+    def chunk_rows(self) -> int:
+        return self.config.chunk_rows or self.shape.head_dim
+
+    @property
+    def heads(self) -> int:
+        """q, gate, k and v heads: the launch's units of output."""
+        return 2 * self.shape.hq + 2 * self.shape.hkv
 
     def refusals(self) -> list[str]:
         s, c = self.shape, self.config
         bad = list(s.refusals())
         d = s.head_dim
-        if d & (d - 1) or not 64 <= d <= TMA_BOX_MAX:
-            bad.append(f"head_dim={d}: one tile per head needs a power of two in 64..256")
+        if d & (d - 1) or d < 64:
+            bad.append(f"head_dim={d}: heads of whole tiles need a power of two >= 64")
+        cr = c.chunk_rows or d
+        if cr not in (64, 128, 256) or d % cr:
+            bad.append(
+                f"chunk_rows={cr}: a tile is 64, 128 or {TMA_BOX_MAX} rows (wgmma M, TMA box) "
+                f"dividing head_dim {d}"
+            )
         if s.hidden % (c.k_chunk * c.norm_groups):
             bad.append(
                 f"hidden={s.hidden} is not a multiple of k_chunk {c.k_chunk} x norm_groups "
@@ -81,13 +98,13 @@ class K1AttnStreamLaunch:
     def smem_bytes(self) -> int:
         """The ring and the resident x^T (barriers and alignment are a few hundred more)."""
         s, c = self.shape, self.config
-        return c.stages * s.head_dim * c.k_chunk * 2 + s.hidden * BLOCK_B * 2
+        return c.stages * self.chunk_rows * c.k_chunk * 2 + s.hidden * BLOCK_B * 2
 
     def label(self) -> str:
         s, c = self.shape, self.config
         return (
             f"k1 attn stream h{s.hidden} hq{s.hq} hkv{s.hkv} d{s.head_dim} rd{s.rotary_dim} "
-            f"ctas{self.ctas} bk{c.k_chunk} ns{c.stages} ng{c.norm_groups}"
+            f"ctas{self.ctas} cr{self.chunk_rows} bk{c.k_chunk} ns{c.stages} ng{c.norm_groups}"
         )
 
     def build(self, device: Any = "cuda") -> None:
@@ -99,9 +116,11 @@ class K1AttnStreamLaunch:
         s, deal = self.shape, self.deal
         self.rope = rope_table(s, self.max_positions, dev)
         self.parts = torch.empty(
-            deal.tiles * deal.max_parts * BLOCK_B * s.head_dim, dtype=torch.float32, device=dev
+            deal.tiles * deal.max_parts * BLOCK_B * self.chunk_rows,
+            dtype=torch.float32,
+            device=dev,
         )
-        self.count = torch.zeros(deal.tiles, dtype=torch.int32, device=dev)
+        self.count = torch.zeros(self.heads, dtype=torch.int32, device=dev)
         self.stamps = torch.zeros(self.ctas, 8, dtype=torch.int64, device=dev)
         bf = torch.bfloat16
         qd, kvd = s.hq * s.head_dim, s.hkv * s.head_dim
@@ -125,7 +144,7 @@ class K1AttnStreamLaunch:
         key = (w.data_ptr(), tuple(w.shape))
         desc = self._descs.get(key)
         if desc is None:
-            block = [self.shape.head_dim, self.config.k_chunk]
+            block = [self.chunk_rows, self.config.k_chunk]
             layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
             desc = self._descs[key] = TensorDescriptor.from_tensor(w, block, layout)
         return desc
@@ -191,7 +210,7 @@ class K1AttnStreamLaunch:
         from mono_ext.models.qwen3_next.triton.k1_stream_kernel import k1_attn_stream_kernel
 
         cx = self.constexprs()
-        block = [self.shape.head_dim, self.config.k_chunk]
+        block = [self.chunk_rows, self.config.k_chunk]
         w_layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         pos = "*i32" if self.positions_dtype == "int32" else "*i64"
         types = {

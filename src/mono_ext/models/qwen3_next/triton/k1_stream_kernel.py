@@ -8,26 +8,29 @@ One persistent launch per layer per decode step of at most ``BB`` (16) rows, one
 - the **consumer** warpgroup norms the step's rows into ``x^T`` in SMEM meanwhile (residual
   add, Gemma RMSNorm's ``s * (1 + w)``; the rows' ``rsqrt`` scales each tile at its end, since
   ``W (s (1 + w)) rsqrt`` is ``W x_normed``), then runs one async wgmma per chunk;
-- a tile is one head's 256 rows of q, gate, k or v (``head_dim`` rows), so the q/k Gemma norm
-  and the partial RoPE need no other tile. Each CTA that streamed some of a tile's chunks
-  stores its part; the last part to arrive (``stream.count_in``) sums the parts in part
-  order and writes the tile's outputs. Nothing in the launch waits on another CTA.
+- a chunk is ``CR`` rows (a tile) by ``BK`` columns; a head (256 rows of q, gate, k or v)
+  is ``D / CR`` tiles. Each CTA that streamed some of a tile's chunks stores its part; the
+  last of a head's parts to arrive (``stream.count_in`` on the head's counter) sums every
+  tile's parts in part order and writes the head's outputs, the q/k Gemma norm and the
+  partial RoPE included, since no other head is needed. Nothing in the launch waits on
+  another CTA.
 
-Tensor contract (``B`` = rows of the step, at most ``BB``; ``T = 2 HQ + 2 HKV`` tiles):
+Tensor contract (``B`` = rows of the step, at most ``BB``; ``NH = 2 HQ + 2 HKV`` heads of
+``TPH = D / CR`` tiles each, ``T = NH * TPH``):
 
 | name | shape | dtype | layout | written by |
 |---|---|---|---|---|
 | ``hid`` / ``res`` | [B, H] | bf16 | row-major | the engine (``res`` not read when ``has_res`` is 0) |
 | ``rout`` | [B, H] | bf16 | row-major | CTA 0: ``hid + res`` |
 | ``nw`` | [H] | bf16 | | the engine (input_layernorm) |
-| ``qkv_proj`` | [T * D, H] | bf16 | per q head: D q rows, D gate rows; then k, then v heads | the engine |
+| ``qkv_proj`` | [NH * D, H] | bf16 | per q head: D q rows, D gate rows; then k, then v heads | the engine |
 | ``qn`` / ``kn`` | [D] | bf16 | | the engine (q_norm / k_norm) |
 | ``rope`` | [max_pos, RD] | fp32 | cos (RD/2) then sin (RD/2) per position | the launch, once |
 | ``pos`` | [B] | int32 / int64 | | the engine |
 | ``q`` / ``gate`` | [B, HQ * D] | bf16 | row-major | the tile's last part |
 | ``k`` / ``v`` | [B, HKV * D] | bf16 | row-major | the tile's last part |
-| ``parts`` | [T, MAXP, BB, D] | fp32 | part p of tile t, batch-row major | each part's CTA |
-| ``count`` | [T] | int32 | zero between launches | ``stream.count_in`` |
+| ``parts`` | [T, MAXP, BB, CR] | fp32 | part p of tile t, batch-row major | each part's CTA |
+| ``count`` | [NH] | int32 | zero between launches | ``stream.count_in`` |
 """
 
 from __future__ import annotations
@@ -94,14 +97,46 @@ def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, ep
 
 
 @gluon.jit
-def _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr,
+def _head_parts(h, p_ptr, G, b, d, m2, C: gl.constexpr, KT: gl.constexpr, TPH: gl.constexpr,
+                CR: gl.constexpr, BB: gl.constexpr, D: gl.constexpr, MAXP: gl.constexpr,
+                el: gl.constexpr):  # fmt: skip
+    """Head ``h``'s projection at dims ``d`` [BB, D]: each of its ``TPH`` tiles' parts summed
+    in part order, tile ``r`` giving dims ``r * CR ...``; ``p_ptr`` points at the parts'
+    scratch."""
+    x = gl.zeros([BB, D], gl.float32, layout=el)
+    for r in gl.static_range(TPH):
+        t = h * TPH + r
+        first = chunk_owner(t * KT, C, G)
+        n = chunk_owner(t * KT + KT - 1, C, G) - first + 1
+        mine = m2 & ((d // CR) == r)[None, :]
+        off = b[:, None] * CR + (d - r * CR)[None, :]
+        for p in range(n):
+            part = p_ptr + (t * MAXP + p) * (BB * CR)
+            x += gl.load(part + off, mask=mine, other=0.0, cache_modifier=".cg")
+    return x
+
+
+@gluon.jit
+def _head_part_count(h, G, C: gl.constexpr, KT: gl.constexpr, TPH: gl.constexpr):
+    """How many parts head ``h``'s tiles have in all (one per tile and CTA streaming it)."""
+    n = 0
+    for r in gl.static_range(TPH):
+        t = h * TPH + r
+        n += chunk_owner(t * KT + KT - 1, C, G) - chunk_owner(t * KT, C, G) + 1
+    return n
+
+
+@gluon.jit
+def _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr,
                   v_ptr, gate_ptr, n_rows, max_pos, eps, HQ: gl.constexpr, HKV: gl.constexpr,
-                  D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr,
+                  D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr, C: gl.constexpr,
+                  KT: gl.constexpr, TPH: gl.constexpr, CR: gl.constexpr,
                   MAXP: gl.constexpr):  # fmt: skip
-    """Tile ``t``'s last part: sum its ``n_parts`` parts in part order, scale by the input
-    norm's ``rstd`` and write the tile's outputs: gate / v as they are; q / k through the Gemma
-    head norm and the partial neox RoPE (rotation partner of dim ``d < RD`` at ``d +- RD/2``,
-    summed from the same parts in the same order)."""
+    """Head ``h``'s last part: its parts summed (:func:`_head_parts`), scaled by the input
+    norm's ``rstd``, and the head's outputs written: gate / v as they are; q / k through the
+    Gemma head norm and the partial neox RoPE (rotation partner of dim ``d < RD`` at
+    ``d +- RD/2``, summed from the same parts in the same order). ``h`` counts q, gate
+    alternating per q head, then the k heads, then the v heads."""
     el: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 2], threads_per_warp=[1, 32], warps_per_cta=[1, 4], order=[1, 0]
     )
@@ -111,25 +146,20 @@ def _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr
     bm = b < n_rows
     m2 = bm[:, None] & (d[None, :] < D)
     partner = gl.where(d < HALF, d + HALF, gl.where(d < RD, d - HALF, d))
-    tile = parts_ptr + t * (MAXP * BB * D)
-    x = gl.zeros([BB, D], gl.float32, layout=el)
-    xp = gl.zeros([BB, D], gl.float32, layout=el)
-    for p in range(n_parts):
-        part = tile + p * (BB * D) + b[:, None] * D
-        x += gl.load(part + d[None, :], mask=m2, other=0.0, cache_modifier=".cg")
-        xp += gl.load(part + partner[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+    x = _head_parts(h, parts_ptr, G, b, d, m2, C, KT, TPH, CR, BB, D, MAXP, el)
+    xp = _head_parts(h, parts_ptr, G, b, partner, m2, C, KT, TPH, CR, BB, D, MAXP, el)
     rs = gl.convert_layout(rstd, gl.SliceLayout(1, el))
     x = x * rs[:, None]
     xp = xp * rs[:, None]
-    QT: gl.constexpr = 2 * HQ  # q and gate tiles, alternating per head
-    if t >= QT + HKV:  # v head
-        j = t - QT - HKV
+    QT: gl.constexpr = 2 * HQ  # q and gate heads, alternating
+    if h >= QT + HKV:  # v head
+        j = h - QT - HKV
         gl.store(v_ptr + b[:, None] * (HKV * D) + j * D + d[None, :], x.to(gl.bfloat16), mask=m2)
-    elif (t < QT) & (t % 2 == 1):  # gate of q head t // 2
-        gl.store(gate_ptr + b[:, None] * (HQ * D) + (t // 2) * D + d[None, :],
+    elif (h < QT) & (h % 2 == 1):  # gate of q head h // 2
+        gl.store(gate_ptr + b[:, None] * (HQ * D) + (h // 2) * D + d[None, :],
                  x.to(gl.bfloat16), mask=m2)  # fmt: skip
-    else:  # q head t // 2, or k head t - QT
-        is_k = t >= QT
+    else:  # q head h // 2, or k head h - QT
+        is_k = h >= QT
         pos = gl.load(pos_ptr + b, mask=bm, other=0)
         pos = gl.minimum(gl.maximum(pos, 0), max_pos - 1).to(gl.int64)
         fi = gl.where(d < HALF, d, gl.where(d < RD, d - HALF, 0))
@@ -145,7 +175,7 @@ def _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr
         xpn = xp * hr[:, None] * (1.0 + wp[None, :])
         sgn = gl.where(d < HALF, -1.0, 1.0)
         out = gl.where(d[None, :] < RD, xn * cos + sgn[None, :] * xpn * sin, xn)
-        base = gl.where(is_k, k_ptr + (t - QT) * D, q_ptr + (t // 2) * D)
+        base = gl.where(is_k, k_ptr + (h - QT) * D, q_ptr + (h // 2) * D)
         stride = gl.where(is_k, HKV * D, HQ * D)
         gl.store(base + b[:, None] * stride + d[None, :], out.to(gl.bfloat16), mask=m2)
 
@@ -155,13 +185,14 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
                    qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
                    count_ptr, n_rows, has_res, max_pos, eps, H: gl.constexpr, HQ: gl.constexpr,
                    HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr,
-                   BK: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr,
+                   BK: gl.constexpr, CR: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr,
                    NG: gl.constexpr, XB: gl.constexpr, DEFER: gl.constexpr, trace_ptr,
                    TRACE: gl.constexpr):  # fmt: skip
     KT: gl.constexpr = H // BK
+    TPH: gl.constexpr = D // CR  # tiles per head
+    C: gl.constexpr = (2 * HQ + 2 * HKV) * TPH * KT
     trace_ptr += pid * 8
     stamp(trace_ptr, 0, TRACE)
-    C: gl.constexpr = (2 * HQ + 2 * HKV) * KT
     # the norm writes x^T as one [H, BB] matrix: the same bytes as the [KT, BK, BB] chunks,
     # the swizzle repeating within every chunk
     x2 = xs._reinterpret(gl.bfloat16, [H, BB], xs.layout)
@@ -173,8 +204,8 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BB, 16]
     )
-    acc = gl.zeros([D, BB], gl.float32, layout=mma)
-    ro = gl.arange(0, D, layout=gl.SliceLayout(1, mma))
+    acc = gl.zeros([CR, BB], gl.float32, layout=mma)
+    ro = gl.arange(0, CR, layout=gl.SliceLayout(1, mma))
     co = gl.arange(0, BB, layout=gl.SliceLayout(0, mma))
     for c in range(c0, c1):
         i = c - c0
@@ -193,27 +224,23 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(s))
             t = c // KT
-            first = chunk_owner(t * KT, C, G)
-            n_parts = chunk_owner(t * KT + KT - 1, C, G) - first + 1
-            part = parts_ptr + (t * MAXP + pid - first) * (BB * D)
-            gl.store(part + co[None, :] * D + ro[:, None], acc, mask=co[None, :] < n_rows)
+            part = parts_ptr + (t * MAXP + pid - chunk_owner(t * KT, C, G)) * (BB * CR)
+            gl.store(part + co[None, :] * CR + ro[:, None], acc, mask=co[None, :] < n_rows)
             if TRACE:  # noqa: SIM102 (a constexpr branch, then a runtime one)
                 if c == c1 - 1:
                     stamp(trace_ptr, 3, TRACE)
             if not DEFER:  # noqa: SIM102 (a constexpr branch, then a runtime one)
-                if count_in(count_ptr + t, n_parts):
-                    _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr,
+                if count_in(count_ptr + t // TPH, _head_part_count(t // TPH, G, C, KT, TPH)):
+                    _head_outputs(t // TPH, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr,
                                   pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps,
-                                  HQ, HKV, D, RD, BB, MAXP)  # fmt: skip
+                                  HQ, HKV, D, RD, BB, C, KT, TPH, CR, MAXP)  # fmt: skip
                     stamp(trace_ptr, 4, TRACE)
     if DEFER:  # the parts' counts after the stream: a tile ending mid-range stops no load
         for t in range(c0 // KT, (c1 - 1) // KT + 1):
-            first = chunk_owner(t * KT, C, G)
-            n_parts = chunk_owner(t * KT + KT - 1, C, G) - first + 1
-            if count_in(count_ptr + t, n_parts):
-                _tile_outputs(t, parts_ptr, n_parts, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr,
+            if count_in(count_ptr + t // TPH, _head_part_count(t // TPH, G, C, KT, TPH)):
+                _head_outputs(t // TPH, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr,
                               q_ptr, k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps, HQ, HKV, D,
-                              RD, BB, MAXP)  # fmt: skip
+                              RD, BB, C, KT, TPH, CR, MAXP)  # fmt: skip
                 stamp(trace_ptr, 4, TRACE)
 
 
@@ -229,8 +256,9 @@ def k1_attn_stream_kernel(
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     KT: gl.constexpr = H // BK
-    c0, c1 = chunk_range(pid, (2 * HQ + 2 * HKV) * KT, G)
-    ring = gl.allocate_shared_memory(gl.bfloat16, [NS, D, BK], w_desc.layout)
+    CR: gl.constexpr = w_desc.block_type.shape[0]  # rows per chunk (and per tile)
+    c0, c1 = chunk_range(pid, (2 * HQ + 2 * HKV) * (D // CR) * KT, G)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NS, CR, BK], w_desc.layout)
     xs = gl.allocate_shared_memory(gl.bfloat16, [KT, BK, BB], X_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -244,8 +272,8 @@ def k1_attn_stream_kernel(
                 _attn_consumer,
                 (ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
                  qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
-                 count_ptr, n_rows, has_res, max_pos, eps, H, HQ, HKV, D, RD, BB, BK, NS, MAXP,
-                 NG, XB, DEFER, trace_ptr, TRACE),
+                 count_ptr, n_rows, has_res, max_pos, eps, H, HQ, HKV, D, RD, BB, BK, CR, NS,
+                 MAXP, NG, XB, DEFER, trace_ptr, TRACE),
             ),  # fmt: skip
             (range_loader, (w_desc, ring, ready, empty, c0, c1, KT, NS)),
         ],
