@@ -25,8 +25,8 @@ state); an arm that fails is reported and not timed. ``--results-csv`` writes on
 (kind, width, arm) with ``stock_over_arm`` = the fastest vLLM arm's time over the arm's, the
 stock to beat being vLLM's, never the torch chain.
 
-``--stream``: the attention front on the stream engine (``k1_stream``, Gluon) as arm
-``k1-stream``, in the same graph treatment on the same weights and rows, its q checked against
+``--stream``: the attention front on the stream engine's deal (``k1_stream``: Gluon, or
+plain Triton with ``{"kernel": "triton"}``) as arm ``k1-stream``, in the same graph treatment on the same weights and rows, its q checked against
 K1's first (cosine >= 0.999); ``--stream-configs`` (a JSON list of ``StreamConfig`` overrides)
 times each build as arm ``k1-stream <overrides>``.
 
@@ -367,8 +367,9 @@ def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too
     for over in stream or []:
         from mono_ext.models.qwen3_next.triton.k1_stream import K1AttnStreamLaunch, StreamConfig
 
-        k1s = K1AttnStreamLaunch(shape, grid, StreamConfig(**over), max_positions=8192,
-                                 trace=stream_trace)  # fmt: skip
+        cfg_s = StreamConfig(**over)
+        k1s = K1AttnStreamLaunch(shape, grid, cfg_s, max_positions=8192,
+                                 trace=stream_trace and cfg_s.kernel == "gluon")  # fmt: skip
         k1s.build(DEV)
         arm = "k1-stream" + (f" {json.dumps(over, sort_keys=True)}" if over else "")
         streams.append((arm, k1s))

@@ -64,9 +64,10 @@
 #                                         takes to see a few CTAs' tagged words (K2's picks),
 #                                         with the bounded wait of $BASE_SRC and of this tree
 #                                         (writes $OUT/handoff_{base,new}.json), ~1 min
-#   bash tools/gpu/run_kernels.sh k1stream the attention front on the stream engine (k1_stream):
-#                                         its tests, then bench_k1's attention front with the
-#                                         k1-stream arm beside K1 (vLLM arms where vLLM imports),
+#   bash tools/gpu/run_kernels.sh k1stream the attention front on the stream engine's deal
+#                                         (k1_stream: Gluon, and plain Triton): its tests, then
+#                                         bench_k1's attention front with the k1-stream arm
+#                                         beside K1 (vLLM arms where vLLM imports),
 #                                         widths 1-16, each build of $STREAM_CONFIGS (a JSON
 #                                         list of StreamConfig overrides; default the default)
 #                                         (writes $OUT/k1_stream.csv), ~2 min; a launch that
@@ -199,8 +200,9 @@ k2reps)
     --md-out "$OUT/k2_reps.md" "${passes[@]}"
   cat "$OUT/k2_reps.md" ;;
 k1stream)
-  run k1_stream_tests timeout -s KILL 240 python3 -m pytest -q -p no:cacheprovider -s \
-    tests/models/qwen3_next/triton/test_k1_stream.py
+  run k1_stream_tests timeout -s KILL 300 python3 -m pytest -q -p no:cacheprovider -s \
+    tests/models/qwen3_next/triton/test_k1_stream.py \
+    tests/models/qwen3_next/triton/test_k1_stream_fronts.py
   run k1_stream timeout -s KILL 300 python3 benchmarks/bench_k1.py --no-gdn --stream \
     --stream-configs "${STREAM_CONFIGS:-[{\}]}" --widths 1,2,4,8,16 \
     --results-csv "$OUT/k1_stream.csv" ;;

@@ -1,18 +1,11 @@
-"""K1's attention front on the stream engine (``k1_stream``), and the chunk deal it runs on.
+"""K1's attention front on the stream engine (``k1_stream``), and the chunk deal it runs on,
+on any machine (the fronts against the reference: ``test_k1_stream_fronts.py``).
 
-On any machine: the deal (every chunk streamed by exactly one CTA, equal counts to within
-one, each tile's parts where the CTAs' ranges say); the kernel compiled for sm_90a with the
-instructions the engine is built on (TMA copies, mbarrier waits, async wgmma, the loader's
-register reallocation, the parts' acquire-release count), nothing spilled, its SMEM as
-computed; the refusals, by name.
-
-On an sm_90 device, at the 80B-A3B shapes: q, k, v, gate and residual_out against the fp32
-reference at widths 1..16 (the first layer, without a residual, at width 2), outputs
-poisoned first, on 132 CTAs and on 37 (tiles in other parts), with the parts counted in
-after the stream and x^T stored by rows, and with heads of 4 and 2 tiles (chunks of 64 rows
-x 256 columns, 128 x 128); each row's outputs the same
-bits whatever else is in the step; CUDA-graph replay bit-identical to eager.
-"""
+The deal (every chunk streamed by exactly one CTA, equal counts to within one, each tile's
+parts where the CTAs' ranges say); the Gluon kernel compiled for sm_90a with the instructions
+the engine is built on (TMA copies, mbarrier waits, async wgmma, the loader's register
+reallocation, the parts' acquire-release count), nothing spilled, its SMEM as computed; the
+refusals, by name."""
 
 import pytest
 
@@ -25,20 +18,16 @@ from mono_ext.kernels.triton.offline import resources  # noqa: E402
 from mono_ext.kernels.triton.stream_schedule import ChunkDeal  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
-from mono_ext.models.qwen3_next.reference import attn_front, rel_l2  # noqa: E402
-from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
 from mono_ext.models.qwen3_next.triton.k1_plan import K1AttnShape  # noqa: E402
 from mono_ext.models.qwen3_next.triton.k1_stream import (  # noqa: E402
     K1AttnStreamLaunch,
     StreamConfig,
 )
 
-NUM = Qwen3NextSpec.NUMERICS
 REAL = K1AttnShape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b"))))
 CONFIGS = [StreamConfig(), StreamConfig(stages=4), StreamConfig(norm_groups=8),
            StreamConfig(defer_counts=True), StreamConfig(x_row_stores=True),
            StreamConfig(chunk_rows=64, k_chunk=256), StreamConfig(chunk_rows=128, k_chunk=128)]  # fmt: skip
-OUT_NAMES = ("q", "k", "v", "gate", "residual_out")
 
 
 # ------------------------------------------------------------------------- the chunk deal
@@ -123,133 +112,13 @@ def _shape(**over):
         (REAL, {"positions_dtype": "int16"}, "positions_dtype"),
         (_shape(hq=1, hkv=1, hidden=256), {"ctas": 132}, "132 CTAs for 16 chunks"),
         (REAL, {"config": StreamConfig(chunk_rows=32)}, "chunk_rows=32"),
+        (REAL, {"config": StreamConfig(kernel="triton", chunk_rows=8)}, "chunk_rows=8"),
+        (REAL, {"config": StreamConfig(kernel="cuda")}, "kernel='cuda'"),
+        (REAL, {"config": StreamConfig(kernel="triton"), "trace": True}, "trace"),
     ],
-    ids=["head_dim", "hidden", "smem", "positions", "ctas", "chunk_rows"],
+    ids=["head_dim", "hidden", "smem", "positions", "ctas", "chunk_rows", "triton_rows",
+         "kernel", "trace"],  # fmt: skip
 )
 def test_stream_front_refuses_what_it_cannot_tile(shape, kwargs, match):
     with pytest.raises(ValueError, match=match):
         K1AttnStreamLaunch(shape, **{"ctas": 132, **kwargs})
-
-
-# ------------------------------------------------------------------------- on the device
-
-_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not _SM90, reason="needs an sm_90 device")(test))
-
-
-DEV = torch.device("cuda")
-MD = Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b")))
-
-
-def _weights(gen):
-    s = REAL
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(torch.bfloat16)
-
-    return {
-        "input_layernorm": rnd(s.hidden, scale=0.2),
-        "qkv_proj": rnd(s.qkv_rows, s.hidden, scale=s.hidden**-0.5),
-        "q_norm": rnd(s.head_dim, scale=0.2),
-        "k_norm": rnd(s.head_dim, scale=0.2),
-    }
-
-
-def _inputs(gen, width, residual=True):
-    hid = torch.randn(width, REAL.hidden, generator=gen, device=DEV).to(torch.bfloat16)
-    res = torch.randn(width, REAL.hidden, generator=gen, device=DEV).to(torch.bfloat16)
-    pos = torch.randint(0, 8192, (width,), generator=gen, device=DEV)
-    return hid, (res if residual else None), pos
-
-
-def _outputs(width):
-    qd, kvd = REAL.hq * REAL.head_dim, REAL.hkv * REAL.head_dim
-    return [torch.full((width, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-            for n in (qd, kvd, kvd, qd, REAL.hidden)]  # fmt: skip
-
-
-def _run(k1, w, hid, res, pos):
-    q, k, v, gate, r_out = _outputs(hid.shape[0])
-    k1.launch(hid, res, w, pos, q, k, v, gate, r_out)
-    return q, k, v, gate, r_out
-
-
-def _assert_close(name, got, ref, metric):
-    got, ref = got.float(), ref.float().reshape(got.shape)
-    assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten or NaN)"
-    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
-    rl2 = rel_l2(got, ref)
-    assert cos >= NUM[f"k1.{metric}.cosine"], f"{name}: cosine {cos:.6f} (rel_l2 {rl2:.2e})"
-    assert rl2 <= NUM[f"k1.{metric}.rel_l2"], f"{name}: rel_l2 {rl2:.2e} (cosine {cos:.6f})"
-
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        (132, StreamConfig()),
-        (37, StreamConfig()),
-        (132, StreamConfig(defer_counts=True, x_row_stores=True)),
-        (132, StreamConfig(chunk_rows=64, k_chunk=256)),
-        (37, StreamConfig(chunk_rows=128, k_chunk=128, defer_counts=True)),
-    ],
-    ids=lambda p: f"ctas{p[0]}-cr{p[1].chunk_rows}bk{p[1].k_chunk}"
-    f"{'-defer' * p[1].defer_counts}{'-xrow' * p[1].x_row_stores}",
-)
-def built(request):
-    k1 = K1AttnStreamLaunch(REAL, *request.param)
-    k1.build(DEV)
-    return k1
-
-
-@gpu
-def test_stream_front_matches_the_reference(built):
-    gen = torch.Generator(device=DEV).manual_seed(11)
-    w = _weights(gen)
-    for width in range(1, 17):
-        hid, res, pos = _inputs(gen, width, residual=width != 2)
-        q, k, v, gate, r_out = _run(built, w, hid, res, pos)
-        torch.cuda.synchronize()
-        ref = attn_front(hid, res, w["input_layernorm"], w, MD, pos)
-        _assert_close(f"w{width} q", q, ref.q, "q")
-        _assert_close(f"w{width} k", k, ref.k, "k")
-        _assert_close(f"w{width} v", v, ref.v, "v")
-        _assert_close(f"w{width} gate", gate, ref.gate, "q")  # a plain projection: q's bounds
-        assert rel_l2(r_out.float(), ref.residual_out) <= NUM["k1.residual.rel_l2"]
-
-
-@gpu
-def test_stream_front_rows_do_not_depend_on_the_step(built):
-    gen = torch.Generator(device=DEV).manual_seed(12)
-    w = _weights(gen)
-    hid, res, pos = _inputs(gen, 16)
-    wide = _run(built, w, hid, res, pos)
-    for j in (0, 7, 15):
-        one = _run(built, w, hid[j : j + 1], res[j : j + 1], pos[j : j + 1])
-        for name, a, b in zip(OUT_NAMES, wide, one, strict=True):
-            assert torch.equal(a[j : j + 1], b), f"row {j}'s {name} differs alone and in 16"
-
-
-@gpu
-def test_stream_front_graph_replay_is_bit_identical_to_eager(built):
-    gen = torch.Generator(device=DEV).manual_seed(13)
-    w = _weights(gen)
-    hid, res, pos = _inputs(gen, 5)
-    eager = _run(built, w, hid, res, pos)
-    outs = _outputs(5)
-    built.launch(hid, res, w, pos, *outs)  # the descriptor cached before capture
-    torch.cuda.synchronize()
-    for t in outs:
-        t.fill_(float("nan"))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        built.launch(hid, res, w, pos, *outs, validate=False)
-    for _ in range(3):
-        for t in outs:
-            t.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        for name, a, b in zip(OUT_NAMES, eager, outs, strict=True):
-            assert torch.equal(a, b), f"{name}: replay differs from eager"

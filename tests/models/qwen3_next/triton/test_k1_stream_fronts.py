@@ -1,0 +1,198 @@
+"""K1's attention front on the stream engine's deal (``k1_stream``), both programs, against
+the fp32 reference: the Gluon one (``k1_stream_kernel``, sm_90 only) and the plain-Triton one
+(``StreamConfig(kernel="triton")``, ``k1_dealt_kernel``).
+
+Every case: q, k, v, gate and residual_out at several widths (the first layer, without a
+residual, at width 2), outputs poisoned first, on grids that put tiles and heads in several
+parts; each row's outputs the same bits whatever else is in the step; on a CUDA device,
+CUDA-graph replay bit-identical to eager. Cases: the 80B-A3B shapes for every build option
+on a device that runs them (the Gluon builds on sm_90, 132 and 37 CTAs); the tiny configs
+with the plain-Triton program also in Triton's CPU interpreter (``TRITON_INTERPRET=1``),
+where the module otherwise skips them. Offline, on any machine: the plain-Triton program's
+sm_90a build (no spills, wgmma, the parts' acquire-release count).
+"""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from mono_ext.kernels.triton.offline import resources  # noqa: E402
+from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
+from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
+from mono_ext.models.qwen3_next.reference import attn_front, rel_l2  # noqa: E402
+from mono_ext.models.qwen3_next.spec import Qwen3NextSpec  # noqa: E402
+from mono_ext.models.qwen3_next.triton.k1_plan import K1AttnShape  # noqa: E402
+from mono_ext.models.qwen3_next.triton.k1_stream import (  # noqa: E402
+    K1AttnStreamLaunch,
+    StreamConfig,
+)
+
+INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+CUDA = torch.cuda.is_available()
+SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
+DEV = torch.device("cuda" if CUDA else "cpu")
+NUM = Qwen3NextSpec.NUMERICS
+OUT_NAMES = ("q", "k", "v", "gate", "residual_out")
+REAL = "qwen3-next-80b-a3b"
+
+
+def _triton(rows, k_chunk):
+    return StreamConfig(kernel="triton", chunk_rows=rows, k_chunk=k_chunk)
+
+
+# (preset, build, grids, where it runs)
+CASES = [
+    (REAL, StreamConfig(), (132, 37), SM90),
+    (REAL, StreamConfig(defer_counts=True, x_row_stores=True), (132,), SM90),
+    (REAL, StreamConfig(chunk_rows=64, k_chunk=256), (132,), SM90),
+    (REAL, StreamConfig(chunk_rows=128, k_chunk=128, defer_counts=True), (37,), SM90),
+    (REAL, _triton(64, 256), (132, 37), CUDA),
+    # heads of two tiles, K in two or three chunks (qwen3-next-tiny-b's hidden is 96)
+    ("qwen3.5-moe-tiny", _triton(16, 32), (5, 3), CUDA or INTERP),
+    ("qwen3-next-tiny-b", _triton(32, 32), (5, 3), CUDA or INTERP),
+]
+WIDTHS = list(range(1, 17)) if CUDA else [1, 2, 3, 16]
+
+
+def _id(case):
+    preset, c, grids, _ = case
+    opts = "-defer" * c.defer_counts + "-xrow" * c.x_row_stores
+    return f"{preset}-{c.kernel}-cr{c.chunk_rows}bk{c.k_chunk}{opts}"
+
+
+def _cases():
+    return [
+        pytest.param(c, id=_id(c), marks=pytest.mark.skipif(not c[3], reason="not runnable here"))
+        for c in CASES
+    ]
+
+
+def _dims(preset):
+    return Dims.from_config(text_config(get_preset(preset)))
+
+
+def _launch(preset, config, ctas):
+    shape = K1AttnShape.from_dims(_dims(preset))
+    k1 = K1AttnStreamLaunch(shape, ctas, config, max_positions=4096)
+    k1.build(DEV)
+    return k1
+
+
+def test_dealt_front_compiles_for_sm90a():
+    if INTERP:
+        pytest.skip("the interpreter replaces the compiler")
+    k1 = K1AttnStreamLaunch(K1AttnShape.from_dims(_dims(REAL)), 132, _triton(64, 256))
+    try:
+        kernel = k1.compile_offline()
+    except RuntimeError as exc:  # no ptxas for sm_90a in this wheel
+        pytest.skip(f"cannot compile for sm_90a here: {exc}")
+    res = resources(kernel)
+    assert res.stack == 0 and res.spill_stores == res.spill_loads == 0
+    assert "wgmma.mma_async" in kernel.asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]
+
+
+def _weights(md, gen):
+    h, d = md.hidden, md.head_dim
+    rows = (2 * md.hq + 2 * md.hkv) * d
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(torch.bfloat16)
+
+    return {
+        "input_layernorm": rnd(h, scale=0.2),
+        "qkv_proj": rnd(rows, h, scale=h**-0.5),
+        "q_norm": rnd(d, scale=0.2),
+        "k_norm": rnd(d, scale=0.2),
+    }
+
+
+def _inputs(md, gen, width, residual=True):
+    hid = torch.randn(width, md.hidden, generator=gen, device=DEV).to(torch.bfloat16)
+    res = torch.randn(width, md.hidden, generator=gen, device=DEV).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (width,), generator=gen, device=DEV)
+    return hid, (res if residual else None), pos
+
+
+def _outputs(md, width):
+    qd, kvd = md.hq * md.head_dim, md.hkv * md.head_dim
+    return [torch.full((width, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+            for n in (qd, kvd, kvd, qd, md.hidden)]  # fmt: skip
+
+
+def _run(k1, md, w, hid, res, pos):
+    outs = _outputs(md, hid.shape[0])
+    k1.launch(hid, res, w, pos, *outs)
+    return outs
+
+
+def _assert_close(name, got, ref, metric):
+    got, ref = got.float(), ref.float().reshape(got.shape)
+    assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten or NaN)"
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
+    rl2 = rel_l2(got, ref)
+    assert cos >= NUM[f"k1.{metric}.cosine"], f"{name}: cosine {cos:.6f} (rel_l2 {rl2:.2e})"
+    assert rl2 <= NUM[f"k1.{metric}.rel_l2"], f"{name}: rel_l2 {rl2:.2e} (cosine {cos:.6f})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _cases())
+def test_stream_front_matches_the_reference(case):
+    preset, config, grids, _ = case
+    md = _dims(preset)
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    w = _weights(md, gen)
+    for ctas in grids:
+        k1 = _launch(preset, config, ctas)
+        for width in WIDTHS:
+            hid, res, pos = _inputs(md, gen, width, residual=width != 2)
+            q, k, v, gate, r_out = _run(k1, md, w, hid, res, pos)
+            ref = attn_front(hid, res, w["input_layernorm"], w, md, pos)
+            tag = f"ctas {ctas} w{width}"
+            _assert_close(f"{tag} q", q, ref.q, "q")
+            _assert_close(f"{tag} k", k, ref.k, "k")
+            _assert_close(f"{tag} v", v, ref.v, "v")
+            _assert_close(f"{tag} gate", gate, ref.gate, "q")  # a plain projection
+            assert rel_l2(r_out.float(), ref.residual_out) <= NUM["k1.residual.rel_l2"]
+
+
+def _built(case, seed):
+    """The case's build on its first grid, its dims, fresh weights and the generator."""
+    preset, config, grids, _ = case
+    md = _dims(preset)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return _launch(preset, config, grids[0]), md, _weights(md, gen), gen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _cases())
+def test_stream_front_rows_do_not_depend_on_the_step(case):
+    k1, md, w, gen = _built(case, 22)
+    hid, res, pos = _inputs(md, gen, 16)
+    wide = _run(k1, md, w, hid, res, pos)
+    for j in (0, 9, 15):
+        one = _run(k1, md, w, hid[j : j + 1], res[j : j + 1], pos[j : j + 1])
+        for name, a, b in zip(OUT_NAMES, wide, one, strict=True):
+            assert torch.equal(a[j : j + 1], b), f"row {j}'s {name} differs alone and in 16"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in _cases() if c.values[0][0] == REAL])
+def test_stream_front_graph_replay_is_bit_identical_to_eager(case):
+    k1, md, w, gen = _built(case, 23)
+    hid, res, pos = _inputs(md, gen, 5)
+    eager = _run(k1, md, w, hid, res, pos)
+    outs = _run(k1, md, w, hid, res, pos)  # the plane's descriptor made before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        k1.launch(hid, res, w, pos, *outs, validate=False)
+    for _ in range(3):
+        for t in outs:
+            t.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for name, a, b in zip(OUT_NAMES, eager, outs, strict=True):
+            assert torch.equal(a, b), f"{name}: replay differs from eager"
