@@ -739,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.get('k1_s1_only_us', '-')} | {r.get('torch_chain_us', '-')} | {sp} | "
               f"{r['k1_GBps']} | {r['pct_copy_bw']} |")  # fmt: skip
     arms = results_rows(rows, {**provenance(props.name), "copy_GBps": round(bw_copy)})
+    stream_traces = [{"arm": a["arm"], "width": a["width"], **a.pop("trace")}
+                     for a in arms if "trace" in a]  # fmt: skip
     if vllm_too or args.stream:
         print("\n| kind | width | arm | us | % copy BW | vLLM / arm |")
         print("|---|---|---|---|---|---|")
@@ -763,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
                   for kind in kinds for w in args.trace_widths.split(",")]  # fmt: skip
         if args.trace_json:
             with open(args.trace_json, "w") as f:
-                json.dump({**provenance(props.name), "traces": traces}, f, indent=1)
+                json.dump({**provenance(props.name), "traces": traces,
+                           "stream_traces": stream_traces}, f, indent=1)  # fmt: skip
     if args.csv:  # every row (the sweep's too), each with the run's provenance
         prov = provenance(props.name)
         rows = [{**r, **prov} for r in rows]

@@ -69,9 +69,12 @@
 #                                         bench_k1's attention front with the k1-stream arm
 #                                         beside K1 (vLLM arms where vLLM imports),
 #                                         widths 1-16, each build of $STREAM_CONFIGS (a JSON
-#                                         list of StreamConfig overrides; default the default)
-#                                         (writes $OUT/k1_stream.csv), ~2 min; a launch that
-#                                         hangs is killed
+#                                         list of StreamConfig overrides; default: the Gluon
+#                                         front, its options, 64 x 256 chunks, the plain-Triton
+#                                         deal), the Gluon builds traced at widths 1 and 16
+#                                         (writes $OUT/k1_stream.csv, $OUT/k1_stream_trace.json,
+#                                         the K1 front's trace too), ~3 min; a launch that hangs
+#                                         is killed
 #   bash tools/gpu/run_kernels.sh layer   benchmarks/bench_layer.py: eight decoder layers per step,
 #                                         K1 + K2 vs vLLM's own layer code, eager and compiled,
 #                                         widths 1-16 (needs PYTHONPATH=/tmp/site after
@@ -203,9 +206,13 @@ k1stream)
   run k1_stream_tests timeout -s KILL 300 python3 -m pytest -q -p no:cacheprovider -s \
     tests/models/qwen3_next/triton/test_k1_stream.py \
     tests/models/qwen3_next/triton/test_k1_stream_fronts.py
-  run k1_stream timeout -s KILL 300 python3 benchmarks/bench_k1.py --no-gdn --stream \
-    --stream-configs "${STREAM_CONFIGS:-[{\}]}" --widths 1,2,4,8,16 \
-    --results-csv "$OUT/k1_stream.csv" ;;
+  # default: the Gluon front, its options together, its 64 x 256 chunks, the plain-Triton deal
+  defaults='[{}, {"defer_counts": true, "x_row_stores": true}, {"chunk_rows": 64, "k_chunk": 256},
+    {"kernel": "triton", "chunk_rows": 64, "k_chunk": 256}]'
+  run k1_stream timeout -s KILL 400 python3 benchmarks/bench_k1.py --no-gdn --stream \
+    --stream-configs "${STREAM_CONFIGS:-$defaults}" --widths 1,2,4,8,16 --trace \
+    --trace-widths 1,16 --results-csv "$OUT/k1_stream.csv" \
+    --trace-json "$OUT/k1_stream_trace.json" ;;
 handoff)
   for arm in base new; do
     src=$PWD/src

@@ -196,3 +196,32 @@ def test_stream_front_graph_replay_is_bit_identical_to_eager(case):
         torch.cuda.synchronize()
         for name, a, b in zip(OUT_NAMES, eager, outs, strict=True):
             assert torch.equal(a, b), f"{name}: replay differs from eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 device")
+def test_gluon_trace_build_gives_the_same_bits_and_ordered_stamps():
+    """``trace`` (bench_k1.py --stream --trace): the outputs bit-equal to the untraced
+    build's, and each CTA's stamps in program order (start, rows normed, first chunk, stream
+    done; a head written after its CTA's stream)."""
+    md = _dims(REAL)
+    gen = torch.Generator(device=DEV).manual_seed(24)
+    w = _weights(md, gen)
+    hid, res, pos = _inputs(md, gen, 3)
+    shape = K1AttnShape.from_dims(md)
+    got = {}
+    for traced in (False, True):
+        k1 = K1AttnStreamLaunch(shape, 132, StreamConfig(), max_positions=4096, trace=traced)
+        k1.build(DEV)
+        k1.stamps.zero_()
+        got[traced] = _run(k1, md, w, hid, res, pos)
+        torch.cuda.synchronize()
+    for name, a, b in zip(OUT_NAMES, got[False], got[True], strict=True):
+        assert torch.equal(a, b), f"{name}: the trace build differs"
+    stamps = k1.stamps.tolist()
+    for cta, row in enumerate(stamps):
+        start, normed, first, done, head = row[:5]
+        assert 0 < start <= normed <= first <= done, (cta, row[:5])
+        assert head == 0 or head >= done, (cta, row[:5])
+    # every head is written by one CTA, which may write several
+    assert 1 <= sum(1 for row in stamps if row[4]) <= k1.heads
