@@ -20,7 +20,7 @@ from mono_ext.models.qwen3_next.triton.k1_plan import K1AttnShape, rope_table
 
 __all__ = ["K1AttnStreamLaunch", "StreamConfig"]
 
-# the largest box a TMA copy takes per dimension: a tile (one head's rows) is one box tall
+# the largest box a TMA copy takes per dimension: a Gluon chunk is one box tall
 TMA_BOX_MAX = 256
 
 
@@ -152,7 +152,9 @@ class K1AttnStreamLaunch:
         )
         self.count = torch.zeros(self.heads, dtype=torch.int32, device=dev)
         self.stamps = torch.zeros(self.ctas, 8, dtype=torch.int64, device=dev)
-        self.xs = torch.empty(self.ctas * BLOCK_B * s.hidden, dtype=torch.bfloat16, device=dev)
+        if self.config.kernel == "triton":
+            self.xs = torch.empty(self.ctas * BLOCK_B * s.hidden, dtype=torch.bfloat16,
+                                  device=dev)  # fmt: skip
         bf = torch.bfloat16
         qd, kvd = s.hq * s.head_dim, s.hkv * s.head_dim
         one = torch.zeros(1, s.hidden, dtype=bf, device=dev)
