@@ -77,6 +77,9 @@ _MODEL_SOURCES = (
     "k1_recurrence.py",
     "k1_units.py",
     "k1_words.py",
+    "k1_stream.py",
+    "k1_stream_kernel.py",
+    "k1_dealt_kernel.py",
     "k2.py",
     "k2_config.py",
     "k2_kernel.py",
@@ -84,7 +87,14 @@ _MODEL_SOURCES = (
     "k2_sync.py",
     "k2_topk.py",
 )
-_GENERIC_SOURCES = ("allreduce.py", "limits.py", "planes.py", "primitives.py")
+_GENERIC_SOURCES = (
+    "allreduce.py",
+    "limits.py",
+    "planes.py",
+    "primitives.py",
+    "stream.py",
+    "stream_schedule.py",
+)
 
 
 def device_sources() -> tuple[Path, ...]:
