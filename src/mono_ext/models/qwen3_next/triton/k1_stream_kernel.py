@@ -8,7 +8,7 @@ One persistent launch per layer per decode step of at most ``BB`` (16) rows, one
 - the **consumer** warpgroup norms the step's rows into ``x^T`` in SMEM meanwhile (residual
   add, Gemma RMSNorm's ``s * (1 + w)``; the rows' ``rsqrt`` scales each tile at its end, since
   ``W (s (1 + w)) rsqrt`` is ``W x_normed``), then runs one async wgmma per chunk;
-- a chunk is ``CR`` rows (a tile) by ``BK`` columns; a head (256 rows of q, gate, k or v)
+- a chunk is ``CR`` rows (a tile) by ``BK`` columns; a head (``D`` rows of q, gate, k or v)
   is ``D / CR`` tiles. Each CTA that streamed some of a tile's chunks stores its part; the
   last of a head's parts to arrive (``stream.count_in`` on the head's counter) sums every
   tile's parts in part order and writes the head's outputs, the q/k Gemma norm and the
@@ -27,8 +27,8 @@ Tensor contract (``B`` = rows of the step, at most ``BB``; ``NH = 2 HQ + 2 HKV``
 | ``qn`` / ``kn`` | [D] | bf16 | | the engine (q_norm / k_norm) |
 | ``rope`` | [max_pos, RD] | fp32 | cos (RD/2) then sin (RD/2) per position | the launch, once |
 | ``pos`` | [B] | int32 / int64 | | the engine |
-| ``q`` / ``gate`` | [B, HQ * D] | bf16 | row-major | the tile's last part |
-| ``k`` / ``v`` | [B, HKV * D] | bf16 | row-major | the tile's last part |
+| ``q`` / ``gate`` | [B, HQ * D] | bf16 | row-major | the head's last part |
+| ``k`` / ``v`` | [B, HKV * D] | bf16 | row-major | the head's last part |
 | ``parts`` | [T, MAXP, BB, CR] | fp32 | part p of tile t, batch-row major | each part's CTA |
 | ``count`` | [NH] | int32 | zero between launches | ``stream.count_in`` |
 """
@@ -55,8 +55,8 @@ from mono_ext.kernels.triton.stream import (
 __all__ = ["TRACE_POINTS", "k1_attn_stream_kernel"]
 
 #: what a trace build stamps, by word: the consumer's start, x^T written, its first chunk
-#: arrived, its last chunk multiplied, its last tile output written (CTAs that finish a tile)
-TRACE_POINTS = ("start", "rows normed", "first chunk", "stream done", "last tile out")
+#: arrived, its last chunk multiplied, its last head written (CTAs that finish a head)
+TRACE_POINTS = ("start", "rows normed", "first chunk", "stream done", "last head out")
 
 
 @gluon.jit
