@@ -26,9 +26,11 @@ state); an arm that fails is reported and not timed. ``--results-csv`` writes on
 stock to beat being vLLM's, never the torch chain.
 
 ``--stream``: the attention front on the stream engine's deal (``k1_stream``: Gluon, or
-plain Triton with ``{"kernel": "triton"}``) as arm ``k1-stream``, in the same graph treatment on the same weights and rows, its q checked against
-K1's first (cosine >= 0.999); ``--stream-configs`` (a JSON list of ``StreamConfig`` overrides)
-times each build as arm ``k1-stream <overrides>``.
+plain Triton with ``{"kernel": "triton"}``) as arm ``k1-stream``, in the same graph treatment
+on the same weights and rows, its q checked against K1's first (cosine >= 0.999);
+``--stream-configs`` (a JSON list of ``StreamConfig`` overrides) times each build as arm
+``k1-stream <overrides>``; with ``--trace`` the Gluon builds' per-CTA points go into
+``--trace-json`` (``stream_traces``).
 
 ``--trace``: after the tables, each front's graph replayed once more with a trace build of the
 table config (``K1Config.trace``: %globaltimer per CTA at ``k1.TRACE_POINTS``: start, rows
