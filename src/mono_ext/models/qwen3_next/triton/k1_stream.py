@@ -10,6 +10,7 @@ outputs, with bf16 ``qkv_proj`` planes; what it refuses, it names.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,7 +120,9 @@ class K1AttnStreamLaunch:
             bad.append("trace: only the Gluon program stamps its points")
         if self.positions_dtype not in ("int32", "int64"):
             bad.append(f"positions_dtype={self.positions_dtype}: int32 or int64")
-        if c.kernel == "gluon" and self.smem_bytes() > SHARED_PER_BLOCK:
+        if gluon and c.warps != 4:
+            bad.append(f"num_warps={c.warps}: the Gluon program's consumer is one warpgroup (4)")
+        if gluon and self.smem_bytes() > SHARED_PER_BLOCK:
             bad.append(f"needs {self.smem_bytes()} B of SMEM, over {SHARED_PER_BLOCK}")
         return bad
 
@@ -222,7 +225,9 @@ class K1AttnStreamLaunch:
             )
         return n
 
+    @functools.cached_property
     def constexprs(self) -> dict:
+        """The build's constexprs, made once: a launch passes them as they are."""
         s, c = self.shape, self.config
         common = dict(
             H=s.hidden, HQ=s.hq, HKV=s.hkv, D=s.head_dim, RD=s.rotary_dim, BB=BLOCK_B,
@@ -251,7 +256,7 @@ class K1AttnStreamLaunch:
 
         from mono_ext.models.qwen3_next.triton.k1_stream_kernel import k1_attn_stream_kernel
 
-        cx = self.constexprs()
+        cx = self.constexprs
         block = [self.chunk_rows, self.config.k_chunk]
         w_layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         pos = "*i32" if self.positions_dtype == "int32" else "*i64"
@@ -272,7 +277,8 @@ class K1AttnStreamLaunch:
             constexprs=cx,
             attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
         )
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+        options = {"num_warps": self.config.warps}
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
     def _compile_offline_triton(self, arch: int) -> Any:
         import torch
@@ -285,7 +291,7 @@ class K1AttnStreamLaunch:
         i32 = torch.empty(4, dtype=torch.int32)
         args = (bf, bf, bf, bf, bf, bf, bf, f32, pos, bf, bf, bf, bf, bf, f32, i32, 3, 1, 8192,
                 1e-6)  # fmt: skip
-        cx = dict(self.constexprs(), INTERP=False, num_warps=self.config.warps)
+        cx = dict(self.constexprs, INTERP=False, num_warps=self.config.warps)
         return compile_offline(k1_attn_dealt_kernel, args, cx, arch)
 
     def launch(self, hidden, residual, weights, positions, q, k, v, gate, residual_out, *,
@@ -293,21 +299,22 @@ class K1AttnStreamLaunch:
         n = hidden.shape[0]
         if validate:
             n = self.check(hidden, residual, weights, positions, q, k, v, gate, residual_out)
+        c = self.config
         head = (hidden, hidden if residual is None else residual, residual_out,
                 weights["input_layernorm"])  # fmt: skip
         tail = (n, int(residual is not None), self.max_positions, float(self.shape.eps))
         outs = (weights["q_norm"], weights["k_norm"], self.rope, positions, q, k, v, gate)
-        if self.config.kernel == "triton":
+        if c.kernel == "triton":
             from mono_ext.models.qwen3_next.triton.k1_dealt_kernel import k1_attn_dealt_kernel
 
             k1_attn_dealt_kernel[(self.ctas,)](
                 *head, weights["qkv_proj"], *outs, self.xs, self.parts, self.count, *tail,
-                num_warps=self.config.warps, **self.constexprs(),
+                num_warps=c.warps, **self.constexprs,
             )  # fmt: skip
             return
         from mono_ext.models.qwen3_next.triton.k1_stream_kernel import k1_attn_stream_kernel
 
         k1_attn_stream_kernel[(self.ctas,)](
             *head, self._desc(weights["qkv_proj"]), *outs, self.parts, self.count, self.stamps,
-            *tail, num_warps=4, **self.constexprs(),
+            *tail, num_warps=c.warps, **self.constexprs,
         )  # fmt: skip

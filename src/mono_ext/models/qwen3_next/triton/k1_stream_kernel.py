@@ -146,11 +146,8 @@ def _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_pt
     bm = b < n_rows
     m2 = bm[:, None] & (d[None, :] < D)
     partner = gl.where(d < HALF, d + HALF, gl.where(d < RD, d - HALF, d))
-    x = _head_parts(h, parts_ptr, G, b, d, m2, C, KT, TPH, CR, BB, D, MAXP, el)
-    xp = _head_parts(h, parts_ptr, G, b, partner, m2, C, KT, TPH, CR, BB, D, MAXP, el)
     rs = gl.convert_layout(rstd, gl.SliceLayout(1, el))
-    x = x * rs[:, None]
-    xp = xp * rs[:, None]
+    x = _head_parts(h, parts_ptr, G, b, d, m2, C, KT, TPH, CR, BB, D, MAXP, el) * rs[:, None]
     QT: gl.constexpr = 2 * HQ  # q and gate heads, alternating
     if h >= QT + HKV:  # v head
         j = h - QT - HKV
@@ -159,6 +156,8 @@ def _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_pt
         gl.store(gate_ptr + b[:, None] * (HQ * D) + (h // 2) * D + d[None, :],
                  x.to(gl.bfloat16), mask=m2)  # fmt: skip
     else:  # q head h // 2, or k head h - QT
+        xp = _head_parts(h, parts_ptr, G, b, partner, m2, C, KT, TPH, CR, BB, D, MAXP, el)
+        xp = xp * rs[:, None]
         is_k = h >= QT
         pos = gl.load(pos_ptr + b, mask=bm, other=0)
         pos = gl.minimum(gl.maximum(pos, 0), max_pos - 1).to(gl.int64)
