@@ -34,6 +34,7 @@ from mono_ext.runtime import health as _h
 
 __all__ = [
     "allreduce_bf16_oneshot",
+    "count_in",
     "fence_gpu",
     "fp32_bits",
     "global_timer_ns",
@@ -151,6 +152,20 @@ def fence_gpu(INTERP: tl.constexpr):
             "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
             pack=1,
         )  # fmt: skip
+
+
+@triton.jit
+def count_in(counter_ptr, n_parts, INTERP: tl.constexpr):
+    """After this CTA's stores of its part of something ``n_parts`` CTAs write: count it in
+    on ``counter_ptr``. Returns whether it was the last; the last resets the counter for the
+    next launch and fences, so its threads' loads then see every part. Nobody waits."""
+    tl.debug_barrier()  # every thread's part stores, then each thread's fence, then the count
+    fence_gpu(INTERP)
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == n_parts - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        fence_gpu(INTERP)
+    return last
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mono_ext.kernels.triton.primitives import fence_gpu
+from mono_ext.kernels.triton.primitives import count_in
 from mono_ext.models.qwen3_next.triton.k1_kernel import _own_rows
 
 __all__ = ["k1_attn_dealt_kernel"]
@@ -32,19 +32,6 @@ __all__ = ["k1_attn_dealt_kernel"]
 def _owner(c, C: tl.constexpr, G):
     """The CTA whose chunk range holds chunk ``c`` (``ChunkDeal.owner``)."""
     return ((c + 1) * G + C - 1) // C - 1
-
-
-@triton.jit
-def _count_in(counter_ptr, n_parts, INTERP: tl.constexpr):
-    """This CTA's part stores, then its count on ``counter_ptr``: whether it was the last of
-    ``n_parts`` (which then resets the counter and may read every part)."""
-    tl.debug_barrier()  # every thread's part stores, then each thread's fence, then the count
-    fence_gpu(INTERP)
-    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == n_parts - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        fence_gpu(INTERP)
-    return last
 
 
 @triton.jit
@@ -156,7 +143,7 @@ def k1_attn_dealt_kernel(
             acc = tl.zeros_like(acc)
     for t in range(c0 // KT, (c1 - 1) // KT + 1):
         h = t // TPH
-        if _count_in(count_ptr + h, _head_part_count(h, G, C, KT, TPH), INTERP):
+        if count_in(count_ptr + h, _head_part_count(h, G, C, KT, TPH), INTERP):
             _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr,
                           k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps, HQ, HKV, D, RD, BB, C,
                           KT, TPH, BN, MAXP)  # fmt: skip

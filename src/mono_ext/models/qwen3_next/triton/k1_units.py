@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mono_ext.kernels.triton.primitives import fence_gpu
+from mono_ext.kernels.triton.primitives import count_in
 from mono_ext.models.qwen3_next.triton.k1_words import prefetch_l2
 
 __all__ = ["gdn_tile_rows", "prefetch_chunk", "s1_chunk", "s1_iterations", "tail_sum"]
@@ -60,13 +60,9 @@ def tail_sum(acc, tt, pid, split_ptr, rows, rmask, BN: tl.constexpr, BB: tl.cons
     m = rmask[None, :] & (nn < BN)[:, None]
     tile = parts + tt * (SPLIT * BB * BN)
     tl.store(tile + (pid % SPLIT) * (BB * BN) + offs, acc, mask=m)
-    tl.debug_barrier()  # every thread's part stores, then each thread's fence, then the count
-    fence_gpu(INTERP)
-    last = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    last = count_in(count, SPLIT, INTERP)
     total = tl.zeros_like(acc)
     if last:
-        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-        fence_gpu(INTERP)  # the count seen (one thread), then every thread's part loads
         for p in tl.static_range(SPLIT):
             total += tl.load(tile + p * (BB * BN) + offs, mask=m, other=0.0, cache_modifier=".cg")
     return last, total
