@@ -29,8 +29,9 @@ stock to beat being vLLM's, never the torch chain.
 plain Triton with ``{"kernel": "triton"}``) as arm ``k1-stream``, in the same graph treatment
 on the same weights and rows, its q checked against K1's first (cosine >= 0.999);
 ``--stream-configs`` (a JSON list of ``StreamConfig`` overrides) times each build as arm
-``k1-stream <overrides>``; with ``--trace`` the Gluon builds' per-CTA points go into
-``--trace-json`` (``stream_traces``).
+``k1-stream <overrides>``; with ``--trace``, at ``--trace-widths``, a traced twin of every
+build (the timed build has no stamps) puts its per-CTA points into ``--trace-json``
+(``stream_traces``; the plain-Triton program has no "first chunk").
 
 ``--trace``: after the tables, each front's graph replayed once more with a trace build of the
 table config (``K1Config.trace``: %globaltimer per CTA at ``k1.TRACE_POINTS``: start, rows
@@ -358,7 +359,10 @@ def _gdn_width(md, width, copies, reps, launches, st, gen, bw_copy, chain_too, v
 
 
 def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too=False,
-               stream=(), stream_trace=False):  # fmt: skip
+               stream=(), stream_trace=()):  # fmt: skip
+    """K1's attention front per width, with vLLM's and each ``stream`` build's beside it;
+    ``stream_trace``: the widths at which a traced twin of each stream build (timed apart, so
+    its stamps' barriers are in no timing) stamps one more step."""
     md = Dims.from_config(cfg)
     shape = K1AttnShape.from_dims(md)
     grid = torch.cuda.get_device_properties(DEV).multi_processor_count
@@ -370,18 +374,22 @@ def bench_attn(widths, copies, reps, cfg, bw_copy, rows_out, conf=None, vllm_too
         from mono_ext.models.qwen3_next.triton.k1_stream import K1AttnStreamLaunch, StreamConfig
 
         cfg_s = StreamConfig(**over)
-        k1s = K1AttnStreamLaunch(shape, grid, cfg_s, max_positions=8192,
-                                 trace=stream_trace and cfg_s.kernel == "gluon")  # fmt: skip
-        k1s.build(DEV)
+        twins = []
+        for traced in (False, True)[: 1 + bool(stream_trace)]:
+            k1s = K1AttnStreamLaunch(shape, grid, cfg_s, max_positions=8192, trace=traced)
+            k1s.build(DEV)
+            twins.append(k1s)
         arm = "k1-stream" + (f" {json.dumps(over, sort_keys=True)}" if over else "")
-        streams.append((arm, k1s))
-        print(f"built {k1s.label()}", flush=True)
+        streams.append((arm, twins[0], twins[-1] if stream_trace else None))
+        print(f"built {twins[0].label()}" + (" and its trace build" if stream_trace else ""),
+              flush=True)  # fmt: skip
     ws = k1.workspace(DEV)
     gen = torch.Generator(device=DEV).manual_seed(1)
     st = RankState.create(0, DEV, float(os.environ.get("MONO_EXT_DEADLINE_S", "2")))
     for width in widths:
+        traced = [(a, k, t if width in stream_trace else None) for a, k, t in streams]
         rows_out.append(_attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too,
-                                    streams))  # fmt: skip
+                                    traced))  # fmt: skip
         print(rows_out[-1], flush=True)
 
 
@@ -434,9 +442,9 @@ def _attn_width(md, k1, ws, st, gen, width, copies, reps, bw_copy, vllm_too=Fals
                   layer=0, layers_per_step=copies)  # fmt: skip
         torch.cuda.synchronize()
     row["stream_rows"] = [
-        r for arm, k1s in streams
+        r for arm, k1s, traced in streams
         for r in stream_attn_rows(arm, width, k1s, ws_list, hid, res, pos, outs[0].clone(),
-                                  copies, reps, nbytes, bw_copy)
+                                  copies, reps, nbytes, bw_copy, traced)
     ]  # fmt: skip
     if vllm_too:
         row["vllm_rows"] = vllm_attn_rows(md, width, ws_list, hid.clone(), res.clone(), pos,
@@ -541,9 +549,10 @@ def _timed_row(kind, width, arm, body, copies, reps, nbytes, bw_copy) -> dict:
 
 
 def stream_attn_rows(arm, width, k1s, ws_list, hid, res, pos, k1_ref, copies, reps, nbytes,
-                     bw_copy):  # fmt: skip
+                     bw_copy, traced=None):  # fmt: skip
     """The stream-engine attention front on the same weights and rows: q checked against
-    ``k1_ref`` (K1's q), then timed as K1 is."""
+    ``k1_ref`` (K1's q), then timed as K1 is; ``traced`` (the same build with stamps) runs
+    the timed body once more eagerly, and its last layer's stamps go with the row."""
     kvd = k1s.shape.hkv * k1s.shape.head_dim
     outs = [torch.empty_like(k1_ref), torch.empty(width, kvd, dtype=torch.bfloat16, device=DEV),
             torch.empty(width, kvd, dtype=torch.bfloat16, device=DEV), torch.empty_like(k1_ref),
@@ -556,18 +565,18 @@ def stream_attn_rows(arm, width, k1s, ws_list, hid, res, pos, k1_ref, copies, re
         print(f"  {arm}: below {STOCK_COSINE} against K1; not timed", flush=True)
         return []
 
-    def body():
+    def body(launch=k1s):
         for i in range(copies):
-            k1s.launch(hid, res, ws_list[i], pos, *outs, validate=i == 0)
+            launch.launch(hid, res, ws_list[i], pos, *outs, validate=i == 0)
 
     row = _timed_row("attn", width, arm, body, copies, reps, nbytes, bw_copy)
-    if k1s.trace:  # the last layer's launch of one more eager step
+    if traced is not None:  # the last layer's launch of one more eager step
         from mono_ext.models.qwen3_next.triton.k1_stream_kernel import TRACE_POINTS
 
-        k1s.stamps.zero_()
-        body()
+        traced.stamps.zero_()
+        body(traced)
         torch.cuda.synchronize()
-        stamps = k1s.stamps.tolist()
+        stamps = traced.stamps.tolist()
         print("\n".join(format_points(trace_points(stamps, TRACE_POINTS))), flush=True)
         row["trace"] = {"points": trace_points(stamps, TRACE_POINTS),
                         "ctas_us": cta_times(stamps, len(TRACE_POINTS))}  # fmt: skip
@@ -719,8 +728,9 @@ def main(argv: list[str] | None = None) -> int:
         bench_gdn(widths, args.copies, args.reps, cfg, variants, bw_copy, rows, conf, vllm_too)
     if not args.no_attn:
         streams = json.loads(args.stream_configs or "[{}]") if args.stream else []
+        trace_at = {int(w) for w in args.trace_widths.split(",")} if args.trace else set()
         bench_attn(widths, args.copies, args.reps, cfg, bw_copy, rows, conf, vllm_too, streams,
-                   args.trace)  # fmt: skip
+                   trace_at)  # fmt: skip
     sweep_rows = [r for r in rows if r["kind"] == "gdn_sweep"]
     if sweep_rows:
         print("\n| config (K1Config overrides) | width | GDN us | % BW | attn us | attn % BW | regs "

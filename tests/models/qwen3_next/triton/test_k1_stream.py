@@ -114,11 +114,10 @@ def _shape(**over):
         (REAL, {"config": StreamConfig(chunk_rows=32)}, "chunk_rows=32"),
         (REAL, {"config": StreamConfig(kernel="triton", chunk_rows=8)}, "chunk_rows=8"),
         (REAL, {"config": StreamConfig(kernel="cuda")}, "kernel='cuda'"),
-        (REAL, {"config": StreamConfig(kernel="triton"), "trace": True}, "trace"),
         (REAL, {"config": StreamConfig(num_warps=8)}, "num_warps=8"),
     ],
     ids=["head_dim", "hidden", "smem", "positions", "ctas", "chunk_rows", "triton_rows",
-         "kernel", "trace", "warps"],  # fmt: skip
+         "kernel", "warps"],  # fmt: skip
 )
 def test_stream_front_refuses_what_it_cannot_tile(shape, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -82,17 +82,26 @@ def _launch(preset, config, ctas):
 
 
 def test_dealt_front_compiles_for_sm90a():
+    """The plain-Triton deal, and its trace build: the stamps (four points, the head's in the
+    count loop) leave the pipelined loop's buffers as they are."""
     if INTERP:
         pytest.skip("the interpreter replaces the compiler")
-    k1 = K1AttnStreamLaunch(K1AttnShape.from_dims(_dims(REAL)), 132, _triton(64, 256))
+    shape = K1AttnShape.from_dims(_dims(REAL))
     try:
-        kernel = k1.compile_offline()
+        kernel, traced = (
+            K1AttnStreamLaunch(shape, 132, _triton(64, 256), trace=t).compile_offline()
+            for t in (False, True)
+        )
     except RuntimeError as exc:  # no ptxas for sm_90a in this wheel
         pytest.skip(f"cannot compile for sm_90a here: {exc}")
     res = resources(kernel)
     assert res.stack == 0 and res.spill_stores == res.spill_loads == 0
     assert "wgmma.mma_async" in kernel.asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]
+    assert "%globaltimer" not in kernel.asm["ptx"]
+    assert traced.asm["ptx"].count("%globaltimer") == 4
+    tres = resources(traced)
+    assert tres.shared == res.shared and tres.stack == 0 and tres.spill_stores == 0
 
 
 def _weights(md, gen):
@@ -199,11 +208,19 @@ def test_stream_front_graph_replay_is_bit_identical_to_eager(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 device")
-def test_gluon_trace_build_gives_the_same_bits_and_ordered_stamps():
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(StreamConfig(), id="gluon",
+                     marks=pytest.mark.skipif(not SM90, reason="needs an sm_90 device")),
+        pytest.param(StreamConfig(kernel="triton", chunk_rows=64, k_chunk=256), id="triton",
+                     marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device")),
+    ],
+)  # fmt: skip
+def test_trace_build_gives_the_same_bits_and_ordered_stamps(config):
     """``trace`` (bench_k1.py --stream --trace): the outputs bit-equal to the untraced
-    build's, and each CTA's stamps in program order (start, rows normed, first chunk, stream
-    done; a head written after its CTA's stream)."""
+    build's, and each CTA's stamps in program order (start, rows normed, first chunk (Gluon
+    only: plain Triton leaves it 0), stream done; a head written after its CTA's stream)."""
     md = _dims(REAL)
     gen = torch.Generator(device=DEV).manual_seed(24)
     w = _weights(md, gen)
@@ -211,7 +228,7 @@ def test_gluon_trace_build_gives_the_same_bits_and_ordered_stamps():
     shape = K1AttnShape.from_dims(md)
     got = {}
     for traced in (False, True):
-        k1 = K1AttnStreamLaunch(shape, 132, StreamConfig(), max_positions=4096, trace=traced)
+        k1 = K1AttnStreamLaunch(shape, 132, config, max_positions=4096, trace=traced)
         k1.build(DEV)
         k1.stamps.zero_()
         got[traced] = _run(k1, md, w, hid, res, pos)
@@ -221,6 +238,9 @@ def test_gluon_trace_build_gives_the_same_bits_and_ordered_stamps():
     stamps = k1.stamps.tolist()
     for cta, row in enumerate(stamps):
         start, normed, first, done, head = row[:5]
+        if config.kernel == "triton":
+            assert first == 0, (cta, row[:5])
+            first = normed
         assert 0 < start <= normed <= first <= done, (cta, row[:5])
         assert head == 0 or head >= done, (cta, row[:5])
     # every head is written by one CTA, which may write several

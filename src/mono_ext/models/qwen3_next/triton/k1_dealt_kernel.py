@@ -15,6 +15,8 @@ Gemma head norm and the partial neox RoPE. Nothing waits on another CTA.
 
 Tensor contract: as ``k1_stream_kernel``'s, with ``parts`` [T, MAXP, BB, BN] and one more
 scratch, ``xs`` [G, BB, H] bf16 (CTA p's normed rows, written and read by CTA p only).
+``TRACE`` builds stamp ``k1_stream_kernel.TRACE_POINTS`` but the first chunk into words 0-4
+of CTA p's row of ``trace`` [G, 16] int64.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mono_ext.kernels.triton.primitives import count_in
+from mono_ext.kernels.triton.primitives import count_in, stamp
 from mono_ext.models.qwen3_next.triton.k1_kernel import _own_rows
 
 __all__ = ["k1_attn_dealt_kernel"]
@@ -111,12 +113,13 @@ def _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_pt
 @triton.jit(do_not_specialize=["n_rows", "has_res", "max_pos"])
 def k1_attn_dealt_kernel(
     hid_ptr, res_ptr, rout_ptr, nw_ptr, w_ptr, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr,
-    v_ptr, gate_ptr, xs_ptr, parts_ptr, count_ptr, n_rows, has_res, max_pos, eps,
+    v_ptr, gate_ptr, xs_ptr, parts_ptr, count_ptr, trace_ptr, n_rows, has_res, max_pos, eps,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, NS: tl.constexpr,
-    MAXP: tl.constexpr, INTERP: tl.constexpr,
+    MAXP: tl.constexpr, INTERP: tl.constexpr, TRACE: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    stamp(trace_ptr, 0, TRACE)
     G = tl.num_programs(0)
     KT: tl.constexpr = H // BK
     TPH: tl.constexpr = D // BN
@@ -125,6 +128,7 @@ def k1_attn_dealt_kernel(
     c1 = (pid + 1) * C // G
     xs_base, rstd = _own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows, has_res,
                               eps, H, BB, CH)  # fmt: skip
+    stamp(trace_ptr, 1, TRACE)
     rows = tl.arange(0, BB)
     rmask = rows < n_rows
     nn = tl.arange(0, BN)
@@ -141,9 +145,13 @@ def k1_attn_dealt_kernel(
             part = parts_ptr + (t * MAXP + pid - _owner(t * KT, C, G)) * (BB * BN)
             tl.store(part + rows[None, :] * BN + nn[:, None], acc, mask=rmask[None, :])
             acc = tl.zeros_like(acc)
+    # no stamp inside the loop: the barrier it takes would stop Triton's pipeliner, so this
+    # program has no "first chunk" point
+    stamp(trace_ptr, 3, TRACE)
     for t in range(c0 // KT, (c1 - 1) // KT + 1):
         h = t // TPH
         if count_in(count_ptr + h, _head_part_count(h, G, C, KT, TPH), INTERP):
             _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr,
                           k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps, HQ, HKV, D, RD, BB, C,
                           KT, TPH, BN, MAXP)  # fmt: skip
+            stamp(trace_ptr, 4, TRACE)

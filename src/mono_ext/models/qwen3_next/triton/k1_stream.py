@@ -116,8 +116,6 @@ class K1AttnStreamLaunch:
                 f"hidden={s.hidden} is not a multiple of k_chunk {c.k_chunk}"
                 + (f" x norm_groups {groups}" if gluon else "")
             )
-        if self.trace and not gluon:
-            bad.append("trace: only the Gluon program stamps its points")
         if self.positions_dtype not in ("int32", "int64"):
             bad.append(f"positions_dtype={self.positions_dtype}: int32 or int64")
         if gluon and c.warps != 4:
@@ -154,7 +152,7 @@ class K1AttnStreamLaunch:
             device=dev,
         )
         self.count = torch.zeros(self.heads, dtype=torch.int32, device=dev)
-        self.stamps = torch.zeros(self.ctas, 8, dtype=torch.int64, device=dev)
+        self.stamps = torch.zeros(self.ctas, 16, dtype=torch.int64, device=dev)
         if self.config.kernel == "triton":
             self.xs = torch.empty(self.ctas * BLOCK_B * s.hidden, dtype=torch.bfloat16,
                                   device=dev)  # fmt: skip
@@ -234,8 +232,10 @@ class K1AttnStreamLaunch:
             BK=c.k_chunk, NS=c.stages, MAXP=self.deal.max_parts,
         )  # fmt: skip
         if c.kernel == "triton":
+            interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+            # the interpreter has no %globaltimer: a trace build stamps nothing there
             return dict(common, BN=self.chunk_rows, CH=min(c.norm_chunk, next_pow2(s.hidden)),
-                        INTERP=os.environ.get("TRITON_INTERPRET", "0") == "1")  # fmt: skip
+                        INTERP=interp, TRACE=self.trace and not interp)  # fmt: skip
         from triton.experimental.gluon import language as gl
 
         return dict(
@@ -289,8 +289,9 @@ class K1AttnStreamLaunch:
         bf, f32 = torch.empty(16, dtype=torch.bfloat16), torch.empty(4, dtype=torch.float32)
         pos = torch.empty(4, dtype=getattr(torch, self.positions_dtype))
         i32 = torch.empty(4, dtype=torch.int32)
-        args = (bf, bf, bf, bf, bf, bf, bf, f32, pos, bf, bf, bf, bf, bf, f32, i32, 3, 1, 8192,
-                1e-6)  # fmt: skip
+        i64 = torch.empty(4, dtype=torch.int64)
+        args = (bf, bf, bf, bf, bf, bf, bf, f32, pos, bf, bf, bf, bf, bf, f32, i32, i64, 3, 1,
+                8192, 1e-6)  # fmt: skip
         cx = dict(self.constexprs, INTERP=False, num_warps=self.config.warps)
         return compile_offline(k1_attn_dealt_kernel, args, cx, arch)
 
@@ -308,8 +309,8 @@ class K1AttnStreamLaunch:
             from mono_ext.models.qwen3_next.triton.k1_dealt_kernel import k1_attn_dealt_kernel
 
             k1_attn_dealt_kernel[(self.ctas,)](
-                *head, weights["qkv_proj"], *outs, self.xs, self.parts, self.count, *tail,
-                num_warps=c.warps, **self.constexprs,
+                *head, weights["qkv_proj"], *outs, self.xs, self.parts, self.count,
+                self.stamps, *tail, num_warps=c.warps, **self.constexprs,
             )  # fmt: skip
             return
         from mono_ext.models.qwen3_next.triton.k1_stream_kernel import k1_attn_stream_kernel

@@ -54,8 +54,10 @@ from mono_ext.kernels.triton.stream import (
 
 __all__ = ["TRACE_POINTS", "k1_attn_stream_kernel"]
 
-#: what a trace build stamps, by word: the consumer's start, x^T written, its first chunk
-#: arrived, its last chunk multiplied, its last head written (CTAs that finish a head)
+#: what a trace build stamps, by word of the CTA's 16: the consumer's start, x^T written, its
+#: first chunk arrived, its last chunk multiplied, its last head written (CTAs that finish a
+#: head). The plain-Triton program (``k1_dealt_kernel``) stamps the same words but the first
+#: chunk
 TRACE_POINTS = ("start", "rows normed", "first chunk", "stream done", "last head out")
 
 
@@ -190,7 +192,7 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
     KT: gl.constexpr = H // BK
     TPH: gl.constexpr = D // CR  # tiles per head
     C: gl.constexpr = (2 * HQ + 2 * HKV) * TPH * KT
-    trace_ptr += pid * 8
+    trace_ptr += pid * 16
     stamp(trace_ptr, 0, TRACE)
     # the norm writes x^T as one [H, BB] matrix: the same bytes as the [KT, BK, BB] chunks,
     # the swizzle repeating within every chunk
