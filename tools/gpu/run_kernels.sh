@@ -27,6 +27,13 @@
 #                                         the stage traces $OUT/k2_trace.json, ~4 min
 #   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep, both fronts, at widths 1, 4,
 #                                         16 (writes $OUT/k1_sweep.csv), ~1.5 min
+#   bash tools/gpu/run_kernels.sh k1first K1's GDN front with nothing in its projection loop
+#                                         waiting on a load (deferred_epilogue) and the first
+#                                         state tile prefetched after the norm: their tests
+#                                         (bits equal the default build's), then bench_k1 GDN,
+#                                         traced at widths 1 and 16, default then each option
+#                                         then both, twice (writes $OUT/k1_first_*.csv and
+#                                         traces), ~3 min
 #   bash tools/gpu/run_kernels.sh k1trace bench_k1 at widths 1-16 (vLLM arms where it imports),
 #                                         then both fronts traced at widths 1 and 16: per CTA
 #                                         start, rows normed, S1 done, first S2 words, end
@@ -141,6 +148,22 @@ sweep)
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --widths 1 \
     --stock torch --csv "$OUT/k1_sweep.csv" ;;
+k1first)
+  run k1_first_tests python3 -m pytest -q -p no:cacheprovider -s \
+    tests/models/qwen3_next/triton/test_k1.py -k "stream_first or late_state or batch_invariant"
+  for rep in 1 2; do
+    for arm in default deferred late both; do
+      case $arm in
+        default) cfg='{}' ;;
+        deferred) cfg='{"deferred_epilogue": true}' ;;
+        late) cfg='{"late_state_prefetch": true}' ;;
+        both) cfg='{"deferred_epilogue": true, "late_state_prefetch": true}' ;;
+      esac
+      run "k1_first_${arm}_$rep" python3 benchmarks/bench_k1.py --no-attn --stock torch \
+        --widths 1,2,4,8,16 --config "$cfg" --trace --results-csv "$OUT/k1_first_${arm}_$rep.csv" \
+        --trace-json "$OUT/k1_first_${arm}_${rep}_trace.json"
+    done
+  done ;;
 k1trace)
   run k1_trace python3 benchmarks/bench_k1.py --widths 1,2,4,8,16 --trace \
     --results-csv "$OUT/k1_vllm.csv" --trace-json "$OUT/k1_trace.json" ;;
@@ -228,6 +251,6 @@ handoff)
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1ab|k2ab|k2reps|handoff|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1first|k1trace|k1once|k1stream|k1ab|k2ab|k2reps|handoff|a8|layer" >&2
   exit 2 ;;
 esac
