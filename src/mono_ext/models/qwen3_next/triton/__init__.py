@@ -6,6 +6,13 @@ Hopper (sm_90), on the generic device code of ``kernels/triton``.
 | ``k1``        | K1, the layer front (GDN and attention): launches, tensor checks          |
 | ``k1_plan``   | K1's shapes, config, hand-off programs, row maps, RoPE table, S1 tiling   |
 | ``k1_kernel`` | K1's device code: the GDN and attention kernels and their stages          |
+| ``k1_norm``   | K1's device code: the input RMSNorm (per CTA, or once per row + flags)    |
+| ``k1_units``  | K1's device code: S1's units, the GDN row map, the tail tiles' split sum  |
+| ``k1_recurrence`` | K1's device code: GDN's S2 (gated delta rule, gated norm)             |
+| ``k1_words``  | K1's device code: tagged-word hand-offs and L2 prefetch                   |
+| ``k1_stream`` | the attention front on the stream engine's deal: host side (not served)   |
+| ``k1_stream_kernel`` | its Gluon program (loader warp, TMA ring, wgmma consumer)          |
+| ``k1_dealt_kernel``  | its plain-Triton program (the same deal, Triton's own pipeline)    |
 | ``k2``        | K2, the layer tail: hand-off program, shapes, launches, contract          |
 | ``k2_config`` | K2's build configuration and the measurements behind its defaults         |
 | ``k2_kernel`` | K2's device code: the kernel and its stage bits                           |

@@ -74,6 +74,7 @@ _MODEL_SOURCES = (
     "k1.py",
     "k1_plan.py",
     "k1_kernel.py",
+    "k1_norm.py",
     "k1_recurrence.py",
     "k1_units.py",
     "k1_words.py",

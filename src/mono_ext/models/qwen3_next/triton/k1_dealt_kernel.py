@@ -6,7 +6,7 @@ every CTA streams an equal contiguous range of ``qkv_proj``'s chunks
 loop Triton already streams a full grid with at cuBLAS's rate (docs/perf.md, "One weight
 plane streamed"). A chunk is ``BN`` rows (a tile) by ``BK`` columns, a head ``D / BN``
 tiles. Before the loop each CTA norms the step's rows into its own bf16 operand buffer
-(``k1_kernel._own_rows``: ``s * (1 + w)``, the rows' rsqrt applied to the head's sum). In
+(``k1_norm.own_rows``: ``s * (1 + w)``, the rows' rsqrt applied to the head's sum). In
 the loop, a tile's part ends at the tile's last chunk or the CTA's: it is stored at once;
 after the loop the CTA counts each of its parts in on its head's counter (an atomic in the
 pipelined loop would turn the pipeliner off), and the last of a head's parts sums every
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from mono_ext.kernels.triton.primitives import count_in, stamp
-from mono_ext.models.qwen3_next.triton.k1_kernel import _own_rows
+from mono_ext.models.qwen3_next.triton.k1_norm import own_rows
 
 __all__ = ["k1_attn_dealt_kernel"]
 
@@ -126,7 +126,7 @@ def k1_attn_dealt_kernel(
     C: tl.constexpr = (2 * HQ + 2 * HKV) * TPH * KT
     c0 = pid * C // G
     c1 = (pid + 1) * C // G
-    xs_base, rstd = _own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows, has_res,
+    xs_base, rstd = own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows, has_res,
                               eps, H, BB, CH)  # fmt: skip
     stamp(trace_ptr, 1, TRACE)
     rows = tl.arange(0, BB)

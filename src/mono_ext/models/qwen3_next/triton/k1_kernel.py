@@ -1,6 +1,7 @@
 """K1's device code: the persistent layer-front kernels ``k1_gdn_kernel`` and ``k1_attn_kernel``
-and their stages (``@triton.jit`` helpers, inlined; GDN's S2 is ``k1_recurrence``, the
-tagged-word hand-offs ``k1_words``, S1's units and tail-tile sums ``k1_units``). The host side
+and their stages (``@triton.jit`` helpers, inlined; the input norm is ``k1_norm``, GDN's S2
+``k1_recurrence``, the tagged-word hand-offs ``k1_words``, S1's units and tail-tile sums
+``k1_units``). The host side
 (shapes, config, programs, launches, the tensor contract) is ``k1.py``.
 
 Program (both kinds; declared by ``k1.k1_gdn_program`` / ``k1.k1_attn_program`` and checked
@@ -112,7 +113,6 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_either
 from mono_ext.kernels.triton.primitives import (
-    fence_gpu,
     pdl_prologue,
     seq_tag,
     stamp,
@@ -120,6 +120,7 @@ from mono_ext.kernels.triton.primitives import (
     step_seq,
     words_to_fp32,
 )
+from mono_ext.models.qwen3_next.triton.k1_norm import norm_publish, normed_rows
 from mono_ext.models.qwen3_next.triton.k1_recurrence import (
     block_task,
     gdn_s2,
@@ -177,122 +178,6 @@ def _dot_mixed(acc, wq, wa, is_ba, xs_base, rows, rmask, k, k0, sq_ptr, sba_ptr,
     xt = tl.load(xs_base + rows[None, :] * H + k[:, None], mask=rmask[None, :], other=0.0)
     return qdot_either(acc, wq, wa, is_ba, xt, sq_ptr, sba_ptr, wrows, live, k0, Q_QKVZ, Q_BA,
                        PQ, H, PBA, H)  # fmt: skip
-
-
-@triton.jit
-def _input_norm(
-    hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
-    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr, ONE: tl.constexpr = False,
-):  # fmt: skip
-    """s = hidden (+ residual) in fp32; xs = bf16(s * (1 + w)); returns the rows' rsqrt(mean(s^2)
-    + eps) [Bb], which each tile's accumulator takes at its end: W (s * (1 + w)) * rsqrt is the
-    Gemma norm's W x_normed, so the operand is written once, before the first weight chunk.
-
-    Two unrolled passes over the H chunks. The first only loads and squares: with no store and
-    no cross-warp sum between one chunk and the next, every chunk's loads are in flight
-    together, and the sums take one reduction at the end. The second takes the chunks again
-    (the compiler keeps the first pass's values in registers; else they come from L1) and
-    stores. Storing chunk by chunk in one pass would put each chunk's loads behind the
-    previous chunk's stores (the compiler cannot tell that ``xs_base`` is not ``hid_ptr``) and
-    behind its reduction's barriers: a global round trip per chunk in front of the weights.
-
-    The ``n_rows`` rows are normed into ``xs_base``, and CTA ``pid`` 0 writes their s (bf16) to
-    ``residual_out``; ``ONE``: only row ``pid`` (here a row index), its residual_out too. A row's
-    values and its sum depend on that row only, whichever other rows are masked in.
-    """
-    rows = tl.arange(0, BB)
-    if ONE:  # noqa: SIM108 (a constexpr branch)
-        rmask = rows == pid
-    else:
-        rmask = rows < n_rows
-    hh = tl.arange(0, CH)
-    NCH: tl.constexpr = (H + CH - 1) // CH
-    sq = tl.zeros([BB, CH], dtype=tl.float32)
-    for c in tl.static_range(NCH):
-        hc = c * CH + hh
-        m = rmask[:, None] & (hc[None, :] < H)
-        off = rows[:, None] * H + hc[None, :]
-        s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
-        s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
-        sq += s * s
-    for c in tl.static_range(NCH):
-        hc = c * CH + hh
-        m = rmask[:, None] & (hc[None, :] < H)
-        off = rows[:, None] * H + hc[None, :]
-        w = tl.load(nw_ptr + hc, mask=hc < H, other=0.0).to(tl.float32)
-        s = tl.load(hid_ptr + off, mask=m, other=0.0).to(tl.float32)
-        s += tl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(tl.float32)
-        tl.store(rout_ptr + off, s.to(tl.bfloat16), mask=m & ((pid == 0) | ONE))
-        tl.store(xs_base + off, (s * (1.0 + w[None, :])).to(tl.bfloat16), mask=m)
-    tl.debug_barrier()  # xs written by this CTA's threads, read back by all of them
-    return tl.rsqrt(tl.sum(sq, axis=1) / H + eps)
-
-
-@triton.jit
-def _norm_publish(
-    hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res, eps, tag,
-    H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr, NONCE: tl.constexpr,
-    STAGES: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """S0 (both kernels; steps wider than ``NONCE`` rows, builds with ``NONCE`` < ``BB`` only):
-    CTA p norms rows p, p + G, ... into the shared ``xs[G]`` and writes their
-    ``residual_out``, then flags each row with its rsqrt. Every CTA norming every row reads and
-    writes all of them through L2 before its first weight chunk; once per row, the rest of the
-    grid waits for one flag round trip."""
-    if (STAGES & 8) and NONCE < BB:  # noqa: SIM102 (compiled in, then a branch per step)
-        if n_rows > NONCE:
-            rows = tl.arange(0, BB)
-            for r in range(pid, n_rows, G):
-                rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_ptr + G * (BB * H), rout_ptr,
-                                   n_rows, has_res, eps, r, H, BB, CH, ONE=True)  # fmt: skip
-                fence_gpu(INTERP)  # every thread's xs stores (the norm's barrier) before flags
-                put_f32(nflag_ptr, rows, rstd, rows == r, tag, INTERP)
-
-
-@triton.jit
-def _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask, tag, H: tl.constexpr,
-                 BB: tl.constexpr, RID_NFLAG: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """The rows S0 normed once: wait for their flags (this step's tag), whose words are their
-    rsqrt; after the fence the shared ``xs[G]`` is this CTA's to read."""
-    rstd = get_f32(nflag_ptr, rows, rmask, tag, ctrl_ptr, health_ptr, RID_NFLAG, INTERP)
-    fence_gpu(INTERP)
-    return xs_ptr + G * (BB * H), rstd
-
-
-@triton.jit
-def _own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows, has_res, eps,
-              H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr):  # fmt: skip
-    """This CTA's norm of every row into its own ``xs[pid]``: the operand and the rsqrt."""
-    xs_base = xs_ptr + pid * (BB * H)
-    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, xs_base, rout_ptr, n_rows, has_res, eps, pid,
-                       H, BB, CH)  # fmt: skip
-    return xs_base, rstd
-
-
-@triton.jit
-def _normed_rows(
-    hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr, health_ptr, pid, G, rows,
-    rmask, n_rows, has_res, eps, tag, H: tl.constexpr, BB: tl.constexpr, CH: tl.constexpr,
-    NONCE: tl.constexpr, RID_NFLAG: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """S1's dot operand and the rows' rsqrt [Bb]: this CTA's own norm of every row
-    (:func:`_own_rows`, steps of at most ``NONCE`` rows), else the shared rows of S0
-    (:func:`_shared_rows`). Both are the same code on the same values, so the same bits.
-    ``NONCE`` 0 compiles the hand-off only (every step has a row), ``BB`` the own norm only."""
-    if NONCE == 0:
-        xs_base, rstd = _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask, tag,
-                                     H, BB, RID_NFLAG, INTERP)  # fmt: skip
-    elif NONCE < BB:
-        if n_rows > NONCE:
-            xs_base, rstd = _shared_rows(nflag_ptr, xs_ptr, ctrl_ptr, health_ptr, G, rows, rmask,
-                                         tag, H, BB, RID_NFLAG, INTERP)  # fmt: skip
-        else:
-            xs_base, rstd = _own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows,
-                                      has_res, eps, H, BB, CH)  # fmt: skip
-    else:
-        xs_base, rstd = _own_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, pid, n_rows, has_res,
-                                  eps, H, BB, CH)  # fmt: skip
-    return xs_base, rstd
 
 
 @triton.jit
@@ -410,7 +295,7 @@ def _gdn_s1(
             prefetch_chunk(wba_ptr, wq_ptr, pi, n_it, pid, G, KCH, NA, PBA, PQ, H, FT, SPLIT, TR,
                            BN, BK)  # fmt: skip
 
-    xs_base, rstd = _normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
+    xs_base, rstd = normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
                                  health_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H,
                                  BB, CH, NONCE, RID_NFLAG, INTERP)  # fmt: skip
     if LATE_PRE and not INTERP:
@@ -470,7 +355,7 @@ def _gdn_s1(
             acc = _dot_mixed(acc, wt, wa, is_ba, xs_base, rows, rmask, k, kc * BK, sq_ptr,
                              sba_ptr, r_in, live, H, PQ, PBA, Q_QKVZ, Q_BA)  # fmt: skip
         if ends_tile:  # a split tail unit is its CTA's last: summed after the loop
-            acc = acc * rstd[None, :]  # the input norm (_input_norm)
+            acc = acc * rstd[None, :]  # the input norm (input_norm)
             if PARK:
                 unit = tl.where(it < (FT // G) * KCH, pid + (it // KCH) * G, FT + pid)
                 tl.store(park_ptr + unit * (BB * BN) + rows[None, :] * BN + nn[:, None], acc,
@@ -539,7 +424,7 @@ def _attn_s1(
         for pi in tl.static_range(NS - 1):
             prefetch_chunk(wqkv_ptr, wqkv_ptr, pi, n_it, pid, G, KCH, 0, PA, PA, H, FT, SPLIT, TR,
                            BN, BK)  # fmt: skip
-    xs_base, rstd = _normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
+    xs_base, rstd = normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
                                  health_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H,
                                  BB, CH, NONCE, RID_NFLAG, INTERP)  # fmt: skip
     stamp(trace_ptr, 1, TRACE)
@@ -709,7 +594,7 @@ def k1_gdn_kernel(
         gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
 
     nflag_ptr = scratch_ptr + OFF_NFLAG
-    _norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res,
+    norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res,
                   eps, tag, H, BB, CH, NONCE, STAGES, INTERP)  # fmt: skip
     if STAGES & 1:
         _gdn_s1(
@@ -800,7 +685,7 @@ def k1_attn_kernel(
     wk_p = tl.load(kn_ptr + part).to(tl.float32)
 
     nflag_ptr = scratch_ptr + OFF_NFLAG
-    _norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res,
+    norm_publish(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, pid, G, n_rows, has_res,
                   eps, tag, H, BB, CH, NONCE, STAGES, INTERP)  # fmt: skip
     if STAGES & 1:
         _attn_s1(
