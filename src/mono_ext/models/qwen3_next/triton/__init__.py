@@ -16,7 +16,8 @@ Hopper (sm_90), on the generic device code of ``kernels/triton``.
 | ``k2``        | K2, the layer tail: hand-off program, shapes, launches, contract          |
 | ``k2_config`` | K2's build configuration and the measurements behind its defaults         |
 | ``k2_kernel`` | K2's device code: the kernel and its stage bits                           |
-| ``k2_stages`` | K2's device code: its stages, in the order the kernel runs them           |
+| ``k2_stages`` | K2's device code: its routing and reduce stages, in the kernel's order    |
+| ``k2_experts``| K2's device code: the expert stages, gate_up and down                     |
 | ``k2_sync``   | K2's device code: 2-D waits, partial sums, L2 prefetch, trace stamps     |
 | ``k2_topk``   | K2's device code: a row's router top-k (threshold rounds)                 |
 | ``backend``   | the backend's ``target``: builds per width over one runtime, refusals     |

@@ -85,6 +85,7 @@ _MODEL_SOURCES = (
     "k2_config.py",
     "k2_kernel.py",
     "k2_stages.py",
+    "k2_experts.py",
     "k2_sync.py",
     "k2_topk.py",
 )

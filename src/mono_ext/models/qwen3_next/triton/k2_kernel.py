@@ -1,8 +1,9 @@
 """K2's device code: the persistent layer-tail kernel (``k2_kernel``) and its stage bits.
 
 The host side (shapes, config, hand-off program, workspace, launch, the tensor contract) is
-``k2.py``; the stages the kernel runs in order are ``k2_stages.py``. ``STAGES`` selects stages
-(the CPU interpreter runs one per launch, so every hand-off is written before it is read).
+``k2.py``; the stages the kernel runs in order are ``k2_stages.py`` and ``k2_experts.py``.
+``STAGES`` selects stages (the CPU interpreter runs one per launch, so every hand-off is
+written before it is read).
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ import triton
 import triton.language as tl
 
 from mono_ext.kernels.triton.primitives import pdl_prologue, seq_tag, stamp, step_seq
+from mono_ext.models.qwen3_next.triton.k2_experts import s3_gate_up, s4_down
 from mono_ext.models.qwen3_next.triton.k2_stages import (
     router_tile,
     s1_out_proj,
     s1_reduce,
     s2_norm_sums,
     s2_router,
-    s3_gate_up,
     s3_topk,
     s3_topk_local,
     s3_union,
-    s4_down,
     s4_ranks,
     s4_reduce,
 )
@@ -77,6 +77,8 @@ def k2_kernel(
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
     DRR: tl.constexpr = 0, LTR: tl.constexpr = 0,
+    # K2Config.gate_up_halves and its region (split tasks' halves, then their counts)
+    HALVES3: tl.constexpr = False, OFF_GUH: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -188,6 +190,7 @@ def k2_kernel(
             w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xn_base, xq_base, wsc_base, ppos_base, meta_base,
             act_ptr, pid, G, rows, rmask, n_u, tag, H, IR, ISR, BB, BN3, BK3, PIPE3, JM3, UM, IW,
             IWR, IWS, Q_13, Q_SGU, SPE13, trace_ptr, TRACE, INTERP, A8,
+            (scratch_ptr + OFF_GUH).to(tl.pointer_type(tl.float32)), HALVES3,
         )  # fmt: skip
     stamp(trace_ptr, 6, TRACE)
     if STAGES & 32:
