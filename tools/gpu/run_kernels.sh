@@ -109,6 +109,20 @@ run() {  # name, command...
   echo "   rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/steps.log"
   tail -n 5 "$OUT/$name.log"
 }
+k1_arms() {  # prefix, extra bench_k1 arguments, then "arm|src/ tree|K1Config JSON" per arm:
+  # bench_k1 at widths 1-16, traced, every arm twice, the arms alternating
+  local prefix=$1 extra=$2 rep spec arm src cfg; shift 2
+  for rep in 1 2; do
+    for spec in "$@"; do
+      IFS='|' read -r arm src cfg <<< "$spec"
+      # shellcheck disable=SC2086  # $extra: words
+      run "${prefix}_${arm}_$rep" env PYTHONPATH="$src" python3 benchmarks/bench_k1.py $extra \
+        --widths 1,2,4,8,16 --stock torch --config "$cfg" --trace \
+        --results-csv "$OUT/${prefix}_${arm}_$rep.csv" \
+        --trace-json "$OUT/${prefix}_${arm}_${rep}_trace.json"
+    done
+  done
+}
 case "${1:-tests}" in
 k1ab|k2ab|handoff)  # a baseline that is not a src/ tree fails every base run
   [ -d "${BASE_SRC:?BASE_SRC: the baseline src/ tree}/mono_ext" ] ||
@@ -156,19 +170,10 @@ k1sweep)
 k1first)
   run k1_first_tests python3 -m pytest -q -p no:cacheprovider -s \
     tests/models/qwen3_next/triton/test_k1.py -k "stream_first or late_state or batch_invariant"
-  for rep in 1 2; do
-    for arm in default deferred late both; do
-      case $arm in
-        default) cfg='{}' ;;
-        deferred) cfg='{"deferred_epilogue": true}' ;;
-        late) cfg='{"late_state_prefetch": true}' ;;
-        both) cfg='{"deferred_epilogue": true, "late_state_prefetch": true}' ;;
-      esac
-      run "k1_first_${arm}_$rep" python3 benchmarks/bench_k1.py --no-attn --stock torch \
-        --widths 1,2,4,8,16 --config "$cfg" --trace --results-csv "$OUT/k1_first_${arm}_$rep.csv" \
-        --trace-json "$OUT/k1_first_${arm}_${rep}_trace.json"
-    done
-  done ;;
+  k1_arms k1_first --no-attn "default|$PWD/src|{}" \
+    "deferred|$PWD/src|{\"deferred_epilogue\": true}" \
+    "late|$PWD/src|{\"late_state_prefetch\": true}" \
+    "both|$PWD/src|{\"deferred_epilogue\": true, \"late_state_prefetch\": true}" ;;
 k2halves)
   run k2_halves_tests python3 -m pytest -q -p no:cacheprovider -s \
     tests/models/qwen3_next/triton/test_k2.py tests/models/qwen3_next/triton/test_k2_tiny.py \
@@ -203,15 +208,7 @@ a8)
     --trace-json "$OUT/k2_a8_trace.json" ;;
 k1ab)
   run k1_tests python3 -m pytest -q -p no:cacheprovider -s tests/models/qwen3_next/triton/test_k1.py
-  for rep in 1 2; do
-    for arm in base new; do
-      src=$PWD/src
-      [ "$arm" = base ] && src=${BASE_SRC:?BASE_SRC: the baseline src/ tree}
-      run "k1_${arm}_$rep" env PYTHONPATH="$src" python3 benchmarks/bench_k1.py \
-        --widths 1,2,4,8,16 --stock torch --trace --results-csv "$OUT/k1_${arm}_$rep.csv" \
-        --trace-json "$OUT/k1_${arm}_${rep}_trace.json"
-    done
-  done ;;
+  k1_arms k1 "" "base|$BASE_SRC|{}" "new|$PWD/src|{}" ;;
 k2ab)
   run k2_tests python3 -m pytest -q -p no:cacheprovider -s \
     tests/models/qwen3_next/triton/test_k2_sync.py tests/models/qwen3_next/triton/test_k2.py \
