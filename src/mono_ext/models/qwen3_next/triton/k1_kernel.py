@@ -284,7 +284,7 @@ def _gdn_s1(
     tail tile, by its last unit to arrive) runs the conv update and hands the payload words
     to S2. ``PARK`` (``K1Config.deferred_epilogue``): a whole tile's result is parked in
     ``park_ptr`` as the loop finishes it and its epilogue runs after the loop, so nothing in
-    the loop waits on a load (:func:`_parked_epilogues`). ``LATE_PRE``: S2's first state
+    the loop waits on a load (:func:`_parked_epilogue`). ``LATE_PRE``: S2's first state
     tile (``pre_ptrs`` where ``pre_mask``) is L2-prefetched once the rows are normed."""
     # row space: in_proj_ba rows (padded to NA), then in_proj_qkvz rows; units: s1_chunk
     NA: tl.constexpr = (PBA + BN - 1) // BN * BN
@@ -369,19 +369,18 @@ def _gdn_s1(
             acc = tl.zeros_like(acc)
     if PARK:  # every tile the loop parked: its full tiles pid + j G, then a whole tail tile
         tl.debug_barrier()
-        for j in range(FT // G):
+        n_park = FT // G
+        if SPLIT == 1:  # tail units are whole tiles of TR rows, parked at FT + pid
+            n_park += (pid < NU).to(tl.int32)
+        for j in range(n_park):
+            tail = j == FT // G
             _parked_epilogue(
-                pid + j * G, (pid + j * G) * BN, BN, park_ptr, rows, rmask, rvalid, slot64,
-                proj_ptr, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t, cs_c, tag, BB,
-                BN, NA, PQ, PBA, HV, DK, DV, RR, INTERLEAVED, CONV, VD, KC, WROW, INTERP,
+                tl.where(tail, FT + pid, pid + j * G),
+                tl.where(tail, FT * BN + pid * TR, (pid + j * G) * BN), tl.where(tail, TR, BN),
+                park_ptr, rows, rmask, rvalid, slot64, proj_ptr, conv_ptr, convw_ptr, alog_ptr,
+                dtb_ptr, cs_slot, cs_t, cs_c, tag, BB, BN, NA, PQ, PBA, HV, DK, DV, RR,
+                INTERLEAVED, CONV, VD, KC, WROW, INTERP,
             )  # fmt: skip
-        if SPLIT == 1:  # noqa: SIM102 (compiled in, then a branch per CTA)
-            if pid < NU:
-                _parked_epilogue(
-                    FT + pid, FT * BN + pid * TR, TR, park_ptr, rows, rmask, rvalid, slot64,
-                    proj_ptr, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t, cs_c, tag,
-                    BB, BN, NA, PQ, PBA, HV, DK, DV, RR, INTERLEAVED, CONV, VD, KC, WROW, INTERP,
-                )  # fmt: skip
     # outside the pipelined loop: inside it, the sum's atomic and CTA barrier kept Triton from
     # pipelining the loop at all (the sm_90a build lost its multi-stage buffers)
     if SPLIT > 1:  # noqa: SIM102 (compiled in, then a branch per CTA)

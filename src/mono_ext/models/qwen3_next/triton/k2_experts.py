@@ -26,10 +26,10 @@ __all__ = ["s3_gate_up", "s4_down"]
 
 @triton.jit
 def _gate_up_out(acc3, t, wsc_base, ppos_base, act_ptr, rows, tag, NBS, NB: tl.constexpr,
-                 BI3: tl.constexpr, BN3: tl.constexpr, BB: tl.constexpr, UM: tl.constexpr,
-                 IW: tl.constexpr, IWR: tl.constexpr, IWS: tl.constexpr, ISR: tl.constexpr,
-                 IR: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr):  # fmt: skip
-    """Task ``t``'s finished gate and up sums ``acc3`` [BN3, BB]: SiLU(g) * u * routing
+                 BI3: tl.constexpr, BB: tl.constexpr, UM: tl.constexpr, IW: tl.constexpr,
+                 IWR: tl.constexpr, IWS: tl.constexpr, INTERP: tl.constexpr,
+                 A8: tl.constexpr):  # fmt: skip
+    """Task ``t``'s finished gate and up sums ``acc3`` [2 BI3, BB]: SiLU(g) * u * routing
     weight, as bf16 pairs into its slot's ``act`` words."""
     sh = t < NBS
     ib = tl.where(sh, t, (t - NBS) % NB)
@@ -180,8 +180,8 @@ def s3_gate_up(
             if HALVES:
                 acc3 = acc3 + acc_hi
                 acc_hi = tl.zeros([BN3, BB], dtype=tl.float32)
-            _gate_up_out(acc3, t, wsc_base, ppos_base, act_ptr, rows, tag, NBS, NB, BI3, BN3,
-                         BB, UM, IW, IWR, IWS, ISR, IR, INTERP, A8)  # fmt: skip
+            _gate_up_out(acc3, t, wsc_base, ppos_base, act_ptr, rows, tag, NBS, NB, BI3, BB, UM,
+                         IW, IWR, IWS, INTERP, A8)  # fmt: skip
             acc3 = tl.zeros([BN3, BB], dtype=tl.float32)
     # the half unit is always the CTA's last: its count and sum after the pipelined loop
     # (an atomic inside it would turn the pipeliner off)
@@ -199,7 +199,7 @@ def s3_gate_up(
                 hi3 = tl.load(halves_ptr + (2 * j2 + 1) * (BN3 * BB) + offs, mask=m, other=0.0,
                               cache_modifier=".cg")  # fmt: skip
                 _gate_up_out(lo3 + hi3, t_half, wsc_base, ppos_base, act_ptr, rows, tag, NBS,
-                             NB, BI3, BN3, BB, UM, IW, IWR, IWS, ISR, IR, INTERP, A8)  # fmt: skip
+                             NB, BI3, BB, UM, IW, IWR, IWS, INTERP, A8)  # fmt: skip
 
 
 @triton.jit
