@@ -34,11 +34,6 @@
 #                                         traced at widths 1 and 16, default then each option
 #                                         then both, twice (writes $OUT/k1_first_*.csv and
 #                                         traces), ~3 min
-#   bash tools/gpu/run_kernels.sh k2halves K2Config.gate_up_halves: its GPU tests (the reference
-#                                         at every width, batch invariance, the tiny presets),
-#                                         bench_k2 traced at widths 1 and 16 with and without
-#                                         it, then k2reps of both ($REPS, default 4; writes
-#                                         $OUT/k2_halves*.csv, traces, k2_reps.*), ~4 min
 #   bash tools/gpu/run_kernels.sh k1trace bench_k1 at widths 1-16 (vLLM arms where it imports),
 #                                         then both fronts traced at widths 1 and 16: per CTA
 #                                         start, rows normed, S1 done, first S2 words, end
@@ -174,15 +169,6 @@ k1first)
     "deferred|$PWD/src|{\"deferred_epilogue\": true}" \
     "late|$PWD/src|{\"late_state_prefetch\": true}" \
     "both|$PWD/src|{\"deferred_epilogue\": true, \"late_state_prefetch\": true}" ;;
-k2halves)
-  run k2_halves_tests python3 -m pytest -q -p no:cacheprovider -s \
-    tests/models/qwen3_next/triton/test_k2.py tests/models/qwen3_next/triton/test_k2_tiny.py \
-    -k "halves or test_k2_batch_invariance"
-  both="k2,k2 gate_up_halves=true"
-  run k2_halves_trace python3 benchmarks/bench_k2.py --widths 1,16 --stock torch --trace \
-    --variants "$both" --trace-variants "$both" --csv "$OUT/k2_halves.csv" \
-    --trace-json "$OUT/k2_halves_trace.json"
-  K2_VARIANTS=$both REPS=${REPS:-4} bash "$0" k2reps ;;
 k1trace)
   run k1_trace python3 benchmarks/bench_k1.py --widths 1,2,4,8,16 --trace \
     --results-csv "$OUT/k1_vllm.csv" --trace-json "$OUT/k1_trace.json" ;;
@@ -262,6 +248,6 @@ handoff)
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1first|k1trace|k1once|k1stream|k1ab|k2ab|k2reps|k2halves|handoff|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1first|k1trace|k1once|k1stream|k1ab|k2ab|k2reps|handoff|a8|layer" >&2
   exit 2 ;;
 esac

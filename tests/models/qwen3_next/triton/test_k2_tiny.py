@@ -219,28 +219,6 @@ def test_k2_tiny_narrow_step_options_are_the_same_launch(option, rows, preset, s
         assert torch.equal(h_on, h_off) and torch.equal(r_on, r_off), f"width {b}"
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_k2_tiny_gate_up_halves_match_reference_and_keep_rows_apart(preset):
-    """``gate_up_halves``: every gate_up task's sums as two K halves added in order, the tasks
-    past the last whole round split across two CTAs (the second to arrive finishes them).
-    Against the reference at every width; a row's output bit-identical alone and in any
-    batch, though a step's union (so which tasks are split) changes with its rows; and the
-    halves' region holds halves after the steps (some task was split)."""
-    tiny = TinyTail(preset, seed=12, gate_up_halves=True, gate_up_k_chunk=16)
-    test_k2_tiny_matches_reference(tiny)
-    test_k2_tiny_batch_invariance_and_non_finite_row(tiny)
-    off, words = tiny.k2.layout.offsets["gu_halves"], GRID * tiny.k2.config.gate_up_rows * BLOCK_B
-    halves = tiny.ws.scratch[off : off + words // 2].view(torch.float32)
-    assert bool((halves != 0).any()), "no gate_up task was split at any width"
-
-
-def test_gate_up_halves_refuse_an_odd_number_of_k_chunks():
-    shape = K2Shape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-tiny-b")), tp=1))
-    with pytest.raises(ValueError, match="gate_up_halves needs an even number"):
-        K2Launch(shape, K2Config(grid=GRID, gate_up_halves=True, gate_up_k_chunk=32))
-    K2Launch(shape, K2Config(grid=GRID, gate_up_halves=True, gate_up_k_chunk=16))
-
-
 def test_narrow_step_options_refuse_rows_past_the_block():
     shape = K2Shape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b")), tp=1))
     for name in ("local_topk_rows", "down_runs_from_last_rows"):

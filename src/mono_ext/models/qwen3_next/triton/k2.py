@@ -125,13 +125,6 @@ class K2Shape(TailShape):
         return (max(self.moe_inter, self.shared_inter) + 1) // 2
 
 
-def halves_words(config: K2Config) -> int:
-    """Scratch words (int64) of ``K2Config.gate_up_halves``: one fp32 half per CTA [grid,
-    gate_up_rows, BLOCK_B] (a split task's halves run on CTAs 2j and 2j + 1), then an int32
-    arrival count per split task (at most grid / 2)."""
-    return config.grid * config.gate_up_rows * BLOCK_B // 2 + -(-config.grid // 4)
-
-
 def k2_program(shape: K2Shape, config: K2Config) -> Program:
     """K2's regions and stages (checked by ``runtime.layout.check_handoffs`` at build).
 
@@ -152,16 +145,12 @@ def k2_program(shape: K2Shape, config: K2Config) -> Program:
         Region("p4l", (shape.pairs + bb) * h),
         Region("nsum", -(-h // config.reduce_cols) * bb * 2),
     ]
-    gate_up = [wait("picks"), write("act")]
-    if config.gate_up_halves:  # a split task's two halves, then one arrival count per task
-        regions.append(Region("gu_halves", halves_words(config)))
-        gate_up.append(write("gu_halves"))
     stages = [
         Stage("out_proj", [push("p1") if peer else write("p1")]),
         Stage("residual", [wait("p1"), write("nsum")]),
         Stage("norm_router", [wait("nsum"), write("logits")]),
         Stage("topk", [wait("logits"), write("picks")]),
-        Stage("gate_up", gate_up),
+        Stage("gate_up", [wait("picks"), write("act")]),
         Stage("down", [wait("act"), write("p4l")]),
     ]
     if peer:
@@ -260,18 +249,6 @@ class K2Launch:
         self.out_proj_k_splits = c.splits(self.shape)
         self.layout = plan_layout(k2_program(self.shape, c), self.shape.tp)
         self._check_formats()
-        if c.gate_up_halves:
-            self._check_halves()
-
-    def _check_halves(self) -> None:
-        chunks = -(-self.shape.hidden // self._gate_up_k_chunk())
-        if chunks % 2:
-            raise ValueError(
-                f"gate_up_halves needs an even number of gate_up K chunks; hidden "
-                f"{self.shape.hidden} in chunks of {self._gate_up_k_chunk()} is {chunks}"
-            )
-        if self.config.fp8_activations:
-            raise ValueError("gate_up_halves with fp8_activations: not built (bf16 MMA only)")
 
     def _gate_up_k_chunk(self) -> int:
         """gate_up's K chunk: at most ``gate_up_k_chunk``, inside one scale column of a
@@ -484,17 +461,10 @@ class K2Launch:
             RPRE=c.router_preload,
             DRR=c.down_runs_from_last_rows,
             LTR=0 if c.fp8_activations else c.local_topk_rows,
-            **self._halves_constexprs(),
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),
         )
-
-    def _halves_constexprs(self) -> dict:
-        """``gate_up_halves``; none when off (the same compile as a build that never had it)."""
-        if not self.config.gate_up_halves:
-            return {}
-        return dict(HALVES3=True, OFF_GUH=self.layout.offsets["gu_halves"])
 
     # -- build / launch ------------------------------------------------------------------
     def _args(self, o_in, residual, weights, out_hidden, out_residual, ws, ctrl, health, peers,

@@ -88,13 +88,6 @@ class K2Config:
     # activations. One plane streamed twice as fast that way on the H200
     # (docs/results/stream_fp8_h200.json); off until K2 itself is timed so (docs/perf.md)
     fp8_activations: bool = False
-    # every gate_up task's sums as two fixed halves of its K chunks (each a running sum from
-    # zero, added half 0 + half 1), so that the tasks past the last whole round of the grid can
-    # be split in two across CTAs: at width 1 (176 tasks on 132 CTAs) the slowest CTA streams
-    # 12 chunks instead of 16. A split task's halves go through the gu_halves region and the
-    # second CTA to count its half in finishes the task; whole tasks add them in registers,
-    # the same order either way, whatever the step's rows (batch invariance)
-    gate_up_halves: bool = False
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
     pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
 

@@ -12,7 +12,6 @@ import triton.language as tl
 
 from mono_ext.kernels.triton.planes import qdot, qdot_a8q, qdot_either, quantize_e4m3_cols
 from mono_ext.kernels.triton.primitives import (
-    count_in,
     fence_gpu,
     fp32_bits,
     put_words,
@@ -59,8 +58,7 @@ def s3_gate_up(
     BB: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, PIPE3: tl.constexpr,
     JM3: tl.constexpr, UM: tl.constexpr, IW: tl.constexpr, IWR: tl.constexpr,
     IWS: tl.constexpr, Q_13: tl.constexpr, Q_SGU: tl.constexpr, SPE13: tl.constexpr,
-    trace_ptr, TRACE: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr, halves_ptr,
-    HALVES: tl.constexpr,
+    trace_ptr, TRACE: tl.constexpr, INTERP: tl.constexpr, A8: tl.constexpr,
 ):  # fmt: skip
     """S3 gate_up: (shared or routed slot, row block) tasks of gate rows + the same up rows,
     SiLU(g) * u * routing weight -> bf16 pairs in ``act`` per (slot, row). ``A8``: fp8 planes
@@ -68,48 +66,26 @@ def s3_gate_up(
     ``xq_plane``, written by the top-k CTAs before their picks (``s3_topk``), which
     ``s3_union`` waited for. The bf16 rows are u (``_norm_parts``), so each task's gate and up
     sums are scaled by their row's rsqrt (slot UM + 1 of ``wsc``) before the SiLU; a8's codes
-    are of the normed rows already.
-
-    Tasks are dealt round-robin: CTA p takes p, p + G, ... ``HALVES`` (``K2Config.
-    gate_up_halves``): a task's sums are its two K halves added in order; when the tasks past
-    the last whole round fit the grid twice, each of them is split, CTAs 2j and 2j + 1
-    streaming its halves after their whole tasks, and the second to count in (an atomic on
-    its counter after the halves in ``halves_ptr``) finishes it; nobody waits."""
+    are of the normed rows already. Tasks are dealt round-robin: CTA p takes p, p + G, ..."""
     BI3: tl.constexpr = BN3 // 2  # gate rows (and up rows) per expert task
     NB: tl.constexpr = (IR + BI3 - 1) // BI3
     NBS: tl.constexpr = (ISR + BI3 - 1) // BI3
     KCH3: tl.constexpr = (H + BK3 - 1) // BK3
-    KH3: tl.constexpr = KCH3 // 2  # chunks per half (HALVES builds have an even KCH3)
     # tasks: shared blocks first, then (routed slot, block) of BI3 gate rows (+ the same up
     # rows) in a tile of BI3 + BI3
     T3 = NBS + n_u * NB
-    n_mine3 = tl.where(pid < T3, (T3 - 1 - pid) // G + 1, 0)  # whole tasks of this CTA
-    has_half = False
-    t_half = 0
-    if HALVES:
-        full3 = T3 // G * G  # tasks of the whole rounds
-        tail3 = T3 - full3
-        split3 = (tail3 > 0) & (2 * tail3 <= G)
-        n_mine3 = tl.where(split3, full3 // G, n_mine3)
-        has_half = split3 & (pid < 2 * tail3)
-        t_half = full3 + pid // 2
-    n_whole = n_mine3 * KCH3
-    n_it3 = n_whole
-    if HALVES:
-        n_it3 = n_whole + tl.where(has_half, KH3, 0)
+    n_mine3 = tl.where(pid < T3, (T3 - 1 - pid) // G + 1, 0)
+    n_it3 = n_mine3 * KCH3
     kk3 = tl.arange(0, BK3)
     nn3 = tl.arange(0, BN3)
     half = nn3 // BI3  # 0: gate row, 1: up row
     ri = nn3 % BI3
     acc3 = tl.zeros([BN3, BB], dtype=tl.float32)
-    acc_hi = acc3  # HALVES: the second half's sum (acc3 then holds the first half's)
     # The expert of each of this CTA's tasks, held in registers: a load inside the loop
     # that another load's address depends on makes Triton's pipeliner wait for every
     # copy in flight at each iteration (async_wait 0: no pipelining at all).
     jv = tl.arange(0, JM3)
     tv = pid + jv * G
-    if HALVES:  # the half unit's entry follows the whole tasks'
-        tv = tl.where(jv < n_mine3, tv, t_half)
     ex_v = tl.load(
         meta_base + tl.minimum(tl.maximum(tv - NBS, 0) // NB, UM - 1),
         mask=(tv >= NBS) & (tv < T3),
@@ -124,15 +100,9 @@ def s3_gate_up(
     stamp(trace_ptr, 11, TRACE)
     # one flat pipelined loop over (task, K chunk): the stream never drains between tasks
     for it in tl.range(0, n_it3, num_stages=PIPE3):
-        j = it // KCH3  # HALVES: n_mine3 on the half unit, its entry of ex_v
+        j = it // KCH3
         kc = it - j * KCH3
         t = pid + j * G
-        ends = kc == KCH3 - 1
-        if HALVES:
-            whole = it < n_whole
-            kc = tl.where(whole, kc, (pid % 2) * KH3 + (it - n_whole))
-            t = tl.where(whole, t, t_half)
-            ends = whole & (kc == KCH3 - 1)
         sh = t < NBS
         ex = tl.sum(tl.where(jv == j, ex_v, 0), axis=0)
         isl = tl.where(sh, ISR, IR)
@@ -147,12 +117,8 @@ def s3_gate_up(
                            mask=rmask[None, :] & km[:, None], other=0.0)  # fmt: skip
             xs_t = tl.load(xsc_base + kc * BB + rows, mask=rmask, other=0.0)
         else:
-            xm = rmask[None, :] & km[:, None]
-            if HALVES:  # each half's chunks into its own sum: the rows masked in the other
-                x_h = tl.load(xr_base + rows[None, :] * H + k3[:, None],
-                              mask=xm & (kc >= KH3), other=0.0)  # fmt: skip
-                xm = xm & (kc < KH3)
-            x_t = tl.load(xr_base + rows[None, :] * H + k3[:, None], mask=xm, other=0.0)
+            x_t = tl.load(xr_base + rows[None, :] * H + k3[:, None],
+                          mask=rmask[None, :] & km[:, None], other=0.0)  # fmt: skip
         w13_e = w13_ptr + ex.to(tl.int64) * (2 * IR * H)
         s13_e = s_13_ptr + ex.to(tl.int64) * SPE13
         woff = wrow[:, None] * H + k3[None, :]
@@ -165,41 +131,15 @@ def s3_gate_up(
                                 2 * isl, H)  # fmt: skip
             else:
                 acc3 = qdot(w_t, x_t, acc3, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl, H)
-                if HALVES:
-                    acc_hi = qdot(w_t, x_h, acc_hi, sp3, wrow, live3, kc * BK3, Q_13, 2 * isl,
-                                  H)  # fmt: skip
         else:
             w_r = tl.load(w13_e + woff, mask=wm & (sh == 0), other=0.0)
             w_s = tl.load(sgu_ptr + woff, mask=wm & sh, other=0.0)
             acc3 = qdot_either(acc3, w_r, w_s, sh, x_t, s13_e, s_sgu_ptr, wrow, live3,
                                kc * BK3, Q_13, Q_SGU, 2 * IR, H, 2 * ISR, H)  # fmt: skip
-            if HALVES:
-                acc_hi = qdot_either(acc_hi, w_r, w_s, sh, x_h, s13_e, s_sgu_ptr, wrow, live3,
-                                     kc * BK3, Q_13, Q_SGU, 2 * IR, H, 2 * ISR, H)  # fmt: skip
-        if ends:
-            if HALVES:
-                acc3 = acc3 + acc_hi
-                acc_hi = tl.zeros([BN3, BB], dtype=tl.float32)
+        if kc == KCH3 - 1:
             _gate_up_out(acc3, t, wsc_base, ppos_base, act_ptr, rows, tag, NBS, NB, BI3, BB, UM,
                          IW, IWR, IWS, INTERP, A8)  # fmt: skip
             acc3 = tl.zeros([BN3, BB], dtype=tl.float32)
-    # the half unit is always the CTA's last: its count and sum after the pipelined loop
-    # (an atomic inside it would turn the pipeliner off)
-    if HALVES:  # noqa: SIM102 (a constexpr branch, then a runtime one)
-        if has_half:
-            j2 = pid // 2
-            offs = rows[None, :] * BN3 + nn3[:, None]
-            m = rmask[None, :] & (nn3 < BN3)[:, None]
-            part = tl.where(pid % 2 == 0, acc3, acc_hi)  # its own half's sum, as it is
-            tl.store(halves_ptr + pid * (BN3 * BB) + offs, part, mask=m)
-            count = (halves_ptr + G * BN3 * BB).to(tl.pointer_type(tl.int32)) + j2
-            if count_in(count, 2, INTERP):
-                lo3 = tl.load(halves_ptr + (2 * j2) * (BN3 * BB) + offs, mask=m, other=0.0,
-                              cache_modifier=".cg")  # fmt: skip
-                hi3 = tl.load(halves_ptr + (2 * j2 + 1) * (BN3 * BB) + offs, mask=m, other=0.0,
-                              cache_modifier=".cg")  # fmt: skip
-                _gate_up_out(lo3 + hi3, t_half, wsc_base, ppos_base, act_ptr, rows, tag, NBS,
-                             NB, BI3, BB, UM, IW, IWR, IWS, INTERP, A8)  # fmt: skip
 
 
 @triton.jit

@@ -77,8 +77,6 @@ def k2_kernel(
     Q_SEG: tl.constexpr, SPE13: tl.constexpr, SPE2: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr = False, A8: tl.constexpr = False, RPRE: tl.constexpr = False,
     DRR: tl.constexpr = 0, LTR: tl.constexpr = 0,
-    # K2Config.gate_up_halves and its region (split tasks' halves, then their counts)
-    HALVES3: tl.constexpr = False, OFF_GUH: tl.constexpr = 0,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -190,7 +188,6 @@ def k2_kernel(
             w13_ptr, sgu_ptr, s_13_ptr, s_sgu_ptr, xn_base, xq_base, wsc_base, ppos_base, meta_base,
             act_ptr, pid, G, rows, rmask, n_u, tag, H, IR, ISR, BB, BN3, BK3, PIPE3, JM3, UM, IW,
             IWR, IWS, Q_13, Q_SGU, SPE13, trace_ptr, TRACE, INTERP, A8,
-            (scratch_ptr + OFF_GUH).to(tl.pointer_type(tl.float32)), HALVES3,
         )  # fmt: skip
     stamp(trace_ptr, 6, TRACE)
     if STAGES & 32:

@@ -31,8 +31,6 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k2 gdn bf16 no-router-prefetch | S1 prefetches nothing into L2 (the default: the router)     |
 | k2 gdn bf16 prefetch-shared | S1 prefetches the shared gate_up into L2 too                    |
 | k2 gdn bf16 router-preload | each CTA loads its router tile before S1's hand-offs (8 K splits) |
-| k2 gdn bf16 gate-up-halves | gate_up sums in two fixed K halves, the last round's tasks   |
-|                       | split across two CTAs (K2Config.gate_up_halves)                    |
 | k2 gdn bf16 narrow-steps | a one-row step takes its top-k in every CTA, steps of up to two   |
 |                       | rows deal down runs from the last CTA (the narrow-step options)    |
 
@@ -108,7 +106,6 @@ _BUILDS: dict[str, tuple[str, dict]] = {
         "k2",
         {"kind": "gdn", "config": {"router_preload": True, "router_k_splits": 8}},
     ),
-    "k2 gdn bf16 gate-up-halves": ("k2", {"kind": "gdn", "config": {"gate_up_halves": True}}),
     "k2 gdn bf16 narrow-steps": (
         "k2",
         {"kind": "gdn", "config": {"down_runs_from_last_rows": 2, "local_topk_rows": 1}},
