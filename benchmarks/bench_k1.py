@@ -232,11 +232,6 @@ SWEEP = (
     {"norm_once_above": 0},
     {"norm_once_above": 4},
     {"norm_once_above": 0, "prefetch_first_chunks": True},
-    # GDN: each tile's epilogue after the projection loop, its result parked (no load in the
-    # loop), and the first state tile prefetched once the rows are normed, not before
-    {"deferred_epilogue": True},
-    {"late_state_prefetch": True},
-    {"deferred_epilogue": True, "late_state_prefetch": True},
 )
 
 

@@ -27,13 +27,6 @@
 #                                         the stage traces $OUT/k2_trace.json, ~4 min
 #   bash tools/gpu/run_kernels.sh k1sweep bench_k1's K1Config sweep, both fronts, at widths 1, 4,
 #                                         16 (writes $OUT/k1_sweep.csv), ~1.5 min
-#   bash tools/gpu/run_kernels.sh k1first K1's GDN front with nothing in its projection loop
-#                                         waiting on a load (deferred_epilogue) and the first
-#                                         state tile prefetched after the norm: their tests
-#                                         (bits equal the default build's), then bench_k1 GDN,
-#                                         traced at widths 1 and 16, default then each option
-#                                         then both, twice (writes $OUT/k1_first_*.csv and
-#                                         traces), ~3 min
 #   bash tools/gpu/run_kernels.sh k1trace bench_k1 at widths 1-16 (vLLM arms where it imports),
 #                                         then both fronts traced at widths 1 and 16: per CTA
 #                                         start, rows normed, S1 done, first S2 words, end
@@ -104,14 +97,13 @@ run() {  # name, command...
   echo "   rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/steps.log"
   tail -n 5 "$OUT/$name.log"
 }
-k1_arms() {  # prefix, extra bench_k1 arguments, then "arm|src/ tree|K1Config JSON" per arm:
-  # bench_k1 at widths 1-16, traced, every arm twice, the arms alternating
-  local prefix=$1 extra=$2 rep spec arm src cfg; shift 2
+k1_arms() {  # prefix, then "arm|src/ tree|K1Config JSON" per arm: bench_k1 at widths 1-16,
+  # traced, every arm twice, the arms alternating
+  local prefix=$1 rep spec arm src cfg; shift
   for rep in 1 2; do
     for spec in "$@"; do
       IFS='|' read -r arm src cfg <<< "$spec"
-      # shellcheck disable=SC2086  # $extra: words
-      run "${prefix}_${arm}_$rep" env PYTHONPATH="$src" python3 benchmarks/bench_k1.py $extra \
+      run "${prefix}_${arm}_$rep" env PYTHONPATH="$src" python3 benchmarks/bench_k1.py \
         --widths 1,2,4,8,16 --stock torch --config "$cfg" --trace \
         --results-csv "$OUT/${prefix}_${arm}_$rep.csv" \
         --trace-json "$OUT/${prefix}_${arm}_${rep}_trace.json"
@@ -162,13 +154,6 @@ sweep)
 k1sweep)
   run k1_sweep python3 benchmarks/bench_k1.py --sweep --sweep-widths 1,4,16 --widths 1 \
     --stock torch --csv "$OUT/k1_sweep.csv" ;;
-k1first)
-  run k1_first_tests python3 -m pytest -q -p no:cacheprovider -s \
-    tests/models/qwen3_next/triton/test_k1.py -k "stream_first or late_state or batch_invariant"
-  k1_arms k1_first --no-attn "default|$PWD/src|{}" \
-    "deferred|$PWD/src|{\"deferred_epilogue\": true}" \
-    "late|$PWD/src|{\"late_state_prefetch\": true}" \
-    "both|$PWD/src|{\"deferred_epilogue\": true, \"late_state_prefetch\": true}" ;;
 k1trace)
   run k1_trace python3 benchmarks/bench_k1.py --widths 1,2,4,8,16 --trace \
     --results-csv "$OUT/k1_vllm.csv" --trace-json "$OUT/k1_trace.json" ;;
@@ -194,7 +179,7 @@ a8)
     --trace-json "$OUT/k2_a8_trace.json" ;;
 k1ab)
   run k1_tests python3 -m pytest -q -p no:cacheprovider -s tests/models/qwen3_next/triton/test_k1.py
-  k1_arms k1 "" "base|$BASE_SRC|{}" "new|$PWD/src|{}" ;;
+  k1_arms k1 "base|$BASE_SRC|{}" "new|$PWD/src|{}" ;;
 k2ab)
   run k2_tests python3 -m pytest -q -p no:cacheprovider -s \
     tests/models/qwen3_next/triton/test_k2_sync.py tests/models/qwen3_next/triton/test_k2.py \
@@ -248,6 +233,6 @@ handoff)
 layer)
   run layer python3 benchmarks/bench_layer.py --widths 1,2,4,8,16 --json "$OUT/layer_vllm.json" ;;
 *)
-  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1first|k1trace|k1once|k1stream|k1ab|k2ab|k2reps|handoff|a8|layer" >&2
+  echo "usage: $0 tests|fp8|host|stream|bench|sweep|k1sweep|k1trace|k1once|k1stream|k1ab|k2ab|k2reps|handoff|a8|layer" >&2
   exit 2 ;;
 esac

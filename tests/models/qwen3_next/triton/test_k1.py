@@ -631,52 +631,6 @@ def test_norm_once_builds_give_the_default_builds_bits(preset):
                 assert torch.equal(a, b), f"{out} at width {width}: {name} differs"
 
 
-@pytest.mark.parametrize("tails", ["split", "whole"])
-def test_stream_first_gdn_builds_give_the_default_builds_bits(tails):
-    """``K1Config.deferred_epilogue`` (every tile's epilogue after the projection loop, its
-    result parked) and ``late_state_prefetch`` run the same epilogue on the same values as the
-    default build: outputs, conv and recurrent states bit-equal at widths 1, 3 and 16 (3
-    without a residual), over several launches on one workspace; tail tiles split along K
-    (the last unit loads the window after its count) or whole (parked with the full tiles)."""
-    preset = TINY
-    md = Dims.from_config(_cfg(preset))
-    gen = new_gen(73)
-    w = gdn_weights(md, "interleaved", gen)
-    conv0, ssm0 = gdn_states(md, "time_chan", "float32", gen)
-    base = {**SPLIT_TAIL, "split_tail_tiles": tails == "split"}
-    configs = {
-        "default": base,
-        "deferred": {**base, "deferred_epilogue": True},
-        "both": {**base, "deferred_epilogue": True, "late_state_prefetch": True},
-    }
-    builds = {n: gdn_build(preset, "float32", config=c) for n, c in configs.items()}
-    _, parts, units, _ = builds["both"]._units()
-    assert units > 0 and (parts > 1) == (tails == "split")
-    assert "s1_park" in builds["deferred"].layout.offsets
-    assert "s1_park" not in builds["default"].layout.offsets
-    st = rank_state()
-    for width in (1, 3, 16, 3):
-        slots = step_slots(width, 0, gen)
-        hid, res = step_inputs(md, width, gen, residual=width != 3)
-        got = {}
-        for name, gdn in builds.items():
-            conv, ssm = conv0.clone(), ssm0.clone()
-            o_in, r_out = run_k1_gdn(gdn, st, gdn.workspace(DEV), hid, res, w, conv, ssm, slots,
-                                     0)  # fmt: skip
-            got[name] = (o_in, r_out, conv, ssm)
-        for name in ("deferred", "both"):
-            for out, a, b in zip(("o_in", "residual_out", "conv", "ssm"), got["default"],
-                                 got[name], strict=True):  # fmt: skip
-                assert not a.isnan().any(), f"{out} at width {width}: not written"
-                assert torch.equal(a, b), f"{out} at width {width}: {name} differs"
-
-
-def test_late_state_prefetch_refused_with_blocked_recurrence():
-    shape = K1GdnShape.from_dims(Dims.from_config(_cfg(TINY)))
-    with pytest.raises(ValueError, match="late_state_prefetch with dv_split=2"):
-        K1GdnLaunch(shape, K1Config(grid=_grid(), late_state_prefetch=True, **split(2)))
-
-
 def test_norm_once_above_refused_by_name():
     shape = K1GdnShape.from_dims(Dims.from_config(_cfg(TINY)))
     with pytest.raises(ValueError, match="norm_once_above=17: 0..16 rows"):

@@ -49,7 +49,6 @@ from mono_ext.models.qwen3_next.triton.k1_plan import (
     gdn_row_map,
     k1_attn_program,
     k1_gdn_program,
-    park_words,
     pow2_divisor,
     rope_table,
     s1_units,
@@ -455,21 +454,11 @@ class K1GdnLaunch(_K1LaunchBase):
             bad.append(f"dv_split={split}: 1, 2 or 4 blocks of at least 16 state rows")
         elif split > 1 and slices != 1:
             bad.append(f"dv_split={split} needs state_row_slices=1 (a block is one slice)")
-        if self.config.late_state_prefetch and split > 1:
-            bad.append(f"late_state_prefetch with dv_split={split}: it prefetches whole tiles")
         return bad
 
     def _program(self) -> Any:
         return k1_gdn_program(self.shape, self.config.dv_split, self.norms_once(),
-                              self._split_words(), self._park_words())  # fmt: skip
-
-    def _park_words(self) -> int:
-        """The parked tiles' scratch (``K1Config.deferred_epilogue``; none without): the full
-        tiles, and the tail units too where each is a whole tile (no split)."""
-        if not self.config.deferred_epilogue:
-            return 0
-        full, split, units, _ = self._units()
-        return park_words(full + (units if split == 1 else 0), self._tiling()[0])
+                              self._split_words())  # fmt: skip
 
     def _passes(self) -> tuple[int, ...]:
         return (S1, S2, S3) if self.config.dv_split > 1 else (S1, S2)
@@ -481,8 +470,6 @@ class K1GdnLaunch(_K1LaunchBase):
             f"{self.ssm_layout} {self._config_label()}"
             f" state_row_slices={self.config.state_row_slices}"
             + (f" dv_split={self.config.dv_split}" if self.config.dv_split > 1 else "")
-            + (" deferred_epilogue" if self.config.deferred_epilogue else "")
-            + (" late_state_prefetch" if self.config.late_state_prefetch else "")
             + f"{self._formats_label()}"
         )
 
@@ -512,18 +499,7 @@ class K1GdnLaunch(_K1LaunchBase):
             Q_QKVZ=self._q("in_proj_qkvz"),
             Q_BA=self._q("in_proj_ba"),
             **self._split_constexprs(),
-            **self._stream_first_constexprs(),
         )
-
-    def _stream_first_constexprs(self) -> dict:
-        """``deferred_epilogue`` / ``late_state_prefetch``; none when off (the same compile as
-        a build that never had them)."""
-        c, out = self.config, {}
-        if c.deferred_epilogue:
-            out.update(PARK=True, OFF_PARK=self.layout.offsets["s1_park"])
-        if c.late_state_prefetch:
-            out.update(LATE_PRE=True)
-        return out
 
     def _split_constexprs(self) -> dict:
         """The blocked recurrence's constexprs; none for dv_split 1 (the same compile as a

@@ -34,9 +34,7 @@ by ``runtime.layout.check_handoffs`` at build):
   other's fully masked. The loop is software-pipelined (``NS`` = ``pipeline_stages`` of async
   copies); what an epilogue reads (conv window, taps, A_log, dt_bias) is loaded at the
   tile's first chunk, because a dependent load behind a full memory pipeline costs a
-  whole queue's latency (several us, measured on H200). GDN with
-  ``K1Config.deferred_epilogue``: a whole tile's result is parked (``s1_park``) as the loop
-  finishes it, and the epilogues run after the loop, so the loop waits on no load.
+  whole queue's latency (several us, measured on H200).
 - S2, over the grid: GDN: one task per (row, value head): wait for its q, k (the key
   head's), v, z, beta, g words, L2-norm q/k, decay + delta-rule update of the
   [Dv, Dk] state tile (fp32 math, stored back in the state's dtype), o = S q, gated RMSNorm;
@@ -100,8 +98,6 @@ sizes are this rank's; ``C`` = conv_dim = 2*Hk*Dk + Hv*Dv, ``Wg`` = C + Hv*Dv + 
 | scratch: nflag  | [Bb]                   | int64     | tagged fp32 rsqrt per row, after xs[G]  | S0 -> S1 (once)   |
 | s1_split: parts | [NTT, SPLIT, Bb, BN]   | fp32      | a tail tile's K parts (NTT = NU/SPLIT   | S1 -> S1 (the     |
 |                 |                        |           | tiles), then NTT int32 arrival counts   | tile's last unit) |
-| s1_park         | [FT (+ NU), Bb, BN]    | fp32      | a whole tile's result, rsqrt applied    | S1 -> S1 (same    |
-|                 |                        |           | (deferred_epilogue; + NU: whole tails)  | CTA, after loop)  |
 | ctrl / health   | see runtime.health     |           | epoch read for tags; sticky failed word | host / waits      |
 | trace           | [G, 16]                | int64     | %globaltimer ns per CTA at TRACE_POINTS | TRACE builds only |
 """
@@ -238,33 +234,6 @@ def _gdn_epilogue(
 
 
 @triton.jit
-def _parked_epilogue(
-    unit, r0, nr, park_ptr, rows, rmask, rvalid, slot64, proj_ptr, conv_ptr, convw_ptr,
-    alog_ptr, dtb_ptr, cs_slot, cs_t, cs_c, tag, BB: tl.constexpr, BN: tl.constexpr,
-    NA: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-    DV: tl.constexpr, RR: tl.constexpr, INTERLEAVED: tl.constexpr, CONV: tl.constexpr,
-    VD: tl.constexpr, KC: tl.constexpr, WROW: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """``K1Config.deferred_epilogue``: the epilogue of the ``nr``-row tile at row-space row
-    ``r0`` that this CTA's loop parked at ``unit``, its result and its conv window loaded
-    together. The parked values are this CTA's own stores (read back by other threads of the
-    CTA, after the caller's barrier) and carry the rows' rsqrt, so the epilogue sees the bits
-    the in-loop one would."""
-    nn = tl.arange(0, BN)
-    _, _, _, dest = gdn_tile_rows(r0, nr, nn, NA, PQ, PBA, HV, DK, DV, RR, INTERLEAVED)
-    x = tl.load(park_ptr + unit * (BB * BN) + rows[:, None] * BN + nn[None, :],
-                mask=rmask[:, None] & (nn < BN)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-    c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
-        dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t, cs_c, CONV,
-        VD, HV, KC,
-    )  # fmt: skip
-    _gdn_epilogue(
-        x, dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask, rvalid, slot64,
-        proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag, CONV, VD, HV, WROW, INTERP,
-    )  # fmt: skip
-
-
-@triton.jit
 def _gdn_s1(
     hid_ptr, res_ptr, rout_ptr, nw_ptr, wq_ptr, wba_ptr, convw_ptr, alog_ptr, dtb_ptr, conv_ptr,
     slots_ptr, xs_ptr, proj_ptr, sq_ptr, sba_ptr, pid, G, rows, rmask, n_rows, has_res,
@@ -276,16 +245,12 @@ def _gdn_s1(
     VD: tl.constexpr, PQ: tl.constexpr, PBA: tl.constexpr, RR: tl.constexpr,
     Q_QKVZ: tl.constexpr, Q_BA: tl.constexpr, INTERP: tl.constexpr, trace_ptr,
     TRACE: tl.constexpr, nflag_ptr, ctrl_ptr, health_ptr, NONCE: tl.constexpr,
-    RID_NFLAG: tl.constexpr, park_ptr, PARK: tl.constexpr, pre_ptrs, pre_mask,
-    LATE_PRE: tl.constexpr,
+    RID_NFLAG: tl.constexpr,
 ):  # fmt: skip
     """GDN S1: input norm, then the projection units (ba rows first: every S2 task needs
     beta and g, then qkvz rows), flattened over K chunks; each tile's epilogue (in a split
     tail tile, by its last unit to arrive) runs the conv update and hands the payload words
-    to S2. ``PARK`` (``K1Config.deferred_epilogue``): a whole tile's result is parked in
-    ``park_ptr`` as the loop finishes it and its epilogue runs after the loop, so nothing in
-    the loop waits on a load (:func:`_parked_epilogue`). ``LATE_PRE``: S2's first state
-    tile (``pre_ptrs`` where ``pre_mask``) is L2-prefetched once the rows are normed."""
+    to S2."""
     # row space: in_proj_ba rows (padded to NA), then in_proj_qkvz rows; units: s1_chunk
     NA: tl.constexpr = (PBA + BN - 1) // BN * BN
     KCH: tl.constexpr = H // BK
@@ -298,8 +263,6 @@ def _gdn_s1(
     xs_base, rstd = normed_rows(hid_ptr, res_ptr, nw_ptr, xs_ptr, rout_ptr, nflag_ptr, ctrl_ptr,
                                  health_ptr, pid, G, rows, rmask, n_rows, has_res, eps, tag, H,
                                  BB, CH, NONCE, RID_NFLAG, INTERP)  # fmt: skip
-    if LATE_PRE and not INTERP:
-        prefetch_l2(pre_ptrs, pre_mask)
     stamp(trace_ptr, 1, TRACE)
 
     slot_r = tl.load(slots_ptr + rows, mask=rmask, other=-1)
@@ -340,12 +303,11 @@ def _gdn_s1(
                          mask=(live & (is_ba == 0))[:, None], other=0.0)  # fmt: skip
             wa = tl.load(wba_ptr + r_in[:, None] * H + k[None, :],
                          mask=(live & is_ba)[:, None], other=0.0)  # fmt: skip
-        if not PARK:  # noqa: SIM102 (a constexpr branch, then a runtime one)
-            if first_chunk:
-                c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
-                    dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
-                    cs_t, cs_c, CONV, VD, HV, KC,
-                )  # fmt: skip
+        if first_chunk:
+            c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
+                dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot, cs_t,
+                cs_c, CONV, VD, HV, KC,
+            )  # fmt: skip
         if Q_QKVZ == Q_BA:
             # scale_index reads only K: PQ stands for either plane's N
             sp = tl.where(is_ba, sba_ptr, sq_ptr)
@@ -356,31 +318,12 @@ def _gdn_s1(
                              sba_ptr, r_in, live, H, PQ, PBA, Q_QKVZ, Q_BA)  # fmt: skip
         if ends_tile:  # a split tail unit is its CTA's last: summed after the loop
             acc = acc * rstd[None, :]  # the input norm (input_norm)
-            if PARK:
-                unit = tl.where(it < (FT // G) * KCH, pid + (it // KCH) * G, FT + pid)
-                tl.store(park_ptr + unit * (BB * BN) + rows[None, :] * BN + nn[:, None], acc,
-                         mask=rmask[None, :])  # fmt: skip
-            else:
-                _gdn_epilogue(
-                    tl.trans(acc), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask,
-                    rvalid, slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag,
-                    CONV, VD, HV, WROW, INTERP,
-                )  # fmt: skip
-            acc = tl.zeros_like(acc)
-    if PARK:  # every tile the loop parked: its full tiles pid + j G, then a whole tail tile
-        tl.debug_barrier()
-        n_park = FT // G
-        if SPLIT == 1:  # tail units are whole tiles of TR rows, parked at FT + pid
-            n_park += (pid < NU).to(tl.int32)
-        for j in range(n_park):
-            tail = j == FT // G
-            _parked_epilogue(
-                tl.where(tail, FT + pid, pid + j * G),
-                tl.where(tail, FT * BN + pid * TR, (pid + j * G) * BN), tl.where(tail, TR, BN),
-                park_ptr, rows, rmask, rvalid, slot64, proj_ptr, conv_ptr, convw_ptr, alog_ptr,
-                dtb_ptr, cs_slot, cs_t, cs_c, tag, BB, BN, NA, PQ, PBA, HV, DK, DV, RR,
-                INTERLEAVED, CONV, VD, KC, WROW, INTERP,
+            _gdn_epilogue(
+                tl.trans(acc), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb, rows, rmask,
+                rvalid, slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c, tag,
+                CONV, VD, HV, WROW, INTERP,
             )  # fmt: skip
+            acc = tl.zeros_like(acc)
     # outside the pipelined loop: inside it, the sum's atomic and CTA barrier kept Triton from
     # pipelining the loop at all (the sm_90a build lost its multi-stage buffers)
     if SPLIT > 1:  # noqa: SIM102 (compiled in, then a branch per CTA)
@@ -391,11 +334,6 @@ def _gdn_s1(
             if last:
                 _, _, _, dest = gdn_tile_rows(FT * BN + tt * BN, BN, nn, NA, PQ, PBA, HV, DK, DV,
                                               RR, INTERLEAVED)  # fmt: skip
-                if PARK:  # the window was not loaded in the loop
-                    c0, c1, c2, cw0, cw1, cw2, cw3, alog, dtb = _conv_inputs(
-                        dest, rvalid, slot64, conv_ptr, convw_ptr, alog_ptr, dtb_ptr, cs_slot,
-                        cs_t, cs_c, CONV, VD, HV, KC,
-                    )  # fmt: skip
                 _gdn_epilogue(
                     tl.trans(acc * rstd[None, :]), dest, c0, c1, c2, cw0, cw1, cw2, cw3, alog,
                     dtb, rows, rmask, rvalid, slot64, proj_ptr, conv_ptr, cs_slot, cs_t, cs_c,
@@ -538,8 +476,6 @@ def k1_gdn_kernel(
     OFF_ORAW: tl.constexpr = 0, TRACE: tl.constexpr = False,
     # each row normed once (K1Config.norm_once_above; BB: never), its flags' region
     NONCE: tl.constexpr = 16, OFF_NFLAG: tl.constexpr = 0, RID_NFLAG: tl.constexpr = 0,
-    # K1Config.deferred_epilogue (the parked tiles' region) and late_state_prefetch
-    PARK: tl.constexpr = False, OFF_PARK: tl.constexpr = 0, LATE_PRE: tl.constexpr = False,
 ):  # fmt: skip
     if PDL:
         pdl_prologue()
@@ -584,10 +520,8 @@ def k1_gdn_kernel(
     else:  # head, then block: blocks start SL_OFF apart (vk: VH rows of DK; kv: VH columns)
         _, h0, q0 = block_task(first, HV, DS)
         st0 = tl.where(ok0, s0, 0).to(tl.int64) * ss16 * 16 + h0 * (DV * DK) + q0 * SL_OFF
-    pre_ptrs = ssm_ptr + st0 + ln * EPL
-    pre_mask = ok0 & (ln < LINES) & ((STAGES & 2) != 0)
-    if (STAGES & 2) and not INTERP and not LATE_PRE:
-        prefetch_l2(pre_ptrs, pre_mask)
+    if (STAGES & 2) and not INTERP:
+        prefetch_l2(ssm_ptr + st0 + ln * EPL, ok0 & (ln < LINES))
     if DS == 1:  # the blocked norm loads its block's weights per task
         gw0 = tl.load(gnw_ptr + vh).to(tl.float32)
         gw1 = tl.load(gnw_ptr + (DVS - 1) * VH + vh).to(tl.float32)
@@ -603,8 +537,7 @@ def k1_gdn_kernel(
             INTERLEAVED, BB, BN, BK, FT, SPLIT, NU, TR, scratch_ptr + OFF_SPLIT, CH, NS, PRE, CONV,
             VD, PQ, PBA, RR,
             Q_QKVZ, Q_BA, INTERP, trace_ptr, TRACE, nflag_ptr, ctrl_ptr, health_ptr, NONCE,
-            RID_NFLAG, (scratch_ptr + OFF_PARK).to(tl.pointer_type(tl.float32)), PARK, pre_ptrs,
-            pre_mask, LATE_PRE,
+            RID_NFLAG,
         )  # fmt: skip
     stamp(trace_ptr, 2, TRACE)
     if DS == 1:

@@ -110,17 +110,6 @@ class K1Config:
     # their parts summed by the last unit to arrive, or in whole tiles of fewer rows
     # (``s1_units``)
     split_tail_tiles: bool = True
-    # GDN: every whole tile's epilogue (conv window, gates, hand-off) after the projection
-    # loop, its fp32 result parked in the ``s1_park`` region meanwhile. In the loop the conv
-    # window's loads at a tile's first chunk take a layout change right behind them, so the
-    # CTA stops for a memory round trip with only the stages already in flight; parked, the
-    # loop only streams, and the last unit of a split tail tile loads its window after the
-    # count
-    deferred_epilogue: bool = False
-    # GDN: L2-prefetch S2's first state tile after the input norm instead of before it: its
-    # address needs the step's slot, and the norm's loads would otherwise issue behind that
-    # load's round trip
-    late_state_prefetch: bool = False
 
     def norm_once_rows(self, kind: str) -> int:
         """``norm_once_above`` for a front of ``kind`` ("gdn" or "attn")."""
@@ -133,24 +122,17 @@ class K1Config:
 NORM_ONCE_ABOVE = {"gdn": BLOCK_B, "attn": 4}
 
 
-def _s1_region(regions: tuple, stages: tuple, name: str, words: int) -> tuple[tuple, tuple]:
-    """With ``words``: a scratch region ``name`` of the projection stage's own, which it
-    writes and no stage waits on. ``s1_split``: the tail tiles' K parts and arrival counters
-    (``s1_units``; the last unit of a tail tile to arrive, counted by an atomic, reads its
-    parts, the others never do). ``s1_park`` (``K1Config.deferred_epilogue``): each whole
-    tile's fp32 result, read back by the CTA that wrote it."""
+def _split_region(regions: tuple, stages: tuple, words: int) -> tuple[tuple, tuple]:
+    """With ``words``: the ``s1_split`` region (the tail tiles' K parts and arrival counters,
+    ``s1_units``), written by the projection stage. No stage waits on it: the last unit of a
+    tail tile to arrive, counted by an atomic, reads its parts; the others never do."""
     if not words:
         return regions, stages
     s1 = stages[0]
-    return (*regions, Region(name, words)), (
-        Stage(s1.name, [*s1.ops, write(name)]),
+    return (*regions, Region("s1_split", words)), (
+        Stage(s1.name, [*s1.ops, write("s1_split")]),
         *stages[1:],
     )
-
-
-def park_words(full_tiles: int, bn: int) -> int:
-    """Scratch words (int64) of the parked whole tiles: fp32 [tiles, BLOCK_B, bn]."""
-    return full_tiles * BLOCK_B * bn // 2
 
 
 def _norm_once(regions: tuple, stages: tuple, norm_once: bool) -> tuple[tuple, tuple]:
@@ -168,13 +150,12 @@ def _norm_once(regions: tuple, stages: tuple, norm_once: bool) -> tuple[tuple, t
 
 
 def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1, norm_once: bool = False,
-                   split: int = 0, park: int = 0) -> Program:  # fmt: skip
+                   split: int = 0) -> Program:  # fmt: skip
     """S1 writes the proj region; S2 waits on it (checked at build). Split recurrence
     (``dv_split`` > 1): S2 also writes each block's sum of o^2 (``osq``) and its o (``oraw``,
     read back by the same CTA), and the gated norm, a stage after it, waits on ``osq``.
-    ``norm_once`` (``K1Config.norm_once_above``): see :func:`_norm_once`; ``split`` / ``park``:
-    the words of the tail tiles' K parts (:func:`split_words`) / of the parked whole tiles
-    (:func:`park_words`), see :func:`_s1_region`."""
+    ``norm_once`` (``K1Config.norm_once_above``): see :func:`_norm_once`; ``split``: the words
+    of the tail tiles' K parts (:func:`split_words`), see :func:`_split_region`."""
     proj = Region("proj", BLOCK_B * shape.payload_words)
     s1 = Stage("in_proj_conv", [write("proj")])
     if dv_split == 1:
@@ -188,18 +169,14 @@ def k1_gdn_program(shape: K1GdnShape, dv_split: int = 1, norm_once: bool = False
             Stage("recurrence", [wait("proj"), write("osq"), write("oraw")]),
             Stage("gated_norm", [wait("osq")]),
         )
-    regions, stages = _s1_region(regions, stages, "s1_split", split)
-    regions, stages = _s1_region(regions, stages, "s1_park", park)
-    return Program("k1_gdn", *_norm_once(regions, stages, norm_once))
+    return Program("k1_gdn", *_norm_once(*_split_region(regions, stages, split), norm_once))
 
 
 def k1_attn_program(shape: K1AttnShape, norm_once: bool = False, split: int = 0) -> Program:
     words = BLOCK_B * (shape.hq + shape.hkv) * shape.head_dim
     regions = (Region("qk", words),)
     stages = (Stage("qkv_proj", [write("qk")]), Stage("norm_rope", [wait("qk")]))
-    return Program(
-        "k1_attn", *_norm_once(*_s1_region(regions, stages, "s1_split", split), norm_once)
-    )
+    return Program("k1_attn", *_norm_once(*_split_region(regions, stages, split), norm_once))
 
 
 def gdn_row_map(shape: K1GdnShape, packing: str) -> list[int]:

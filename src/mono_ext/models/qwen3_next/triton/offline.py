@@ -16,9 +16,6 @@ aligned), for the Qwen3-Next-80B-A3B shapes at TP1 on an H200 (132 CTAs). ``widt
 | k1 gdn dv-split-4     | the recurrence as 4 tasks per (row, head), the gated norm after it |
 | k1 gdn trace          | default with the trace stamps (``bench_k1.py --trace``)            |
 | k1 gdn norm-once      | each row normed once and handed to every CTA (norm_once_above 0)   |
-| k1 gdn stream-first   | tiles' epilogues after the projection loop (parked), the first     |
-|                       | state tile prefetched after the norm                               |
-| k1 gdn parked-whole-tails | parked epilogues with whole tail tiles (split_tail_tiles off)  |
 | k1 attn               | default                                                            |
 | k1 attn fp8_block128  | fp8 qkv_proj                                                       |
 | k1 attn trace         | the trace stamps, every CTA norming every row (norm_once_above 16: |
@@ -67,14 +64,6 @@ _BUILDS: dict[str, tuple[str, dict]] = {
     "k1 gdn dv-split-4": ("k1 gdn", {"config": {"dv_split": 4, "state_row_slices": 1}}),
     "k1 gdn trace": ("k1 gdn", {"config": {"trace": True}}),
     "k1 gdn norm-once": ("k1 gdn", {"config": {"norm_once_above": 0}}),
-    "k1 gdn stream-first": (
-        "k1 gdn",
-        {"config": {"deferred_epilogue": True, "late_state_prefetch": True}},
-    ),
-    "k1 gdn parked-whole-tails": (
-        "k1 gdn",
-        {"config": {"deferred_epilogue": True, "split_tail_tiles": False}},
-    ),
     "k1 attn": ("k1 attn", {}),
     "k1 attn fp8_block128": ("k1 attn", {"formats": {"qkv_proj": "fp8_block128"}}),
     "k1 attn trace": ("k1 attn", {"config": {"trace": True, "norm_once_above": 16}}),
