@@ -25,13 +25,12 @@ state); an arm that fails is reported and not timed. ``--results-csv`` writes on
 (kind, width, arm) with ``stock_over_arm`` = the fastest vLLM arm's time over the arm's, the
 stock to beat being vLLM's, never the torch chain.
 
-``--stream``: the attention front on the stream engine's deal (``k1_stream``: Gluon, or
-plain Triton with ``{"kernel": "triton"}``) as arm ``k1-stream``, in the same graph treatment
-on the same weights and rows, its q checked against K1's first (cosine >= 0.999);
-``--stream-configs`` (a JSON list of ``StreamConfig`` overrides) times each build as arm
-``k1-stream <overrides>``; with ``--trace``, at ``--trace-widths``, a traced twin of every
-build (the timed build has no stamps) puts its per-CTA points into ``--trace-json``
-(``stream_traces``; the plain-Triton program has no "first chunk").
+``--stream``: the attention front on the stream engine's deal (``k1_stream``, Gluon) as arm
+``k1-stream``, in the same graph treatment on the same weights and rows, its q checked against
+K1's first (cosine >= 0.999); ``--stream-configs`` (a JSON list of ``StreamConfig`` overrides)
+times each build as arm ``k1-stream <overrides>``; with ``--trace``, at ``--trace-widths``, a
+traced twin of every build (the timed build has no stamps) puts its per-CTA points into
+``--trace-json`` (``stream_traces``).
 
 ``--trace``: after the tables, each front's graph replayed once more with a trace build of the
 table config (``K1Config.trace``: %globaltimer per CTA at ``k1.TRACE_POINTS``: start, rows
@@ -565,16 +564,19 @@ def stream_attn_rows(arm, width, k1s, ws_list, hid, res, pos, k1_ref, copies, re
         print(f"  {arm}: below {STOCK_COSINE} against K1; not timed", flush=True)
         return []
 
-    def body(launch=k1s):
-        for i in range(copies):
+    def body(launch=k1s, layers=range(copies)):
+        for i in layers:
             launch.launch(hid, res, ws_list[i], pos, *outs, validate=i == 0)
 
     row = _timed_row("attn", width, arm, body, copies, reps, nbytes, bw_copy)
     if traced is not None:  # the last layer's launch of one more eager step
         from mono_ext.models.qwen3_next.triton.k1_stream_kernel import TRACE_POINTS
 
+        body(traced, range(copies - 1))
+        # which CTA writes a head's outputs (the last of its parts to arrive) differs from
+        # launch to launch: stamps of the earlier layers would stand for CTAs that wrote none
         traced.stamps.zero_()
-        body(traced)
+        body(traced, range(copies - 1, copies))
         torch.cuda.synchronize()
         stamps = traced.stamps.tolist()
         print("\n".join(format_points(trace_points(stamps, TRACE_POINTS))), flush=True)

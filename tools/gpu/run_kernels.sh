@@ -65,14 +65,14 @@
 #                                         with the bounded wait of $BASE_SRC and of this tree
 #                                         (writes $OUT/handoff_{base,new}.json), ~1 min
 #   bash tools/gpu/run_kernels.sh k1stream the attention front on the stream engine's deal
-#                                         (k1_stream: Gluon, and plain Triton): its tests, then
+#                                         (k1_stream, Gluon): its tests, then
 #                                         bench_k1's attention front with the k1-stream arm
 #                                         beside K1 (vLLM arms where vLLM imports),
 #                                         widths 1-16, each build of $STREAM_CONFIGS (a JSON
-#                                         list of StreamConfig overrides; default: the Gluon
-#                                         front, its options, 64 x 256 chunks, the plain-Triton
-#                                         deal at three chunk shapes and 4 stages), each
-#                                         traced by a twin at widths 1 and 16
+#                                         list of StreamConfig overrides; default:
+#                                         StreamConfig's defaults, a 2-slot ring, and
+#                                         64 x 256 chunks), each traced by a twin at
+#                                         widths 1 and 16
 #                                         (writes $OUT/k1_stream.csv, $OUT/k1_stream_trace.json,
 #                                         the K1 front's trace too), ~3 min; a launch that hangs
 #                                         is killed
@@ -212,13 +212,9 @@ k1stream)
   run k1_stream_tests timeout -s KILL 300 python3 -m pytest -q -p no:cacheprovider -s \
     tests/models/qwen3_next/triton/test_k1_stream.py \
     tests/models/qwen3_next/triton/test_k1_stream_fronts.py
-  # default: the Gluon front, its options together, its 64 x 256 chunks; the plain-Triton deal
-  # at 64 x 256 (K1's chunk), 32 x 256 and 128 x 128, and 64 x 256 with a fourth stage
-  defaults='[{}, {"defer_counts": true, "x_row_stores": true}, {"chunk_rows": 64, "k_chunk": 256},
-    {"kernel": "triton", "chunk_rows": 64, "k_chunk": 256},
-    {"kernel": "triton", "chunk_rows": 32, "k_chunk": 256, "stages": 4},
-    {"kernel": "triton", "chunk_rows": 128, "k_chunk": 128},
-    {"kernel": "triton", "chunk_rows": 64, "k_chunk": 256, "stages": 4}]'
+  # default: StreamConfig's defaults (3 ring slots of a head's rows x 64 columns), a 2-slot
+  # ring, and 64 x 256 chunks (K1's chunk)
+  defaults='[{}, {"stages": 2}, {"chunk_rows": 64, "k_chunk": 256}]'
   run k1_stream timeout -s KILL 400 python3 benchmarks/bench_k1.py --no-gdn --stream \
     --stream-configs "${STREAM_CONFIGS:-$defaults}" --widths 1,2,4,8,16 --trace \
     --trace-widths 1,16 --results-csv "$OUT/k1_stream.csv" \

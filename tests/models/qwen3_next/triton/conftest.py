@@ -15,8 +15,7 @@ from tests._support.markers import mark_folder
 from tests._support.triton_interpreter import patch_triton_interpreter
 
 HERE = Path(__file__).parent
-INTERPRETED = ("test_k1.py", "test_k1_stream_fronts.py", "test_k2_sync.py", "test_k2_tiny.py",
-               "test_k2_topk.py")  # fmt: skip
+INTERPRETED = ("test_k1.py", "test_k2_sync.py", "test_k2_tiny.py", "test_k2_topk.py")
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     patch_triton_interpreter()

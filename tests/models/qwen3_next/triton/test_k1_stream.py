@@ -7,6 +7,8 @@ the engine is built on (TMA copies, mbarrier waits, async wgmma, the loader's re
 reallocation, the parts' acquire-release count), nothing spilled, its SMEM as computed; the
 refusals, by name."""
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -25,8 +27,7 @@ from mono_ext.models.qwen3_next.triton.k1_stream import (  # noqa: E402
 )
 
 REAL = K1AttnShape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b"))))
-CONFIGS = [StreamConfig(), StreamConfig(stages=4), StreamConfig(norm_groups=8),
-           StreamConfig(defer_counts=True), StreamConfig(x_row_stores=True),
+CONFIGS = [StreamConfig(), StreamConfig(stages=4), StreamConfig(norm_groups=2),
            StreamConfig(chunk_rows=64, k_chunk=256), StreamConfig(chunk_rows=128, k_chunk=128)]  # fmt: skip
 
 
@@ -68,6 +69,8 @@ def test_deal_refuses_empty_sizes_and_ctas_without_a_chunk():
 
 
 def _compiled(config):
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        pytest.skip("offline sm_90a compiles need the compiler, not the interpreter")
     try:
         return K1AttnStreamLaunch(REAL, 132, config).compile_offline()
     except RuntimeError as exc:  # no ptxas for sm_90a in this wheel
@@ -77,8 +80,7 @@ def _compiled(config):
 @pytest.mark.parametrize(
     "config",
     CONFIGS,
-    ids=lambda c: f"cr{c.chunk_rows}bk{c.k_chunk}ns{c.stages}ng{c.norm_groups}"
-    f"{'defer' * c.defer_counts}{'xrow' * c.x_row_stores}",
+    ids=lambda c: f"cr{c.chunk_rows}bk{c.k_chunk}ns{c.stages}ng{c.norm_groups}",
 )
 def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     kernel = _compiled(config)
@@ -92,8 +94,8 @@ def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     res = resources(kernel)
     assert res.stack == 0 and res.spill_stores == res.spill_loads == 0
     want = K1AttnStreamLaunch(REAL, 132, config).smem_bytes()
-    # x_row_stores: the layout change's scratch, one column group of x^T (fp32 words at most)
-    scratch = REAL.hidden // config.norm_groups * 16 * 4 if config.x_row_stores else 0
+    # the norm's layout change takes scratch: one column group of x^T (fp32 words at most)
+    scratch = REAL.hidden // config.norm_groups * 16 * 4
     assert want <= res.shared <= want + scratch + 1024, (res.shared, want)
     assert res.shared <= SHARED_PER_BLOCK
 
@@ -112,12 +114,8 @@ def _shape(**over):
         (REAL, {"positions_dtype": "int16"}, "positions_dtype"),
         (_shape(hq=1, hkv=1, hidden=256), {"ctas": 132}, "132 CTAs for 16 chunks"),
         (REAL, {"config": StreamConfig(chunk_rows=32)}, "chunk_rows=32"),
-        (REAL, {"config": StreamConfig(kernel="triton", chunk_rows=8)}, "chunk_rows=8"),
-        (REAL, {"config": StreamConfig(kernel="cuda")}, "kernel='cuda'"),
-        (REAL, {"config": StreamConfig(num_warps=8)}, "num_warps=8"),
     ],
-    ids=["head_dim", "hidden", "smem", "positions", "ctas", "chunk_rows", "triton_rows",
-         "kernel", "warps"],  # fmt: skip
+    ids=["head_dim", "hidden", "smem", "positions", "ctas", "chunk_rows"],
 )
 def test_stream_front_refuses_what_it_cannot_tile(shape, kwargs, match):
     with pytest.raises(ValueError, match=match):

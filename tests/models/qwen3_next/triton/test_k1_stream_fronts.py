@@ -1,25 +1,20 @@
-"""K1's attention front on the stream engine's deal (``k1_stream``), both programs, against
-the fp32 reference: the Gluon one (``k1_stream_kernel``, sm_90 only) and the plain-Triton one
-(``StreamConfig(kernel="triton")``, ``k1_dealt_kernel``).
+"""K1's attention front on the stream engine's deal (``k1_stream``, the Gluon program
+``k1_stream_kernel``) against the fp32 reference, on an sm_90 device (elsewhere: skipped; the
+offline sm_90a build is ``test_k1_stream.py``'s).
 
-Every case: q, k, v, gate and residual_out at several widths (the first layer, without a
-residual, at width 2), outputs poisoned first, on grids that put tiles and heads in several
-parts; each row's outputs the same bits whatever else is in the step; on a CUDA device,
-CUDA-graph replay bit-identical to eager. Cases: the 80B-A3B shapes for every build option
-on a device that runs them (the Gluon builds on sm_90, 132 and 37 CTAs); the tiny configs
-with the plain-Triton program also in Triton's CPU interpreter (``TRITON_INTERPRET=1``),
-where the module otherwise skips them. Offline, on any machine: the plain-Triton program's
-sm_90a build (no spills, wgmma, the parts' acquire-release count).
+Every case: the 80B-A3B shapes, q, k, v, gate and residual_out at several widths (the first
+layer, without a residual, at width 2), outputs poisoned first, on grids that put tiles and
+heads in several parts; each row's outputs the same bits whatever else is in the step;
+CUDA-graph replay bit-identical to eager; a trace build's outputs bit-equal to the untraced
+build's, its stamps in program order.
 """
-
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
 
-from mono_ext.kernels.triton.offline import resources  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
 from mono_ext.models.qwen3_next.dims import Dims, text_config  # noqa: E402
 from mono_ext.models.qwen3_next.reference import attn_front, rel_l2  # noqa: E402
@@ -30,7 +25,6 @@ from mono_ext.models.qwen3_next.triton.k1_stream import (  # noqa: E402
     StreamConfig,
 )
 
-INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CUDA = torch.cuda.is_available()
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -38,70 +32,30 @@ NUM = Qwen3NextSpec.NUMERICS
 OUT_NAMES = ("q", "k", "v", "gate", "residual_out")
 REAL = "qwen3-next-80b-a3b"
 
+pytestmark = pytest.mark.skipif(not SM90, reason="the Gluon program needs an sm_90 device")
 
-def _triton(rows, k_chunk):
-    return StreamConfig(kernel="triton", chunk_rows=rows, k_chunk=k_chunk)
-
-
-# (preset, build, grids, where it runs)
+# (build, grids): heads of one tile (the default), four and two; chunks of 64 to 256 columns
 CASES = [
-    (REAL, StreamConfig(), (132, 37), SM90),
-    (REAL, StreamConfig(defer_counts=True, x_row_stores=True), (132,), SM90),
-    (REAL, StreamConfig(chunk_rows=64, k_chunk=256), (132,), SM90),
-    (REAL, StreamConfig(chunk_rows=128, k_chunk=128, defer_counts=True), (37,), SM90),
-    (REAL, _triton(64, 256), (132, 37), CUDA),
-    # heads of two tiles, K in two or three chunks (qwen3-next-tiny-b's hidden is 96)
-    ("qwen3.5-moe-tiny", _triton(16, 32), (5, 3), CUDA or INTERP),
-    ("qwen3-next-tiny-b", _triton(32, 32), (5, 3), CUDA or INTERP),
+    (StreamConfig(), (132, 37)),
+    (StreamConfig(chunk_rows=64, k_chunk=256), (132, 37)),
+    (StreamConfig(chunk_rows=128, k_chunk=128), (37,)),
 ]
-WIDTHS = list(range(1, 17)) if CUDA else [1, 2, 3, 16]
-
-
-def _id(case):
-    preset, c, grids, _ = case
-    opts = "-defer" * c.defer_counts + "-xrow" * c.x_row_stores
-    return f"{preset}-{c.kernel}-cr{c.chunk_rows}bk{c.k_chunk}{opts}"
+WIDTHS = list(range(1, 17))
 
 
 def _cases():
-    return [
-        pytest.param(c, id=_id(c), marks=pytest.mark.skipif(not c[3], reason="not runnable here"))
-        for c in CASES
-    ]
+    return [pytest.param(c, id=f"cr{c[0].chunk_rows}bk{c[0].k_chunk}") for c in CASES]
 
 
-def _dims(preset):
-    return Dims.from_config(text_config(get_preset(preset)))
+def _dims():
+    return Dims.from_config(text_config(get_preset(REAL)))
 
 
-def _launch(preset, config, ctas):
-    shape = K1AttnShape.from_dims(_dims(preset))
-    k1 = K1AttnStreamLaunch(shape, ctas, config, max_positions=4096)
+def _launch(config, ctas, trace=False):
+    k1 = K1AttnStreamLaunch(K1AttnShape.from_dims(_dims()), ctas, config, max_positions=4096,
+                            trace=trace)  # fmt: skip
     k1.build(DEV)
     return k1
-
-
-def test_dealt_front_compiles_for_sm90a():
-    """The plain-Triton deal, and its trace build: the stamps (four points, the head's in the
-    count loop) leave the pipelined loop's buffers as they are."""
-    if INTERP:
-        pytest.skip("the interpreter replaces the compiler")
-    shape = K1AttnShape.from_dims(_dims(REAL))
-    try:
-        kernel, traced = (
-            K1AttnStreamLaunch(shape, 132, _triton(64, 256), trace=t).compile_offline()
-            for t in (False, True)
-        )
-    except RuntimeError as exc:  # no ptxas for sm_90a in this wheel
-        pytest.skip(f"cannot compile for sm_90a here: {exc}")
-    res = resources(kernel)
-    assert res.stack == 0 and res.spill_stores == res.spill_loads == 0
-    assert "wgmma.mma_async" in kernel.asm["ptx"]
-    assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]
-    assert "%globaltimer" not in kernel.asm["ptx"]
-    assert traced.asm["ptx"].count("%globaltimer") == 4
-    tres = resources(traced)
-    assert tres.shared == res.shared and tres.stack == 0 and tres.spill_stores == 0
 
 
 def _weights(md, gen):
@@ -150,12 +104,12 @@ def _assert_close(name, got, ref, metric):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _cases())
 def test_stream_front_matches_the_reference(case):
-    preset, config, grids, _ = case
-    md = _dims(preset)
+    config, grids = case
+    md = _dims()
     gen = torch.Generator(device=DEV).manual_seed(21)
     w = _weights(md, gen)
     for ctas in grids:
-        k1 = _launch(preset, config, ctas)
+        k1 = _launch(config, ctas)
         for width in WIDTHS:
             hid, res, pos = _inputs(md, gen, width, residual=width != 2)
             q, k, v, gate, r_out = _run(k1, md, w, hid, res, pos)
@@ -170,10 +124,10 @@ def test_stream_front_matches_the_reference(case):
 
 def _built(case, seed):
     """The case's build on its first grid, its dims, fresh weights and the generator."""
-    preset, config, grids, _ = case
-    md = _dims(preset)
+    config, grids = case
+    md = _dims()
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    return _launch(preset, config, grids[0]), md, _weights(md, gen), gen
+    return _launch(config, grids[0]), md, _weights(md, gen), gen
 
 
 @pytest.mark.gpu
@@ -189,7 +143,7 @@ def test_stream_front_rows_do_not_depend_on_the_step(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in _cases() if c.values[0][0] == REAL])
+@pytest.mark.parametrize("case", _cases())
 def test_stream_front_graph_replay_is_bit_identical_to_eager(case):
     k1, md, w, gen = _built(case, 23)
     hid, res, pos = _inputs(md, gen, 5)
@@ -208,28 +162,17 @@ def test_stream_front_graph_replay_is_bit_identical_to_eager(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "config",
-    [
-        pytest.param(StreamConfig(), id="gluon",
-                     marks=pytest.mark.skipif(not SM90, reason="needs an sm_90 device")),
-        pytest.param(StreamConfig(kernel="triton", chunk_rows=64, k_chunk=256), id="triton",
-                     marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device")),
-    ],
-)  # fmt: skip
-def test_trace_build_gives_the_same_bits_and_ordered_stamps(config):
+def test_trace_build_gives_the_same_bits_and_ordered_stamps():
     """``trace`` (bench_k1.py --stream --trace): the outputs bit-equal to the untraced
-    build's, and each CTA's stamps in program order (start, rows normed, first chunk (Gluon
-    only: plain Triton leaves it 0), stream done; a head written after its CTA's stream)."""
-    md = _dims(REAL)
+    build's, and each CTA's stamps in program order (start, rows normed, first chunk, stream
+    done; a head written after its CTA's stream)."""
+    md = _dims()
     gen = torch.Generator(device=DEV).manual_seed(24)
     w = _weights(md, gen)
     hid, res, pos = _inputs(md, gen, 3)
-    shape = K1AttnShape.from_dims(md)
     got = {}
     for traced in (False, True):
-        k1 = K1AttnStreamLaunch(shape, 132, config, max_positions=4096, trace=traced)
-        k1.build(DEV)
+        k1 = _launch(StreamConfig(), 132, trace=traced)
         k1.stamps.zero_()
         got[traced] = _run(k1, md, w, hid, res, pos)
         torch.cuda.synchronize()
@@ -238,9 +181,6 @@ def test_trace_build_gives_the_same_bits_and_ordered_stamps(config):
     stamps = k1.stamps.tolist()
     for cta, row in enumerate(stamps):
         start, normed, first, done, head = row[:5]
-        if config.kernel == "triton":
-            assert first == 0, (cta, row[:5])
-            first = normed
         assert 0 < start <= normed <= first <= done, (cta, row[:5])
         assert head == 0 or head >= done, (cta, row[:5])
     # every head is written by one CTA, which may write several

@@ -12,7 +12,6 @@ Hopper (sm_90), on the generic device code of ``kernels/triton``.
 | ``k1_words``  | K1's device code: tagged-word hand-offs and L2 prefetch                   |
 | ``k1_stream`` | the attention front on the stream engine's deal: host side (not served)   |
 | ``k1_stream_kernel`` | its Gluon program (loader warp, TMA ring, wgmma consumer)          |
-| ``k1_dealt_kernel``  | its plain-Triton program (the same deal, Triton's own pipeline)    |
 | ``k2``        | K2, the layer tail: hand-off program, shapes, launches, contract          |
 | ``k2_config`` | K2's build configuration and the measurements behind its defaults         |
 | ``k2_kernel`` | K2's device code: the kernel and its stage bits                           |

@@ -80,7 +80,6 @@ _MODEL_SOURCES = (
     "k1_words.py",
     "k1_stream.py",
     "k1_stream_kernel.py",
-    "k1_dealt_kernel.py",
     "k2.py",
     "k2_config.py",
     "k2_kernel.py",

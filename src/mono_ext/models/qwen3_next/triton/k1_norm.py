@@ -1,6 +1,6 @@
-"""K1's input RMSNorm (both fronts, and the attention front's plain-Triton deal): each CTA
-norms the step's rows into its own dot operand, or, for steps wider than ``NONCE`` rows, each
-row is normed once by one CTA and handed to every CTA behind a flag word carrying its rsqrt
+"""K1's input RMSNorm (both fronts, GDN and attention): each CTA norms the step's rows into
+its own dot operand, or, for steps wider than ``NONCE`` rows, each row is normed once by one
+CTA and handed to every CTA behind a flag word carrying its rsqrt
 (``K1Config.norm_once_above``). Both are the same code on the same values, so the same bits.
 The operand is ``bf16(s * (1 + w))``; the rows' rsqrt scales each tile's accumulator at its
 end (``k1_kernel``'s module doc).

@@ -1,54 +1,40 @@
 """K1's attention front on the stream engine's deal: host side (checks, build, launch).
 
-Two device programs take the same deal of the weight chunks to CTAs
-(``kernels.triton.stream_schedule.ChunkDeal``) and the same parts and counters:
-``StreamConfig.kernel`` "gluon" (``k1_stream_kernel.py``: a loader warp and a TMA ring) or
-"triton" (``k1_dealt_kernel.py``: Triton's own software pipeline). The launch takes the same
-tensors as :class:`mono_ext.models.qwen3_next.triton.k1.K1AttnLaunch` and writes the same
-outputs, with bf16 ``qkv_proj`` planes; what it refuses, it names.
+The device program (``k1_stream_kernel.py``, Gluon, sm_90) streams each CTA's share of the
+weight chunks (``kernels.triton.stream_schedule.ChunkDeal``) through a loader warp's TMA ring
+into one consumer warpgroup's wgmma. The launch takes the same tensors as
+:class:`mono_ext.models.qwen3_next.triton.k1.K1AttnLaunch` and writes the same outputs, with
+bf16 ``qkv_proj`` planes; what it refuses, it names.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from mono_ext.kernels.triton.limits import BLOCK_B, SHARED_PER_BLOCK, next_pow2
+from mono_ext.kernels.triton.limits import BLOCK_B, SHARED_PER_BLOCK
 from mono_ext.kernels.triton.stream_schedule import ChunkDeal
 from mono_ext.models.qwen3_next.triton.k1_plan import K1AttnShape, rope_table
 
 __all__ = ["K1AttnStreamLaunch", "StreamConfig"]
 
-# the largest box a TMA copy takes per dimension: a Gluon chunk is one box tall
+# the largest box a TMA copy takes per dimension: a chunk is one box tall
 TMA_BOX_MAX = 256
-
-
-KERNELS = ("gluon", "triton")
+# the launch's warps besides the loader's: one consumer warpgroup, wgmma's unit
+NUM_WARPS = 4
 
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """How the launch streams (one build per config). ``stages``: ring slots ("gluon") or
-    software-pipeline stages ("triton"); ``norm_groups``, ``loader_regs``, ``defer_counts``
-    and ``x_row_stores`` are the Gluon program's (the Triton one always counts after its
-    loop, and norms in ``norm_chunk`` columns)."""
+    """How the launch streams (one build per config): the chunk shape, the ring's depth, the
+    input norm's column groups and the loader warp's registers."""
 
-    kernel: str = "gluon"
     k_chunk: int = 64  # columns per chunk (a TMA copy is at most 64: one 128-byte row)
     chunk_rows: int | None = None  # rows per chunk and tile; None: a head's (head_dim)
     stages: int = 3  # ring slots
     norm_groups: int = 4  # the input norm's column groups (registers against round trips)
     loader_regs: int = 40  # registers the loader warp keeps after reallocation
-    defer_counts: bool = False  # count the parts in after the stream, not as each one ends
-    x_row_stores: bool = False  # x^T stored a row (16 values) per vector, after a layout change
-    norm_chunk: int = 512  # "triton": H columns per step of the input norm
-    num_warps: int | None = None  # None: 4 (one consumer warpgroup) for "gluon", 8 for "triton"
-
-    @property
-    def warps(self) -> int:
-        return self.num_warps or (4 if self.kernel == "gluon" else 8)
 
 
 @dataclass
@@ -70,7 +56,6 @@ class K1AttnStreamLaunch:
     parts: Any = field(init=False, default=None)
     count: Any = field(init=False, default=None)
     stamps: Any = field(init=False, default=None)
-    xs: Any = field(init=False, default=None)  # "triton": each CTA's normed rows
     _descs: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,39 +79,30 @@ class K1AttnStreamLaunch:
         s, c = self.shape, self.config
         bad = list(s.refusals())
         d = s.head_dim
-        gluon = c.kernel == "gluon"
-        least = 64 if gluon else 16  # wgmma's M per warpgroup; tl.dot's smallest M
-        if d & (d - 1) or d < least:
-            bad.append(f"head_dim={d}: heads of whole tiles need a power of two >= {least}")
+        if d & (d - 1) or d < 64:  # wgmma's M per warpgroup
+            bad.append(f"head_dim={d}: heads of whole tiles need a power of two >= 64")
         cr = c.chunk_rows or d
-        if c.kernel not in KERNELS:
-            bad.append(f"kernel={c.kernel!r}: one of {KERNELS}")
-        elif gluon and (cr not in (64, 128, 256) or d % cr):
+        if cr not in (64, 128, 256) or d % cr:
             bad.append(
                 f"chunk_rows={cr}: a tile is 64, 128 or {TMA_BOX_MAX} rows (wgmma M, TMA box) "
                 f"dividing head_dim {d}"
             )
-        elif not gluon and (cr & (cr - 1) or cr < 16 or d % cr):
-            bad.append(f"chunk_rows={cr}: a power of two >= 16 dividing head_dim {d}")
         if c.k_chunk & (c.k_chunk - 1) or c.k_chunk < 16:
             bad.append(f"k_chunk={c.k_chunk}: a power of two >= 16")
-        groups = c.norm_groups if gluon else 1
-        if s.hidden % (c.k_chunk * groups):
+        if s.hidden % (c.k_chunk * c.norm_groups):
             bad.append(
-                f"hidden={s.hidden} is not a multiple of k_chunk {c.k_chunk}"
-                + (f" x norm_groups {groups}" if gluon else "")
+                f"hidden={s.hidden} is not a multiple of k_chunk {c.k_chunk} x norm_groups "
+                f"{c.norm_groups}"
             )
         if self.positions_dtype not in ("int32", "int64"):
             bad.append(f"positions_dtype={self.positions_dtype}: int32 or int64")
-        if gluon and c.warps != 4:
-            bad.append(f"num_warps={c.warps}: the Gluon program's consumer is one warpgroup (4)")
-        if gluon and self.smem_bytes() > SHARED_PER_BLOCK:
+        if self.smem_bytes() > SHARED_PER_BLOCK:
             bad.append(f"needs {self.smem_bytes()} B of SMEM, over {SHARED_PER_BLOCK}")
         return bad
 
     def smem_bytes(self) -> int:
-        """The Gluon program's ring and resident x^T (barriers and alignment are a few hundred
-        more)."""
+        """The ring and the resident x^T. The compiler adds the barriers and the input norm's
+        layout-change scratch (its own choice, at most one column group of x^T in fp32)."""
         s, c = self.shape, self.config
         return c.stages * self.chunk_rows * c.k_chunk * 2 + s.hidden * BLOCK_B * 2
 
@@ -134,7 +110,7 @@ class K1AttnStreamLaunch:
         s, c = self.shape, self.config
         return (
             f"k1 attn stream h{s.hidden} hq{s.hq} hkv{s.hkv} d{s.head_dim} rd{s.rotary_dim} "
-            f"{c.kernel} ctas{self.ctas} cr{self.chunk_rows} bk{c.k_chunk} ns{c.stages} "
+            f"ctas{self.ctas} cr{self.chunk_rows} bk{c.k_chunk} ns{c.stages} "
             f"ng{c.norm_groups}"
         )
 
@@ -153,9 +129,6 @@ class K1AttnStreamLaunch:
         )
         self.count = torch.zeros(self.heads, dtype=torch.int32, device=dev)
         self.stamps = torch.zeros(self.ctas, 16, dtype=torch.int64, device=dev)
-        if self.config.kernel == "triton":
-            self.xs = torch.empty(self.ctas * BLOCK_B * s.hidden, dtype=torch.bfloat16,
-                                  device=dev)  # fmt: skip
         bf = torch.bfloat16
         qd, kvd = s.hq * s.head_dim, s.hkv * s.head_dim
         one = torch.zeros(1, s.hidden, dtype=bf, device=dev)
@@ -226,29 +199,19 @@ class K1AttnStreamLaunch:
     @functools.cached_property
     def constexprs(self) -> dict:
         """The build's constexprs, made once: a launch passes them as they are."""
-        s, c = self.shape, self.config
-        common = dict(
-            H=s.hidden, HQ=s.hq, HKV=s.hkv, D=s.head_dim, RD=s.rotary_dim, BB=BLOCK_B,
-            BK=c.k_chunk, NS=c.stages, MAXP=self.deal.max_parts,
-        )  # fmt: skip
-        if c.kernel == "triton":
-            interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-            # the interpreter has no %globaltimer: a trace build stamps nothing there
-            return dict(common, BN=self.chunk_rows, CH=min(c.norm_chunk, next_pow2(s.hidden)),
-                        INTERP=interp, TRACE=self.trace and not interp)  # fmt: skip
         from triton.experimental.gluon import language as gl
 
+        s, c = self.shape, self.config
         return dict(
-            common, NG=c.norm_groups,
+            H=s.hidden, HQ=s.hq, HKV=s.hkv, D=s.head_dim, RD=s.rotary_dim, BB=BLOCK_B,
+            BK=c.k_chunk, NS=c.stages, MAXP=self.deal.max_parts, NG=c.norm_groups,
             X_LAYOUT=gl.NVMMASharedLayout.get_default_for([c.k_chunk, BLOCK_B], gl.bfloat16),
-            LOADER_REGS=c.loader_regs, XB=c.x_row_stores, DEFER=c.defer_counts, TRACE=self.trace,
+            LOADER_REGS=c.loader_regs, TRACE=self.trace,
         )  # fmt: skip
 
     def compile_offline(self, arch: int = 90) -> Any:
         """The kernel compiled for ``arch`` without a device, specialised as a launch is
         (16-byte aligned pointers; the per-step integers not specialised)."""
-        if self.config.kernel == "triton":
-            return self._compile_offline_triton(arch)
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.experimental.gluon import language as gl
@@ -277,45 +240,21 @@ class K1AttnStreamLaunch:
             constexprs=cx,
             attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
         )
-        options = {"num_warps": self.config.warps}
+        options = {"num_warps": NUM_WARPS}
         return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-
-    def _compile_offline_triton(self, arch: int) -> Any:
-        import torch
-
-        from mono_ext.kernels.triton.offline import compile_offline
-        from mono_ext.models.qwen3_next.triton.k1_dealt_kernel import k1_attn_dealt_kernel
-
-        bf, f32 = torch.empty(16, dtype=torch.bfloat16), torch.empty(4, dtype=torch.float32)
-        pos = torch.empty(4, dtype=getattr(torch, self.positions_dtype))
-        i32 = torch.empty(4, dtype=torch.int32)
-        i64 = torch.empty(4, dtype=torch.int64)
-        args = (bf, bf, bf, bf, bf, bf, bf, f32, pos, bf, bf, bf, bf, bf, f32, i32, i64, 3, 1,
-                8192, 1e-6)  # fmt: skip
-        cx = dict(self.constexprs, INTERP=False, num_warps=self.config.warps)
-        return compile_offline(k1_attn_dealt_kernel, args, cx, arch)
 
     def launch(self, hidden, residual, weights, positions, q, k, v, gate, residual_out, *,
                validate: bool = True) -> None:  # fmt: skip
         n = hidden.shape[0]
         if validate:
             n = self.check(hidden, residual, weights, positions, q, k, v, gate, residual_out)
-        c = self.config
         head = (hidden, hidden if residual is None else residual, residual_out,
                 weights["input_layernorm"])  # fmt: skip
         tail = (n, int(residual is not None), self.max_positions, float(self.shape.eps))
         outs = (weights["q_norm"], weights["k_norm"], self.rope, positions, q, k, v, gate)
-        if c.kernel == "triton":
-            from mono_ext.models.qwen3_next.triton.k1_dealt_kernel import k1_attn_dealt_kernel
-
-            k1_attn_dealt_kernel[(self.ctas,)](
-                *head, weights["qkv_proj"], *outs, self.xs, self.parts, self.count,
-                self.stamps, *tail, num_warps=c.warps, **self.constexprs,
-            )  # fmt: skip
-            return
         from mono_ext.models.qwen3_next.triton.k1_stream_kernel import k1_attn_stream_kernel
 
         k1_attn_stream_kernel[(self.ctas,)](
             *head, self._desc(weights["qkv_proj"]), *outs, self.parts, self.count, self.stamps,
-            *tail, num_warps=c.warps, **self.constexprs,
+            *tail, num_warps=NUM_WARPS, **self.constexprs,
         )  # fmt: skip

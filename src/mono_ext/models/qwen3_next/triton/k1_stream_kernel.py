@@ -9,11 +9,12 @@ One persistent launch per layer per decode step of at most ``BB`` (16) rows, one
   add, Gemma RMSNorm's ``s * (1 + w)``; the rows' ``rsqrt`` scales each tile at its end, since
   ``W (s (1 + w)) rsqrt`` is ``W x_normed``), then runs one async wgmma per chunk;
 - a chunk is ``CR`` rows (a tile) by ``BK`` columns; a head (``D`` rows of q, gate, k or v)
-  is ``D / CR`` tiles. Each CTA that streamed some of a tile's chunks stores its part; the
-  last of a head's parts to arrive (``stream.count_in`` on the head's counter) sums every
-  tile's parts in part order and writes the head's outputs, the q/k Gemma norm and the
-  partial RoPE included, since no other head is needed. Nothing in the launch waits on
-  another CTA.
+  is ``D / CR`` tiles. Each CTA that streamed some of a tile's chunks stores its part as the
+  part ends, and counts its parts in (``stream.count_in`` on the head's counter) only after
+  its last chunk, so no count or head output holds up the ring; the last of a head's parts
+  to arrive sums every tile's parts in part order and writes the head's outputs, the q/k
+  Gemma norm and the partial RoPE included, since no other head is needed. Nothing in the
+  launch waits on another CTA.
 
 Tensor contract (``B`` = rows of the step, at most ``BB``; ``NH = 2 HQ + 2 HKV`` heads of
 ``TPH = D / CR`` tiles each, ``T = NH * TPH``):
@@ -56,21 +57,19 @@ __all__ = ["TRACE_POINTS", "k1_attn_stream_kernel"]
 
 #: what a trace build stamps, by word of the CTA's 16: the consumer's start, x^T written, its
 #: first chunk arrived, its last chunk multiplied, its last head written (CTAs that finish a
-#: head). The plain-Triton program (``k1_dealt_kernel``) stamps the same words but the first
-#: chunk
+#: head).
 TRACE_POINTS = ("start", "rows normed", "first chunk", "stream done", "last head out")
 
 
 @gluon.jit
 def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, eps,
-                H: gl.constexpr, BB: gl.constexpr, NG: gl.constexpr,
-                XB: gl.constexpr):  # fmt: skip
+                H: gl.constexpr, BB: gl.constexpr, NG: gl.constexpr):  # fmt: skip
     """``x^T`` [H, BB] = bf16((hid + res) * (1 + nw)) into ``xs`` (rows past ``n_rows``:
     zeros); CTA 0 writes ``hid + res`` to ``rout``. Returns each row's ``rsqrt(mean(s^2) +
     eps)`` [BB]. ``NG`` groups of ``H / NG`` columns: each group's loads are all in flight
-    before its math, and a group's registers bound the consumer's. ``XB``: the values move to
-    a layout of 8 rows per thread before the SMEM store (vector stores along x^T's rows,
-    where the load layout's 8 columns per thread are 8 scalar stores)."""
+    before its math, and a group's registers bound the consumer's. Each group's values move
+    to a layout of 8 rows per thread before the SMEM store: one vector store per 8 values
+    along x^T's rows, where the load layout's 8 columns per thread are 8 scalar stores."""
     GK: gl.constexpr = H // NG
     nl: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4], order=[0, 1]
@@ -92,8 +91,8 @@ def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, ep
         sq += gl.sum(s * s, axis=0)
         gl.store(rout_ptr + off, s.to(gl.bfloat16), mask=m & (pid == 0))
         x = (s * (1.0 + w[:, None])).to(gl.bfloat16)
-        if XB:  # a row of x^T (16 rows' values at one column) per 16-byte store
-            x = gl.convert_layout(x, xl)
+        # a row of x^T (16 rows' values at one column) per 16-byte store
+        x = gl.convert_layout(x, xl)
         xs.slice(g * GK, GK).store(x)
     return gl.rsqrt(sq / H + eps)
 
@@ -187,8 +186,7 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
                    count_ptr, n_rows, has_res, max_pos, eps, H: gl.constexpr, HQ: gl.constexpr,
                    HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr,
                    BK: gl.constexpr, CR: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr,
-                   NG: gl.constexpr, XB: gl.constexpr, DEFER: gl.constexpr, trace_ptr,
-                   TRACE: gl.constexpr):  # fmt: skip
+                   NG: gl.constexpr, trace_ptr, TRACE: gl.constexpr):  # fmt: skip
     KT: gl.constexpr = H // BK
     TPH: gl.constexpr = D // CR  # tiles per head
     C: gl.constexpr = (2 * HQ + 2 * HKV) * TPH * KT
@@ -198,7 +196,7 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
     # the swizzle repeating within every chunk
     x2 = xs._reinterpret(gl.bfloat16, [H, BB], xs.layout)
     rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, x2, pid, n_rows, has_res, eps, H, BB,
-                       NG, XB)  # fmt: skip
+                       NG)  # fmt: skip
     fence_async_shared()  # x^T's generic-proxy stores, before the wgmma reads them
     gl.thread_barrier()
     stamp(trace_ptr, 1, TRACE)
@@ -230,19 +228,13 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
             if TRACE:  # noqa: SIM102 (a constexpr branch, then a runtime one)
                 if c == c1 - 1:
                     stamp(trace_ptr, 3, TRACE)
-            if not DEFER:  # noqa: SIM102 (a constexpr branch, then a runtime one)
-                if count_in(count_ptr + t // TPH, _head_part_count(t // TPH, G, C, KT, TPH)):
-                    _head_outputs(t // TPH, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr,
-                                  pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps,
-                                  HQ, HKV, D, RD, BB, C, KT, TPH, CR, MAXP)  # fmt: skip
-                    stamp(trace_ptr, 4, TRACE)
-    if DEFER:  # the parts' counts after the stream: a tile ending mid-range stops no load
-        for t in range(c0 // KT, (c1 - 1) // KT + 1):
-            if count_in(count_ptr + t // TPH, _head_part_count(t // TPH, G, C, KT, TPH)):
-                _head_outputs(t // TPH, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr,
-                              q_ptr, k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps, HQ, HKV, D,
-                              RD, BB, C, KT, TPH, CR, MAXP)  # fmt: skip
-                stamp(trace_ptr, 4, TRACE)
+    # the parts' counts after the stream: a tile ending mid-range stops no load
+    for t in range(c0 // KT, (c1 - 1) // KT + 1):
+        if count_in(count_ptr + t // TPH, _head_part_count(t // TPH, G, C, KT, TPH)):
+            _head_outputs(t // TPH, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr,
+                          k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps, HQ, HKV, D, RD, BB, C,
+                          KT, TPH, CR, MAXP)  # fmt: skip
+            stamp(trace_ptr, 4, TRACE)
 
 
 @gluon.jit(do_not_specialize=["n_rows", "has_res", "max_pos"])
@@ -251,8 +243,7 @@ def k1_attn_stream_kernel(
     v_ptr, gate_ptr, parts_ptr, count_ptr, trace_ptr, n_rows, has_res, max_pos, eps,
     H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr,
     BB: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr, NG: gl.constexpr,
-    X_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr, XB: gl.constexpr, DEFER: gl.constexpr,
-    TRACE: gl.constexpr = False,
+    X_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr, TRACE: gl.constexpr = False,
 ):  # fmt: skip
     pid = gl.program_id(0)
     G = gl.num_programs(0)
@@ -274,7 +265,7 @@ def k1_attn_stream_kernel(
                 (ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
                  qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
                  count_ptr, n_rows, has_res, max_pos, eps, H, HQ, HKV, D, RD, BB, BK, CR, NS,
-                 MAXP, NG, XB, DEFER, trace_ptr, TRACE),
+                 MAXP, NG, trace_ptr, TRACE),
             ),  # fmt: skip
             (range_loader, (w_desc, ring, ready, empty, c0, c1, KT, NS)),
         ],
