@@ -5,7 +5,9 @@
 - :func:`range_loader`: the producer partition. One warp issues a TMA copy for every chunk of
   the CTA's range into an SMEM ring, waiting only for a free slot, never for data: HBM sees
   the CTA's next bytes requested while the consumer normalises, multiplies or finishes
-  earlier tiles.
+  earlier tiles. Optionally it holds the copies after the first ``HOLD`` chunks until the
+  consumer's ``gate``: a full ring requested at the start puts the consumer's own loads
+  (the rows it norms) behind the ring's bytes.
 - :func:`count_in`: a finished part's arrival on its tile's counter. The last part to arrive
   gets ``True`` (and resets the counter for the next launch); nobody waits, so a launch with
   parts cannot deadlock whatever the grid's residency.
@@ -58,14 +60,19 @@ def stamp(trace_ptr, point: gl.constexpr, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def range_loader(w_desc, ring, ready, empty, c0, c1, KT: gl.constexpr, NS: gl.constexpr):
+def range_loader(w_desc, ring, ready, empty, gate, c0, c1, KT: gl.constexpr, NS: gl.constexpr,
+                 HOLD: gl.constexpr = -1):  # fmt: skip
     """Producer partition: chunks ``c0 .. c1 - 1`` of the plane behind ``w_desc`` (chunk
-    ``c`` = tile ``c // KT``, K chunk ``c % KT``; the descriptor's block is one chunk)."""
+    ``c`` = tile ``c // KT``, K chunk ``c % KT``; the descriptor's block is one chunk).
+    ``HOLD`` >= 0: after the range's first ``HOLD`` chunks, wait for ``gate``'s first phase
+    (one consumer arrival) before the next copy; -1: never wait on ``gate``."""
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = w_desc.block_type.shape[1]
     for c in range(c0, c1):
         i = c - c0
         s = i % NS
+        if HOLD >= 0:  # predicated, not branched: one copy of the loop body
+            mbarrier.wait(gate, 0, pred=i == HOLD)
         mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
         mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(

@@ -28,7 +28,8 @@ from mono_ext.models.qwen3_next.triton.k1_stream import (  # noqa: E402
 
 REAL = K1AttnShape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b"))))
 CONFIGS = [StreamConfig(), StreamConfig(stages=4), StreamConfig(norm_groups=2),
-           StreamConfig(chunk_rows=64, k_chunk=256), StreamConfig(chunk_rows=128, k_chunk=128)]  # fmt: skip
+           StreamConfig(chunk_rows=64, k_chunk=256), StreamConfig(chunk_rows=128, k_chunk=128),
+           StreamConfig(chunks_before_norm=1)]  # fmt: skip
 
 
 # ------------------------------------------------------------------------- the chunk deal
@@ -80,7 +81,8 @@ def _compiled(config):
 @pytest.mark.parametrize(
     "config",
     CONFIGS,
-    ids=lambda c: f"cr{c.chunk_rows}bk{c.k_chunk}ns{c.stages}ng{c.norm_groups}",
+    ids=lambda c: f"cr{c.chunk_rows}bk{c.k_chunk}ns{c.stages}ng{c.norm_groups}"
+    f"hold{c.chunks_before_norm}",
 )
 def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     kernel = _compiled(config)
@@ -100,6 +102,15 @@ def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     assert res.shared <= SHARED_PER_BLOCK
 
 
+def test_a_held_loader_waits_once_on_the_rows_and_the_consumer_releases_it():
+    """``chunks_before_norm``: the loader's one wait on the gate and the consumer's one
+    arrival on it are the build's only additions to the default's barrier traffic."""
+    base, held = (_compiled(StreamConfig(chunks_before_norm=h)).asm["ptx"] for h in (None, 1))
+    for op in ("mbarrier.try_wait", "mbarrier.arrive"):
+        assert held.count(op) > base.count(op), op
+    assert held.count("mbarrier.init") == base.count("mbarrier.init") + 1
+
+
 def _shape(**over):
     base = dict(hidden=2048, hq=4, hkv=2, head_dim=128, rotary_dim=32, rope_theta=1e4, eps=1e-6)
     return K1AttnShape(**{**base, **over})
@@ -114,8 +125,10 @@ def _shape(**over):
         (REAL, {"positions_dtype": "int16"}, "positions_dtype"),
         (_shape(hq=1, hkv=1, hidden=256), {"ctas": 132}, "132 CTAs for 16 chunks"),
         (REAL, {"config": StreamConfig(chunk_rows=32)}, "chunk_rows=32"),
+        (REAL, {"config": StreamConfig(chunks_before_norm=4)}, "chunks_before_norm=4"),
+        (REAL, {"config": StreamConfig(chunks_before_norm=-1)}, "chunks_before_norm=-1"),
     ],
-    ids=["head_dim", "hidden", "smem", "positions", "ctas", "chunk_rows"],
+    ids=["head_dim", "hidden", "smem", "positions", "ctas", "chunk_rows", "hold", "hold_neg"],
 )
 def test_stream_front_refuses_what_it_cannot_tile(shape, kwargs, match):
     with pytest.raises(ValueError, match=match):

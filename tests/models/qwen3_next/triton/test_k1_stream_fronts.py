@@ -34,17 +34,23 @@ REAL = "qwen3-next-80b-a3b"
 
 pytestmark = pytest.mark.skipif(not SM90, reason="the Gluon program needs an sm_90 device")
 
-# (build, grids): heads of one tile (the default), four and two; chunks of 64 to 256 columns
+# (build, grids): heads of one tile (the default), four and two; chunks of 64 to 256 columns;
+# the loader held after one chunk and after none until the rows are normed
 CASES = [
     (StreamConfig(), (132, 37)),
     (StreamConfig(chunk_rows=64, k_chunk=256), (132, 37)),
     (StreamConfig(chunk_rows=128, k_chunk=128), (37,)),
+    (StreamConfig(chunks_before_norm=1), (132, 37)),
+    (StreamConfig(chunks_before_norm=0), (37,)),
 ]
 WIDTHS = list(range(1, 17))
 
 
 def _cases():
-    return [pytest.param(c, id=f"cr{c[0].chunk_rows}bk{c[0].k_chunk}") for c in CASES]
+    return [
+        pytest.param(c, id=f"cr{c[0].chunk_rows}bk{c[0].k_chunk}hold{c[0].chunks_before_norm}")
+        for c in CASES
+    ]
 
 
 def _dims():

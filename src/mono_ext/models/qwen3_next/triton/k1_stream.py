@@ -28,13 +28,17 @@ NUM_WARPS = 4
 @dataclass(frozen=True)
 class StreamConfig:
     """How the launch streams (one build per config): the chunk shape, the ring's depth, the
-    input norm's column groups and the loader warp's registers."""
+    input norm's column groups, the loader warp's registers and how much of the ring it
+    requests before the rows are normed."""
 
     k_chunk: int = 64  # columns per chunk (a TMA copy is at most 64: one 128-byte row)
     chunk_rows: int | None = None  # rows per chunk and tile; None: a head's (head_dim)
     stages: int = 3  # ring slots
     norm_groups: int = 4  # the input norm's column groups (registers against round trips)
     loader_regs: int = 40  # registers the loader warp keeps after reallocation
+    # the loader requests this many chunks, then waits until the rows are normed; None: the
+    # whole ring from the start (the norm's loads then wait behind it)
+    chunks_before_norm: int | None = None
 
 
 @dataclass
@@ -96,6 +100,9 @@ class K1AttnStreamLaunch:
             )
         if self.positions_dtype not in ("int32", "int64"):
             bad.append(f"positions_dtype={self.positions_dtype}: int32 or int64")
+        hold = c.chunks_before_norm
+        if hold is not None and not 0 <= hold <= c.stages:
+            bad.append(f"chunks_before_norm={hold}: 0..stages ({c.stages}), or None")
         if self.smem_bytes() > SHARED_PER_BLOCK:
             bad.append(f"needs {self.smem_bytes()} B of SMEM, over {SHARED_PER_BLOCK}")
         return bad
@@ -112,6 +119,7 @@ class K1AttnStreamLaunch:
             f"k1 attn stream h{s.hidden} hq{s.hq} hkv{s.hkv} d{s.head_dim} rd{s.rotary_dim} "
             f"ctas{self.ctas} cr{self.chunk_rows} bk{c.k_chunk} ns{c.stages} "
             f"ng{c.norm_groups}"
+            + ("" if c.chunks_before_norm is None else f" hold{c.chunks_before_norm}")
         )
 
     def build(self, device: Any = "cuda") -> None:
@@ -207,6 +215,7 @@ class K1AttnStreamLaunch:
             BK=c.k_chunk, NS=c.stages, MAXP=self.deal.max_parts, NG=c.norm_groups,
             X_LAYOUT=gl.NVMMASharedLayout.get_default_for([c.k_chunk, BLOCK_B], gl.bfloat16),
             LOADER_REGS=c.loader_regs, TRACE=self.trace,
+            HOLD=-1 if c.chunks_before_norm is None else c.chunks_before_norm,
         )  # fmt: skip
 
     def compile_offline(self, arch: int = 90) -> Any:

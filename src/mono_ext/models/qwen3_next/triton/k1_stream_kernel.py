@@ -4,7 +4,11 @@ One persistent launch per layer per decode step of at most ``BB`` (16) rows, one
 
 - the **loader** warp (``stream.range_loader``) streams the CTA's contiguous range of
   ``qkv_proj`` chunks (``stream_schedule.ChunkDeal``: equal bytes on every CTA) into an SMEM
-  ring from the first instruction on, so no weight byte waits for the input norm;
+  ring from the first instruction on, so no weight byte waits for the input norm; with
+  ``HOLD`` >= 0 (``StreamConfig.chunks_before_norm``) it requests only the first ``HOLD``
+  chunks before the consumer's ``gate`` (the norm's loads back): those loads then queue
+  behind at most ``HOLD`` chunks, not behind the whole ring (on the H100 the norm ended
+  1.2 us later per ring slot of 32 KB per CTA);
 - the **consumer** warpgroup norms the step's rows into ``x^T`` in SMEM meanwhile (residual
   add, Gemma RMSNorm's ``s * (1 + w)``; the rows' ``rsqrt`` scales each tile at its end, since
   ``W (s (1 + w)) rsqrt`` is ``W x_normed``), then runs one async wgmma per chunk;
@@ -62,14 +66,21 @@ TRACE_POINTS = ("start", "rows normed", "first chunk", "stream done", "last head
 
 
 @gluon.jit
-def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, eps,
-                H: gl.constexpr, BB: gl.constexpr, NG: gl.constexpr):  # fmt: skip
+def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, gate, pid, n_rows, has_res, eps,
+                H: gl.constexpr, BB: gl.constexpr, NG: gl.constexpr,
+                HOLD: gl.constexpr):  # fmt: skip
     """``x^T`` [H, BB] = bf16((hid + res) * (1 + nw)) into ``xs`` (rows past ``n_rows``:
     zeros); CTA 0 writes ``hid + res`` to ``rout``. Returns each row's ``rsqrt(mean(s^2) +
     eps)`` [BB]. ``NG`` groups of ``H / NG`` columns: each group's loads are all in flight
     before its math, and a group's registers bound the consumer's. Each group's values move
     to a layout of 8 rows per thread before the SMEM store: one vector store per 8 values
-    along x^T's rows, where the load layout's 8 columns per thread are 8 scalar stores."""
+    along x^T's rows, where the load layout's 8 columns per thread are 8 scalar stores.
+
+    ``HOLD`` >= 0 (the loader waits on ``gate``): two passes. The first loads every group
+    and sums the squares, then releases the loader: the rows' loads go out ahead of the
+    ring's copies and the stores need no HBM. The second loads the groups again (this
+    CTA's own lines, from L1 where they still are) and stores. The sums are the same, in
+    the same order, so the bits are the one-pass build's."""
     GK: gl.constexpr = H // NG
     nl: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4], order=[0, 1]
@@ -81,6 +92,16 @@ def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, ep
     bb = gl.arange(0, BB, layout=gl.SliceLayout(0, nl))
     bm = bb < n_rows
     sq = gl.zeros([BB], gl.float32, layout=gl.SliceLayout(0, nl))
+    if HOLD >= 0:
+        for g in gl.static_range(NG):
+            k = g * GK + kk
+            off = bb[None, :] * H + k[:, None]
+            m = bm[None, :] & (k[:, None] < H)
+            s = gl.load(hid_ptr + off, mask=m, other=0.0).to(gl.float32)
+            s += gl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(gl.float32)
+            sq += gl.sum(s * s, axis=0)
+        gl.thread_barrier()  # every warp's sums done, so its loads are back
+        mbarrier.arrive(gate)
     for g in gl.static_range(NG):
         k = g * GK + kk
         off = bb[None, :] * H + k[:, None]
@@ -88,7 +109,8 @@ def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, pid, n_rows, has_res, ep
         s = gl.load(hid_ptr + off, mask=m, other=0.0).to(gl.float32)
         s += gl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(gl.float32)
         w = gl.load(nw_ptr + k).to(gl.float32)
-        sq += gl.sum(s * s, axis=0)
+        if HOLD < 0:
+            sq += gl.sum(s * s, axis=0)
         gl.store(rout_ptr + off, s.to(gl.bfloat16), mask=m & (pid == 0))
         x = (s * (1.0 + w[:, None])).to(gl.bfloat16)
         # a row of x^T (16 rows' values at one column) per 16-byte store
@@ -181,12 +203,13 @@ def _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_pt
 
 
 @gluon.jit
-def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
+def _attn_consumer(ring, ready, empty, gate, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
                    qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
                    count_ptr, n_rows, has_res, max_pos, eps, H: gl.constexpr, HQ: gl.constexpr,
                    HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr,
                    BK: gl.constexpr, CR: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr,
-                   NG: gl.constexpr, trace_ptr, TRACE: gl.constexpr):  # fmt: skip
+                   NG: gl.constexpr, HOLD: gl.constexpr, trace_ptr,
+                   TRACE: gl.constexpr):  # fmt: skip
     KT: gl.constexpr = H // BK
     TPH: gl.constexpr = D // CR  # tiles per head
     C: gl.constexpr = (2 * HQ + 2 * HKV) * TPH * KT
@@ -195,8 +218,8 @@ def _attn_consumer(ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rou
     # the norm writes x^T as one [H, BB] matrix: the same bytes as the [KT, BK, BB] chunks,
     # the swizzle repeating within every chunk
     x2 = xs._reinterpret(gl.bfloat16, [H, BB], xs.layout)
-    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, x2, pid, n_rows, has_res, eps, H, BB,
-                       NG)  # fmt: skip
+    rstd = _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, x2, gate, pid, n_rows, has_res, eps,
+                       H, BB, NG, HOLD)  # fmt: skip
     fence_async_shared()  # x^T's generic-proxy stores, before the wgmma reads them
     gl.thread_barrier()
     stamp(trace_ptr, 1, TRACE)
@@ -243,7 +266,8 @@ def k1_attn_stream_kernel(
     v_ptr, gate_ptr, parts_ptr, count_ptr, trace_ptr, n_rows, has_res, max_pos, eps,
     H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr,
     BB: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr, NG: gl.constexpr,
-    X_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr, TRACE: gl.constexpr = False,
+    X_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr, HOLD: gl.constexpr = -1,
+    TRACE: gl.constexpr = False,
 ):  # fmt: skip
     pid = gl.program_id(0)
     G = gl.num_programs(0)
@@ -257,17 +281,22 @@ def k1_attn_stream_kernel(
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    if HOLD >= 0:  # the rows normed: the loader's go-ahead after its first HOLD chunks
+        gate = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(gate, count=1)
+    else:  # never waited on nor arrived at (the build has no gate)
+        gate = ready.index(0)
     fence_async_shared()
     gl.warp_specialize(
         [
             (
                 _attn_consumer,
-                (ring, ready, empty, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
+                (ring, ready, empty, gate, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
                  qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
                  count_ptr, n_rows, has_res, max_pos, eps, H, HQ, HKV, D, RD, BB, BK, CR, NS,
-                 MAXP, NG, trace_ptr, TRACE),
+                 MAXP, NG, HOLD, trace_ptr, TRACE),
             ),  # fmt: skip
-            (range_loader, (w_desc, ring, ready, empty, c0, c1, KT, NS)),
+            (range_loader, (w_desc, ring, ready, empty, gate, c0, c1, KT, NS, HOLD)),
         ],
         [1],
         [LOADER_REGS],
