@@ -70,10 +70,10 @@
 #                                         beside K1 (vLLM arms where vLLM imports),
 #                                         widths 1-16, each build of $STREAM_CONFIGS (a JSON
 #                                         list of StreamConfig overrides; default:
-#                                         StreamConfig's defaults, the loader held until the
-#                                         norm's loads are back (chunks_before_norm 0, 1, 1
-#                                         with 4 slots), a 2-slot ring, and 64 x 256
-#                                         chunks), each traced by a twin at widths 1 and 16
+#                                         StreamConfig's defaults, chunks_before_norm,
+#                                         parts_at_once, both (held after 1 or 0 chunks, 3
+#                                         or 4 slots), 64 x 256 chunks), each traced by a
+#                                         twin at widths 1 and 16
 #                                         (writes $OUT/k1_stream.csv, $OUT/k1_stream_trace.json,
 #                                         the K1 front's trace too), ~3 min; a launch that hangs
 #                                         is killed
@@ -214,10 +214,13 @@ k1stream)
     tests/models/qwen3_next/triton/test_k1_stream.py \
     tests/models/qwen3_next/triton/test_k1_stream_fronts.py
   # default: StreamConfig's defaults (3 ring slots of a head's rows x 64 columns); the loader
-  # held until the norm's loads are back after 0 and 1 chunks, and after 1 with 4 slots; a
-  # 2-slot ring; 64 x 256 chunks (K1's chunk)
-  defaults='[{}, {"chunks_before_norm": 0}, {"chunks_before_norm": 1},
-    {"chunks_before_norm": 1, "stages": 4}, {"stages": 2}, {"chunk_rows": 64, "k_chunk": 256}]'
+  # held until the norm's loads are back after 1 chunk; a head's parts loaded at once; both,
+  # also held after 0 chunks and with 4 slots; 64 x 256 chunks (K1's chunk) with the parts
+  defaults='[{}, {"chunks_before_norm": 1}, {"parts_at_once": true},
+    {"chunks_before_norm": 1, "parts_at_once": true},
+    {"chunks_before_norm": 0, "parts_at_once": true},
+    {"chunks_before_norm": 1, "parts_at_once": true, "stages": 4},
+    {"chunk_rows": 64, "k_chunk": 256, "parts_at_once": true}]'
   run k1_stream timeout -s KILL 400 python3 benchmarks/bench_k1.py --no-gdn --stream \
     --stream-configs "${STREAM_CONFIGS:-$defaults}" --widths 1,2,4,8,16 --trace \
     --trace-widths 1,16 --results-csv "$OUT/k1_stream.csv" \

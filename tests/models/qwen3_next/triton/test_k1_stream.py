@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
 
-from mono_ext.kernels.triton.limits import SHARED_PER_BLOCK  # noqa: E402
+from mono_ext.kernels.triton.limits import BLOCK_B, SHARED_PER_BLOCK  # noqa: E402
 from mono_ext.kernels.triton.offline import resources  # noqa: E402
 from mono_ext.kernels.triton.stream_schedule import ChunkDeal  # noqa: E402
 from mono_ext.models.qwen3_next.configs import get_preset  # noqa: E402
@@ -29,7 +29,8 @@ from mono_ext.models.qwen3_next.triton.k1_stream import (  # noqa: E402
 REAL = K1AttnShape.from_dims(Dims.from_config(text_config(get_preset("qwen3-next-80b-a3b"))))
 CONFIGS = [StreamConfig(), StreamConfig(stages=4), StreamConfig(norm_groups=2),
            StreamConfig(chunk_rows=64, k_chunk=256), StreamConfig(chunk_rows=128, k_chunk=128),
-           StreamConfig(chunks_before_norm=1)]  # fmt: skip
+           StreamConfig(chunks_before_norm=1), StreamConfig(parts_at_once=True),
+           StreamConfig(parts_at_once=True, chunk_rows=64, k_chunk=256)]  # fmt: skip
 
 
 # ------------------------------------------------------------------------- the chunk deal
@@ -82,7 +83,7 @@ def _compiled(config):
     "config",
     CONFIGS,
     ids=lambda c: f"cr{c.chunk_rows}bk{c.k_chunk}ns{c.stages}ng{c.norm_groups}"
-    f"hold{c.chunks_before_norm}",
+    f"hold{c.chunks_before_norm}{'parts1' if c.parts_at_once else ''}",
 )
 def test_stream_front_compiles_for_sm90a_with_the_engine_instructions(config):
     kernel = _compiled(config)
@@ -109,6 +110,21 @@ def test_a_held_loader_waits_once_on_the_rows_and_the_consumer_releases_it():
     for op in ("mbarrier.try_wait", "mbarrier.arrive"):
         assert held.count(op) > base.count(op), op
     assert held.count("mbarrier.init") == base.count("mbarrier.init") + 1
+
+
+@pytest.mark.parametrize("rows", [None, 64], ids=["cr256", "cr64"])
+def test_parts_at_once_loads_every_part_slot_and_shuffles_the_partners(rows):
+    """``parts_at_once``: the head's sum is one static loop over the deal's ``max_parts``
+    slots for each of its tiles (masked past its parts), one load of a part's words per row
+    of the block per thread, and no second sum for a q/k head's rotation partners, which
+    come from a lane shuffle instead."""
+    k_chunk = 256 if rows else 64
+    cfgs = {u: StreamConfig(parts_at_once=u, chunk_rows=rows, k_chunk=k_chunk) for u in (0, 1)}
+    ptx = {u: _compiled(c).asm["ptx"] for u, c in cfgs.items()}
+    launch = K1AttnStreamLaunch(REAL, 132, cfgs[1])
+    tph = REAL.head_dim // launch.chunk_rows
+    assert ptx[1].count("ld.global.cg") == BLOCK_B * tph * launch.deal.max_parts
+    assert ptx[1].count("shfl.sync.bfly.b32") > ptx[0].count("shfl.sync.bfly.b32")
 
 
 def _shape(**over):

@@ -35,20 +35,27 @@ REAL = "qwen3-next-80b-a3b"
 pytestmark = pytest.mark.skipif(not SM90, reason="the Gluon program needs an sm_90 device")
 
 # (build, grids): heads of one tile (the default), four and two; chunks of 64 to 256 columns;
-# the loader held after one chunk and after none until the rows are normed
+# the loader held after one chunk and after none until the rows are normed; a head's parts
+# loaded at once, its rotation partners from the next lanes
 CASES = [
     (StreamConfig(), (132, 37)),
     (StreamConfig(chunk_rows=64, k_chunk=256), (132, 37)),
     (StreamConfig(chunk_rows=128, k_chunk=128), (37,)),
     (StreamConfig(chunks_before_norm=1), (132, 37)),
     (StreamConfig(chunks_before_norm=0), (37,)),
+    (StreamConfig(parts_at_once=True), (132, 37)),
+    (StreamConfig(parts_at_once=True, chunk_rows=64, k_chunk=256), (37,)),
 ]
 WIDTHS = list(range(1, 17))
 
 
 def _cases():
     return [
-        pytest.param(c, id=f"cr{c[0].chunk_rows}bk{c[0].k_chunk}hold{c[0].chunks_before_norm}")
+        pytest.param(
+            c,
+            id=f"cr{c[0].chunk_rows}bk{c[0].k_chunk}hold{c[0].chunks_before_norm}"
+            f"{'parts1' if c[0].parts_at_once else ''}",
+        )
         for c in CASES
     ]
 
@@ -165,6 +172,29 @@ def test_stream_front_graph_replay_is_bit_identical_to_eager(case):
         torch.cuda.synchronize()
         for name, a, b in zip(OUT_NAMES, eager, outs, strict=True):
             assert torch.equal(a, b), f"{name}: replay differs from eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [StreamConfig(chunks_before_norm=1), StreamConfig(chunks_before_norm=0),
+     StreamConfig(parts_at_once=True), StreamConfig(parts_at_once=True, chunks_before_norm=1)],
+    ids=["hold1", "hold0", "parts1", "both"],
+)  # fmt: skip
+def test_schedule_options_give_the_default_builds_bits(config):
+    """``chunks_before_norm`` (the norm in two passes) and ``parts_at_once`` (the parts'
+    loads unrolled, rotation partners by lane shuffle) change when things happen, not what
+    is added in which order: every output bit-equal to the default build's, widths 1-16."""
+    md = _dims()
+    gen = torch.Generator(device=DEV).manual_seed(25)
+    w = _weights(md, gen)
+    base, other = _launch(StreamConfig(), 132), _launch(config, 132)
+    for width in WIDTHS:
+        hid, res, pos = _inputs(md, gen, width, residual=width != 2)
+        want = _run(base, md, w, hid, res, pos)
+        got = _run(other, md, w, hid, res, pos)
+        for name, a, b in zip(OUT_NAMES, want, got, strict=True):
+            assert torch.equal(a, b), f"w{width} {name} differs from the default build's"
 
 
 @pytest.mark.gpu

@@ -28,8 +28,8 @@ NUM_WARPS = 4
 @dataclass(frozen=True)
 class StreamConfig:
     """How the launch streams (one build per config): the chunk shape, the ring's depth, the
-    input norm's column groups, the loader warp's registers and how much of the ring it
-    requests before the rows are normed."""
+    input norm's column groups, the loader warp's registers, how much of the ring it
+    requests before the rows are normed, and how a head's last CTA loads its parts."""
 
     k_chunk: int = 64  # columns per chunk (a TMA copy is at most 64: one 128-byte row)
     chunk_rows: int | None = None  # rows per chunk and tile; None: a head's (head_dim)
@@ -39,6 +39,9 @@ class StreamConfig:
     # the loader requests this many chunks, then waits until the rows are normed; None: the
     # whole ring from the start (the norm's loads then wait behind it)
     chunks_before_norm: int | None = None
+    # a head's parts loaded all at once by its last part's CTA (a static loop over the deal's
+    # most parts, masked); off: one L2 round trip per part, twice for a q or k head
+    parts_at_once: bool = False
 
 
 @dataclass
@@ -120,6 +123,7 @@ class K1AttnStreamLaunch:
             f"ctas{self.ctas} cr{self.chunk_rows} bk{c.k_chunk} ns{c.stages} "
             f"ng{c.norm_groups}"
             + ("" if c.chunks_before_norm is None else f" hold{c.chunks_before_norm}")
+            + (" parts1" if c.parts_at_once else "")
         )
 
     def build(self, device: Any = "cuda") -> None:
@@ -216,6 +220,7 @@ class K1AttnStreamLaunch:
             X_LAYOUT=gl.NVMMASharedLayout.get_default_for([c.k_chunk, BLOCK_B], gl.bfloat16),
             LOADER_REGS=c.loader_regs, TRACE=self.trace,
             HOLD=-1 if c.chunks_before_norm is None else c.chunks_before_norm,
+            UNROLL=c.parts_at_once,
         )  # fmt: skip
 
     def compile_offline(self, arch: int = 90) -> Any:

@@ -122,10 +122,13 @@ def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, gate, pid, n_rows, has_r
 @gluon.jit
 def _head_parts(h, p_ptr, G, b, d, m2, C: gl.constexpr, KT: gl.constexpr, TPH: gl.constexpr,
                 CR: gl.constexpr, BB: gl.constexpr, D: gl.constexpr, MAXP: gl.constexpr,
-                el: gl.constexpr):  # fmt: skip
+                el: gl.constexpr, UNROLL: gl.constexpr):  # fmt: skip
     """Head ``h``'s projection at dims ``d`` [BB, D]: each of its ``TPH`` tiles' parts summed
     in part order, tile ``r`` giving dims ``r * CR ...``; ``p_ptr`` points at the parts'
-    scratch."""
+    scratch. ``UNROLL``: a static loop over the ``MAXP`` slots, those past the tile's parts
+    masked and not added, so every part's loads can be in flight together; else a loop over
+    the tile's parts, whose adds wait for each part's loads before the next part's issue
+    (one L2 round trip per part). The same adds in the same order either way."""
     x = gl.zeros([BB, D], gl.float32, layout=el)
     for r in gl.static_range(TPH):
         t = h * TPH + r
@@ -133,10 +136,33 @@ def _head_parts(h, p_ptr, G, b, d, m2, C: gl.constexpr, KT: gl.constexpr, TPH: g
         n = chunk_owner(t * KT + KT - 1, C, G) - first + 1
         mine = m2 & ((d // CR) == r)[None, :]
         off = b[:, None] * CR + (d - r * CR)[None, :]
-        for p in range(n):
-            part = p_ptr + (t * MAXP + p) * (BB * CR)
-            x += gl.load(part + off, mask=mine, other=0.0, cache_modifier=".cg")
+        if UNROLL:
+            for p in gl.static_range(MAXP):
+                part = p_ptr + (t * MAXP + p) * (BB * CR)
+                v = gl.load(part + off, mask=mine & (p < n), other=0.0, cache_modifier=".cg")
+                x = gl.where(p < n, x + v, x)
+        else:
+            for p in range(n):
+                part = p_ptr + (t * MAXP + p) * (BB * CR)
+                x += gl.load(part + off, mask=mine, other=0.0, cache_modifier=".cg")
     return x
+
+
+@gluon.jit
+def _lanes_16_apart(x):
+    """Every value of ``x`` from the lane 16 apart in the warp (``shfl.sync.bfly`` 16), at
+    the same register: under ``_head_outputs``' layout a q or k head's dim ``d < 64`` sits in
+    warp 0, two dims per lane, so this is the value at ``d +- 32``, its rotation partner when
+    the rotary dims are 64."""
+    y = gl.inline_asm_elementwise(
+        "shfl.sync.bfly.b32 $0, $1, 16, 31, -1;",
+        "=r,r",
+        [x.to(gl.int32, bitcast=True)],
+        dtype=gl.int32,
+        is_pure=True,
+        pack=1,
+    )
+    return y.to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -154,12 +180,14 @@ def _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_pt
                   v_ptr, gate_ptr, n_rows, max_pos, eps, HQ: gl.constexpr, HKV: gl.constexpr,
                   D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr, C: gl.constexpr,
                   KT: gl.constexpr, TPH: gl.constexpr, CR: gl.constexpr,
-                  MAXP: gl.constexpr):  # fmt: skip
+                  MAXP: gl.constexpr, UNROLL: gl.constexpr):  # fmt: skip
     """Head ``h``'s last part: its parts summed (:func:`_head_parts`), scaled by the input
     norm's ``rstd``, and the head's outputs written: gate / v as they are; q / k through the
     Gemma head norm and the partial neox RoPE (rotation partner of dim ``d < RD`` at
-    ``d +- RD/2``, summed from the same parts in the same order). ``h`` counts q, gate
-    alternating per q head, then the k heads, then the v heads."""
+    ``d +- RD/2``, summed from the same parts in the same order; with ``UNROLL`` and 64
+    rotary dims taken from the lane holding it, :func:`_lanes_16_apart`, instead of summed
+    again). ``h`` counts q, gate alternating per q head, then the k heads, then the v
+    heads."""
     el: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 2], threads_per_warp=[1, 32], warps_per_cta=[1, 4], order=[1, 0]
     )
@@ -170,7 +198,8 @@ def _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_pt
     m2 = bm[:, None] & (d[None, :] < D)
     partner = gl.where(d < HALF, d + HALF, gl.where(d < RD, d - HALF, d))
     rs = gl.convert_layout(rstd, gl.SliceLayout(1, el))
-    x = _head_parts(h, parts_ptr, G, b, d, m2, C, KT, TPH, CR, BB, D, MAXP, el) * rs[:, None]
+    x = _head_parts(h, parts_ptr, G, b, d, m2, C, KT, TPH, CR, BB, D, MAXP, el, UNROLL)
+    x = x * rs[:, None]
     QT: gl.constexpr = 2 * HQ  # q and gate heads, alternating
     if h >= QT + HKV:  # v head
         j = h - QT - HKV
@@ -179,8 +208,12 @@ def _head_outputs(h, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_pt
         gl.store(gate_ptr + b[:, None] * (HQ * D) + (h // 2) * D + d[None, :],
                  x.to(gl.bfloat16), mask=m2)  # fmt: skip
     else:  # q head h // 2, or k head h - QT
-        xp = _head_parts(h, parts_ptr, G, b, partner, m2, C, KT, TPH, CR, BB, D, MAXP, el)
-        xp = xp * rs[:, None]
+        if UNROLL and RD == 64:
+            xp = _lanes_16_apart(x)
+        else:
+            xp = _head_parts(h, parts_ptr, G, b, partner, m2, C, KT, TPH, CR, BB, D, MAXP, el,
+                             UNROLL)  # fmt: skip
+            xp = xp * rs[:, None]
         is_k = h >= QT
         pos = gl.load(pos_ptr + b, mask=bm, other=0)
         pos = gl.minimum(gl.maximum(pos, 0), max_pos - 1).to(gl.int64)
@@ -208,7 +241,7 @@ def _attn_consumer(ring, ready, empty, gate, xs, c0, c1, pid, G, hid_ptr, res_pt
                    count_ptr, n_rows, has_res, max_pos, eps, H: gl.constexpr, HQ: gl.constexpr,
                    HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr, BB: gl.constexpr,
                    BK: gl.constexpr, CR: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr,
-                   NG: gl.constexpr, HOLD: gl.constexpr, trace_ptr,
+                   NG: gl.constexpr, HOLD: gl.constexpr, UNROLL: gl.constexpr, trace_ptr,
                    TRACE: gl.constexpr):  # fmt: skip
     KT: gl.constexpr = H // BK
     TPH: gl.constexpr = D // CR  # tiles per head
@@ -256,7 +289,7 @@ def _attn_consumer(ring, ready, empty, gate, xs, c0, c1, pid, G, hid_ptr, res_pt
         if count_in(count_ptr + t // TPH, _head_part_count(t // TPH, G, C, KT, TPH)):
             _head_outputs(t // TPH, parts_ptr, G, rstd, qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr,
                           k_ptr, v_ptr, gate_ptr, n_rows, max_pos, eps, HQ, HKV, D, RD, BB, C,
-                          KT, TPH, CR, MAXP)  # fmt: skip
+                          KT, TPH, CR, MAXP, UNROLL)  # fmt: skip
             stamp(trace_ptr, 4, TRACE)
 
 
@@ -267,7 +300,7 @@ def k1_attn_stream_kernel(
     H: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, RD: gl.constexpr,
     BB: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr, MAXP: gl.constexpr, NG: gl.constexpr,
     X_LAYOUT: gl.constexpr, LOADER_REGS: gl.constexpr, HOLD: gl.constexpr = -1,
-    TRACE: gl.constexpr = False,
+    UNROLL: gl.constexpr = False, TRACE: gl.constexpr = False,
 ):  # fmt: skip
     pid = gl.program_id(0)
     G = gl.num_programs(0)
@@ -294,7 +327,7 @@ def k1_attn_stream_kernel(
                 (ring, ready, empty, gate, xs, c0, c1, pid, G, hid_ptr, res_ptr, rout_ptr, nw_ptr,
                  qn_ptr, kn_ptr, rope_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, gate_ptr, parts_ptr,
                  count_ptr, n_rows, has_res, max_pos, eps, H, HQ, HKV, D, RD, BB, BK, CR, NS,
-                 MAXP, NG, HOLD, trace_ptr, TRACE),
+                 MAXP, NG, HOLD, UNROLL, trace_ptr, TRACE),
             ),  # fmt: skip
             (range_loader, (w_desc, ring, ready, empty, gate, c0, c1, KT, NS, HOLD)),
         ],
