@@ -66,6 +66,17 @@ TRACE_POINTS = ("start", "rows normed", "first chunk", "stream done", "last head
 
 
 @gluon.jit
+def _input_group(hid_ptr, res_ptr, has_res, k, bb, bm, H: gl.constexpr):
+    """One column group ``k`` of the step's rows: ``s = hid + res`` in fp32 [GK, BB] (x^T's
+    orientation), with its columns, offsets and mask for the stores that follow."""
+    off = bb[None, :] * H + k[:, None]
+    m = bm[None, :] & (k[:, None] < H)
+    s = gl.load(hid_ptr + off, mask=m, other=0.0).to(gl.float32)
+    s += gl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(gl.float32)
+    return s, k, off, m
+
+
+@gluon.jit
 def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, gate, pid, n_rows, has_res, eps,
                 H: gl.constexpr, BB: gl.constexpr, NG: gl.constexpr,
                 HOLD: gl.constexpr):  # fmt: skip
@@ -94,20 +105,12 @@ def _input_norm(hid_ptr, res_ptr, nw_ptr, rout_ptr, xs, gate, pid, n_rows, has_r
     sq = gl.zeros([BB], gl.float32, layout=gl.SliceLayout(0, nl))
     if HOLD >= 0:
         for g in gl.static_range(NG):
-            k = g * GK + kk
-            off = bb[None, :] * H + k[:, None]
-            m = bm[None, :] & (k[:, None] < H)
-            s = gl.load(hid_ptr + off, mask=m, other=0.0).to(gl.float32)
-            s += gl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(gl.float32)
+            s, _, _, _ = _input_group(hid_ptr, res_ptr, has_res, g * GK + kk, bb, bm, H)
             sq += gl.sum(s * s, axis=0)
         gl.thread_barrier()  # every warp's sums done, so its loads are back
         mbarrier.arrive(gate)
     for g in gl.static_range(NG):
-        k = g * GK + kk
-        off = bb[None, :] * H + k[:, None]
-        m = bm[None, :] & (k[:, None] < H)
-        s = gl.load(hid_ptr + off, mask=m, other=0.0).to(gl.float32)
-        s += gl.load(res_ptr + off, mask=m & (has_res != 0), other=0.0).to(gl.float32)
+        s, k, off, m = _input_group(hid_ptr, res_ptr, has_res, g * GK + kk, bb, bm, H)
         w = gl.load(nw_ptr + k).to(gl.float32)
         if HOLD < 0:
             sq += gl.sum(s * s, axis=0)
