@@ -348,13 +348,16 @@ def launch_rot0(k: K2Launch, ws, su: Setup, state: RankState) -> tuple[torch.Ten
     return w0["out_h"][:4].float().clone(), w0["out_r"][:4].float().clone()
 
 
-def check_variant(k: K2Launch, ws, su: Setup, state: RankState, want, vname: str) -> None:
-    """Variant ``k`` against the default build's output (:func:`launch_rot0`): tiles change
-    fp32 summation order only, so anything below a cosine of 0.99999 is a broken variant, not
-    rounding. A variant that quantizes the expert inputs (``fp8_activations``) computes what
-    vLLM's fp8 MoE does, so it is held to the fp8 stock arms' cosine (``STOCK_COSINE``)."""
+def check_variant(
+    k: K2Launch, ws, su: Setup, state: RankState, base: K2Launch, want, vname: str
+) -> None:
+    """Variant ``k`` against the default build ``base``'s output ``want`` (:func:`launch_rot0`):
+    tiles change fp32 summation order only, so anything below a cosine of 0.99999 is a broken
+    variant, not rounding. A variant that quantizes the expert inputs where the default does
+    not, or the other way round (``fp8_activations``), computes another sum: it is held to the
+    fp8 stock arms' cosine (``STOCK_COSINE``), vLLM's fp8 MoE quantizing them."""
     c = cosine(launch_rot0(k, ws, su, state)[0], want)
-    need = STOCK_COSINE[su.fmt] if k.config.fp8_activations else 0.99999
+    need = STOCK_COSINE[su.fmt] if k.a8 != base.a8 else 0.99999
     if not c >= need:
         raise RuntimeError(
             f"variant {vname!r} disagrees with k2 (width 4): cosine {c:.6f} < {need}"
@@ -364,7 +367,7 @@ def check_variant(k: K2Launch, ws, su: Setup, state: RankState, want, vname: str
 def default_variants(fmt: str) -> list[str]:
     """The ``VARIANTS`` a run of planes in ``fmt`` times when none are named (the fp8
     activations variant needs fp8 block-128 planes)."""
-    return [v for v in VARIANTS if fmt == "fp8_block128" or not VARIANTS[v].get("fp8_activations")]
+    return [v for v in VARIANTS if fmt == "fp8_block128" or "fp8_activations" not in VARIANTS[v]]
 
 
 def k2_body(k2: K2Launch, su: Setup, b: int, state: RankState, ws):
@@ -641,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         k = k2 if vname == "k2" else build_k2(su, sms, **variant_overrides(vname))
         wsv = ws if k is k2 else k.workspace("cuda")
         if k is not k2:  # a variant changes tiles and waits, never what is computed
-            check_variant(k, wsv, su, state, refs["k2"], vname)
+            check_variant(k, wsv, su, state, k2, refs["k2"], vname)
         for b in widths:
             med, best = time_graph(k2_body(k, su, b, state, wsv))
             rows.append((b, vname, med, best))

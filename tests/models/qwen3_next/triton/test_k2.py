@@ -215,10 +215,14 @@ def check_every_width(t: Tail, ref_weights: dict, tp: int, seed: int) -> None:
             m = metrics(t.out_h[0, :b][keep], ref.hidden_out[keep])
             mr = metrics(t.out_r[0, :b], ref.residual_out)
             worst[b] = (m["cosine"], m["rel_l2"], mr["rel_l2"])
-    print(f"\nTP{tp} width: " + (
-        "hidden rel_l2 to the quantizing reference, to the exact one, the quantizing one's own"
-        if a8_planes else "(hidden cosine, hidden rel_l2, residual rel_l2)"
-    ))
+    print(
+        f"\nTP{tp} width: "
+        + (
+            "hidden rel_l2 to the quantizing reference, to the exact one, the quantizing one's own"
+            if a8_planes
+            else "(hidden cosine, hidden rel_l2, residual rel_l2)"
+        )
+    )
     for b, v in worst.items():
         print(f"  {b:2d}: {v[0]:.6f} {v[1]:.2e} {v[2]:.2e}")
     print(f"TP{tp}: {tracker.summary()}")

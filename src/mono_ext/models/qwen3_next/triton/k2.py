@@ -218,6 +218,9 @@ class K2Launch:
     stages: int = STAGES_ALL
     formats: Mapping[str, str] = field(default_factory=dict)
     layout: Any = field(init=False)
+    # whether the expert planes take e4m3 activations (``K2Config.fp8_activations`` resolved
+    # against ``formats``)
+    a8: bool = field(init=False, default=False)
     _compiled: Any = field(init=False, default=None)
     # the launch's constexprs, fixed by build(): a launch does not recompute them
     _cx: dict = field(init=False, default_factory=dict, repr=False)
@@ -286,27 +289,33 @@ class K2Launch:
     def _check_formats(self) -> None:
         for plane in (self.w_o_name, *QUANTIZABLE):
             format_code(self.formats, plane)  # raises for a format the kernels do not read
-        c = self.config
-        if not c.fp8_activations:
-            return
+        want = self.config.fp8_activations
+        why_not = self._a8_unmet() if want is not False else None
+        if want and why_not:
+            raise ValueError(f"fp8_activations {why_not}")
+        self.a8 = want is not False and why_not is None
+
+    def _a8_unmet(self) -> str | None:
+        """Why this build cannot quantize its expert inputs to e4m3 (None: it can)."""
         bad = sorted(p for p in A8_PLANES if self.fmt(p) != "fp8_block128")
         if bad:
-            raise ValueError(
-                f"fp8_activations needs fp8_block128 expert planes; {', '.join(bad)} "
+            return (
+                f"needs fp8_block128 expert planes; {', '.join(bad)} "
                 f"{'is' if len(bad) == 1 else 'are'} "
                 f"{', '.join(sorted({self.fmt(p) for p in bad}))}"
             )
         # a K chunk is one quantization group: 128 columns (or all of a shorter K)
         for name in ("gate_up_k_chunk", "down_i_chunk"):
-            if getattr(c, name) < 128:
-                raise ValueError(f"fp8_activations needs {name} >= 128, got {getattr(c, name)}")
+            if getattr(self.config, name) < 128:
+                return f"needs {name} >= 128, got {getattr(self.config, name)}"
         # the down stage quantizes its run's activations into the CTA's xs planes
         need, have = self._a8_down_bytes(), 2 * 2 * BLOCK_B * self.shape.hidden
         if need > have:
-            raise ValueError(
-                f"fp8_activations: a down run's e4m3 activations need {need} bytes per CTA, "
-                f"more than the {have} of its xs planes (a larger grid runs fewer slots each)"
+            return (
+                f"needs {need} bytes per CTA for a down run's e4m3 activations, more than the "
+                f"{have} of its xs planes (a larger grid runs fewer slots each)"
             )
+        return None
 
     def _a8_down_bytes(self) -> int:
         """Bytes of one CTA's quantized down activations: e4m3 codes per (run slot, row, I
@@ -326,7 +335,7 @@ class K2Launch:
     def a8_planes(self) -> frozenset[str]:
         """The planes whose inputs this build quantizes to e4m3 (``K2Config.fp8_activations``;
         the reference's ``layer_tail(a8_planes=...)``)."""
-        return A8_PLANES if self.config.fp8_activations else frozenset()
+        return A8_PLANES if self.a8 else frozenset()
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -457,10 +466,10 @@ class K2Launch:
             SPE13=scale_numel(self.fmt("w13"), 2 * s.moe_inter, s.hidden),
             SPE2=scale_numel(self.fmt("w2"), s.hidden, s.moe_inter),
             INTERP=_interp(),
-            A8=c.fp8_activations,
+            A8=self.a8,
             RPRE=c.router_preload,
             DRR=c.down_runs_from_last_rows,
-            LTR=0 if c.fp8_activations else c.local_topk_rows,
+            LTR=0 if self.a8 else c.local_topk_rows,
             num_warps=c.num_warps,
             num_stages=1,
             **pdl_options(c.pdl),

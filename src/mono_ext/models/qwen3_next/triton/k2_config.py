@@ -83,11 +83,14 @@ class K2Config:
     # slower at width 16 (docs/results/k2_down3_fp8_h100.csv)
     down_pipeline_stages: int = 3
     # fp8 block-128 expert planes (w13, w2 and the shared expert's) multiply e4m3
-    # activations, quantized per row and 128 columns as vLLM's fp8 MoE quantizes them, on an
-    # e4m3 MMA read from shared memory; off: the codes widen to bf16 for a bf16 MMA with bf16
-    # activations. One plane streamed twice as fast that way on the H200
-    # (docs/results/stream_fp8_h200.json); off until K2 itself is timed so (docs/perf.md)
-    fp8_activations: bool = False
+    # activations, quantized per row and 128 columns as vLLM's own fp8 MoE quantizes them, on
+    # an e4m3 MMA read from shared memory; False: the codes widen to bf16 for a bf16 MMA with
+    # bf16 activations. None: on exactly where every expert plane is fp8 block-128 and the
+    # build's chunks allow it (True raises where they do not). Faster than widening at every
+    # width on both cards measured (H100: 54 against 68 us at width 1, 244 against 389 at 16,
+    # docs/results/k2_vllm_fp8_c9e46f6_h100.csv); False by default because widening is the
+    # build whose 80B-shape tests have run on a GPU (docs/perf.md, "Not run")
+    fp8_activations: bool | None = False
     trace: bool = False  # per-CTA %globaltimer stamps (benchmarks only; ws.trace)
     pdl: bool = False  # programmatic dependent launch (primitives.pdl_prologue)
 
