@@ -218,9 +218,6 @@ class K2Launch:
     stages: int = STAGES_ALL
     formats: Mapping[str, str] = field(default_factory=dict)
     layout: Any = field(init=False)
-    # whether the expert planes take e4m3 activations (``K2Config.fp8_activations`` resolved
-    # against ``formats``)
-    a8: bool = field(init=False, default=False)
     _compiled: Any = field(init=False, default=None)
     # the launch's constexprs, fixed by build(): a launch does not recompute them
     _cx: dict = field(init=False, default_factory=dict, repr=False)
@@ -289,11 +286,14 @@ class K2Launch:
     def _check_formats(self) -> None:
         for plane in (self.w_o_name, *QUANTIZABLE):
             format_code(self.formats, plane)  # raises for a format the kernels do not read
-        want = self.config.fp8_activations
-        why_not = self._a8_unmet() if want is not False else None
-        if want and why_not:
+        if self.config.fp8_activations and (why_not := self._a8_unmet()):
             raise ValueError(f"fp8_activations {why_not}")
-        self.a8 = want is not False and why_not is None
+
+    @property
+    def a8(self) -> bool:
+        """Whether the expert planes take e4m3 activations: ``K2Config.fp8_activations``
+        resolved against ``formats`` (None: wherever :meth:`_a8_unmet` finds nothing)."""
+        return self.config.fp8_activations is not False and self._a8_unmet() is None
 
     def _a8_unmet(self) -> str | None:
         """Why this build cannot quantize its expert inputs to e4m3 (None: it can)."""
